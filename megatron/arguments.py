@@ -1,0 +1,193 @@
+"""The one command-line parser: Megatron-LM's flag names filled into `Config`.
+
+Each flag's dest is "section.field"; `parse_args` groups them into the section
+dataclasses, whose validation (and `Config.check_layout`) raises ConfigError.
+Entry points turn that into one line on stderr and exit status 2.
+"""
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from megatron.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
+                             ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+             "logging": LoggingConfig}
+
+
+def _flag(group, name, section, field=None, **kwargs):
+    field = field or name.lstrip("-").replace("-", "_")
+    group.add_argument(name, dest=f"{section}.{field}", **kwargs)
+
+
+def _off(group, name, section, field):
+    """A --no-X switch that turns a default-on feature off."""
+    group.add_argument(name, dest=f"{section}.{field}", action="store_false")
+
+
+def _add_model_args(parser):
+    g = parser.add_argument_group("model")
+    for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--max-position-embeddings", "--ffn-hidden-size"):
+        _flag(g, name, "model", type=int, default=None)
+    _flag(g, "--make-vocab-size-divisible-by", "model", type=int, default=128)
+    _flag(g, "--layernorm-epsilon", "model", type=float, default=1e-5)
+    _flag(g, "--init-method-std", "model", type=float, default=0.02)
+    _flag(g, "--hidden-dropout", "model", type=float, default=0.1)
+    _flag(g, "--attention-dropout", "model", type=float, default=0.1)
+    _flag(g, "--checkpoint-activations", "model", action="store_true",
+          help="recompute activations in backward (full granularity)")
+    _flag(g, "--checkpoint-num-layers", "model", type=int, default=1)
+    _flag(g, "--recompute-granularity", "model", choices=["full", "selective"], default=None)
+    _flag(g, "--use-cpu-initialization", "model", action="store_true")
+    _flag(g, "--attention-impl", "model", choices=["auto", "sdpa", "fused", "torch"], default="auto")
+    _flag(g, "--attention-softmax-in-fp32", "model", action="store_true")
+    _flag(g, "--apply-query-key-layer-scaling", "model", action="store_true")
+    _flag(g, "--fp16-lm-cross-entropy", "model", action="store_true")
+    _off(g, "--no-masked-softmax-fusion", "model", "masked_softmax_fusion")
+    _off(g, "--no-bias-gelu-fusion", "model", "bias_gelu_fusion")
+    _off(g, "--no-bias-dropout-fusion", "model", "bias_dropout_fusion")
+    _off(g, "--no-persist-layer-norm", "model", "layer_norm_fusion")
+    _off(g, "--no-layer-norm-fusion", "model", "layer_norm_fusion")
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism")
+    _flag(g, "--tensor-model-parallel-size", "parallel", type=int, default=1)
+    _flag(g, "--pipeline-model-parallel-size", "parallel", type=int, default=1)
+    _flag(g, "--num-layers-per-virtual-pipeline-stage", "parallel", type=int, default=None)
+    _flag(g, "--sequence-parallel", "parallel", action="store_true")
+    _flag(g, "--distributed-backend", "parallel", choices=["nccl", "gloo"], default=None)
+    _flag(g, "--DDP-impl", "parallel", field="DDP_impl", choices=["local", "torch"], default="local")
+    _flag(g, "--use-distributed-optimizer", "parallel", action="store_true")
+    _flag(g, "--overlap-grad-reduce", "parallel", action="store_true")
+    _flag(g, "--accumulate-allreduce-grads-in-fp32", "parallel", action="store_true")
+    # torch.distributed.launch passes --local-rank (or --local_rank); torchrun sets LOCAL_RANK.
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    _flag(g, "--micro-batch-size", "training", type=int, default=1)
+    _flag(g, "--global-batch-size", "training", type=int, default=None)
+    _flag(g, "--rampup-batch-size", "training", type=int, nargs=3, default=None,
+          metavar=("START", "INCR", "SAMPLES"))
+    _flag(g, "--train-iters", "training", type=int, default=None)
+    _flag(g, "--train-samples", "training", type=int, default=None)
+    _flag(g, "--seed", "training", type=int, default=1234)
+    _flag(g, "--eval-interval", "training", type=int, default=1000)
+    _flag(g, "--eval-iters", "training", type=int, default=100)
+    _flag(g, "--exit-interval", "training", type=int, default=None)
+    _flag(g, "--fp16", "training", action="store_true")
+    _flag(g, "--bf16", "training", action="store_true")
+
+
+def _add_optimizer_args(parser):
+    g = parser.add_argument_group("optimizer and learning rate")
+    _flag(g, "--optimizer", "optimizer", choices=["adam", "sgd"], default="adam")
+    _flag(g, "--lr", "optimizer", type=float, default=None)
+    _flag(g, "--min-lr", "optimizer", type=float, default=0.0)
+    _flag(g, "--lr-decay-style", "optimizer", default="linear",
+          choices=["constant", "linear", "cosine", "inverse-square-root"])
+    for name in ("--lr-decay-iters", "--lr-decay-samples"):
+        _flag(g, name, "optimizer", type=int, default=None)
+    _flag(g, "--lr-warmup-fraction", "optimizer", type=float, default=None)
+    _flag(g, "--lr-warmup-iters", "optimizer", type=int, default=0)
+    _flag(g, "--lr-warmup-samples", "optimizer", type=int, default=0)
+    _flag(g, "--weight-decay", "optimizer", type=float, default=0.01)
+    _flag(g, "--clip-grad", "optimizer", type=float, default=1.0)
+    _flag(g, "--adam-beta1", "optimizer", type=float, default=0.9)
+    _flag(g, "--adam-beta2", "optimizer", type=float, default=0.999)
+    _flag(g, "--adam-eps", "optimizer", type=float, default=1e-8)
+    _flag(g, "--sgd-momentum", "optimizer", type=float, default=0.9)
+    _flag(g, "--loss-scale", "optimizer", type=float, default=None)
+    _flag(g, "--initial-loss-scale", "optimizer", type=float, default=2.0 ** 32)
+    _flag(g, "--min-loss-scale", "optimizer", type=float, default=1.0)
+    _flag(g, "--loss-scale-window", "optimizer", type=int, default=1000)
+    _flag(g, "--hysteresis", "optimizer", type=int, default=2)
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data and tokenizer")
+    _flag(g, "--data-path", "data", nargs="*", default=[])
+    _flag(g, "--split", "data", default="969,30,1")
+    _flag(g, "--tokenizer-type", "data", default=None,
+          choices=["GPT2BPETokenizer", "PretrainedFromHF", "NullTokenizer", "ByteLevelTokenizer"])
+    for name in ("--vocab-file", "--merge-file", "--tokenizer-name-or-path", "--data-cache-path"):
+        _flag(g, name, "data", default=None)
+    _flag(g, "--vocab-size", "data", type=int, default=None)
+    _flag(g, "--dataloader-type", "data", choices=["single", "cyclic"], default="single")
+    _flag(g, "--num-workers", "data", type=int, default=2)
+    for name in ("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"):
+        _flag(g, name, "data", action="store_true")
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    _flag(g, "--save", "checkpoint", default=None)
+    _flag(g, "--load", "checkpoint", default=None)
+    _flag(g, "--save-interval", "checkpoint", type=int, default=None)
+    for name in ("--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng", "--finetune"):
+        _flag(g, name, "checkpoint", action="store_true")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    _flag(g, "--log-interval", "logging", type=int, default=100)
+    _flag(g, "--tensorboard-dir", "logging", default=None)
+    _flag(g, "--tensorboard-queue-size", "logging", type=int, default=1000)
+    _flag(g, "--timing-log-level", "logging", type=int, choices=[0, 1, 2], default=0)
+    for name in ("--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                 "--log-timers-to-tensorboard"):
+        _flag(g, name, "logging", action="store_true")
+
+
+def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_optimizer_args,
+                _add_data_args, _add_checkpoint_args, _add_logging_args):
+        add(parser)
+    return parser
+
+
+def config_from_namespace(ns: argparse.Namespace) -> Config:
+    """Build (and validate each section of) the Config from parsed flags."""
+    values = {name: {} for name in _SECTIONS}
+    for dest, value in vars(ns).items():
+        section, _, field = dest.partition(".")
+        if section in values and value is not None:
+            values[section][field] = value
+    return Config(**{name: cls(**values[name]) for name, cls in _SECTIONS.items()})
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fail(message: str, prog: Optional[str] = None) -> None:
+    """Print one line and exit with status 2 (argparse's convention for bad usage)."""
+    prog = prog or os.path.basename(sys.argv[0] or "megatron")
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.ArgumentParser] = None,
+               world_size: Optional[int] = None):
+    """Parse flags into a validated Config; bad values exit 2 with one line.
+
+    Returns (config, namespace): the namespace keeps extra flags an entry point added.
+    """
+    parser = parser or build_parser()
+    ns = parser.parse_args(argv)
+    if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(ns.local_rank)
+    try:
+        config = config_from_namespace(ns)
+        config.check_layout(world_size or world_size_from_env())
+    except ConfigError as err:
+        fail(str(err))
+    except TypeError as err:  # a required section value is missing
+        fail(str(err))
+    return config, ns

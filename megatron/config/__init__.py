@@ -1,0 +1,100 @@
+"""Configuration as data: one dataclass per component, validated on creation.
+
+`Config.check_layout(world_size)` applies the rules that need the number of
+processes; it runs before any process group is created or file written.
+"""
+from dataclasses import asdict, dataclass, field, fields
+
+from megatron.config.data import CheckpointConfig, DataConfig
+from megatron.config.errors import ConfigError, require
+from megatron.config.model import ModelConfig
+from megatron.config.parallel import ParallelConfig
+from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainingConfig",
+           "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=lambda: TrainingConfig(train_iters=1))
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check_layout(self, world_size: int) -> None:
+        """Rules that involve the world size and several components."""
+        m, p, t = self.model, self.parallel, self.training
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        require(world_size % (tp * pp) == 0,
+                f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) "
+                f"must divide the world size ({world_size})")
+        require(m.num_attention_heads % tp == 0,
+                f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+        require(m.num_layers % pp == 0,
+                f"--num-layers ({m.num_layers}) must be divisible by "
+                f"--pipeline-model-parallel-size ({pp})")
+        require(m.ffn_hidden_size % tp == 0,
+                f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+        if p.sequence_parallel:
+            require(m.seq_length % tp == 0,
+                    f"--seq-length ({m.seq_length}) must be divisible by "
+                    f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+        dp = world_size // (tp * pp)
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * dp
+        require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--global-batch-size ({t.global_batch_size}) must be divisible by "
+                f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
+        if t.rampup_batch_size is not None:
+            start, incr, _ = t.rampup_batch_size
+            step = t.micro_batch_size * dp
+            require(start % step == 0 and incr % step == 0,
+                    f"--rampup-batch-size START ({start}) and INCR ({incr}) must be multiples of "
+                    f"--micro-batch-size x data-parallel size ({step})")
+        self._check_virtual_pipeline(pp, dp)
+
+    def _check_virtual_pipeline(self, pp: int, dp: int) -> None:
+        layers_per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
+        if layers_per_virtual is None:
+            return
+        layers_per_stage = self.model.num_layers // pp
+        require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
+                        f"--pipeline-model-parallel-size > 1 (got {pp})")
+        require(layers_per_stage % layers_per_virtual == 0,
+                f"layers per pipeline stage ({layers_per_stage}) must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual})")
+        microbatches = self.training.global_batch_size // (self.training.micro_batch_size * dp)
+        require(microbatches % pp == 0,
+                f"the interleaved schedule needs the number of micro batches ({microbatches}) "
+                f"to be a multiple of --pipeline-model-parallel-size ({pp})")
+
+    @property
+    def virtual_pipeline_size(self):
+        per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_virtual is None:
+            return None
+        return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_virtual
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Config":
+        """Rebuild from `to_dict()` output, ignoring fields this version does not know."""
+        kwargs = {}
+        for f in fields(cls):
+            section = _SECTIONS[f.name]
+            known = {sf.name for sf in fields(section)}
+            kwargs[f.name] = section(**{k: v for k, v in values.get(f.name, {}).items() if k in known})
+        return cls(**kwargs)
+
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+             "logging": LoggingConfig}

@@ -1,0 +1,45 @@
+"""Configuration of data, tokenizer and checkpoints."""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from megatron.config.errors import require
+
+
+@dataclass
+class DataConfig:
+    data_path: List[str] = field(default_factory=list)
+    """Prefix, or weight prefix weight prefix ... (--data-path)."""
+    split: str = "969,30,1"
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_name_or_path: Optional[str] = None
+    vocab_size: Optional[int] = None
+    """Vocabulary size for the NullTokenizer."""
+    data_cache_path: Optional[str] = None
+    dataloader_type: str = "single"
+    num_workers: int = 2
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    def __post_init__(self):
+        require(self.dataloader_type in ("single", "cyclic"),
+                f"--dataloader-type {self.dataloader_type!r} is not single or cyclic")
+        require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+    def __post_init__(self):
+        require(self.save_interval is None or self.save_interval > 0,
+                f"--save-interval must be positive, got {self.save_interval}")

@@ -1,0 +1,39 @@
+"""Configuration of tensor, pipeline and data parallelism."""
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.config.errors import require
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer (--tensor-model-parallel-size)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages (--pipeline-model-parallel-size)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual stage for the interleaved schedule."""
+    sequence_parallel: bool = False
+    """Split layer norms and dropout along the sequence over the TP group."""
+    distributed_backend: Optional[str] = None
+    """nccl | gloo; None picks nccl when CUDA is available, else gloo."""
+    DDP_impl: str = "local"
+    """local (our bucketed all-reduce) | torch (DistributedDataParallel)."""
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
+
+    def __post_init__(self):
+        require(self.tensor_model_parallel_size >= 1,
+                f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
+        require(self.pipeline_model_parallel_size >= 1,
+                f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}")
+        require(self.distributed_backend in (None, "nccl", "gloo"),
+                f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
+        require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False  # nothing to split, as in Megatron
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size

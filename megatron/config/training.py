@@ -1,0 +1,94 @@
+"""Configuration of the training loop, optimizer, learning rate and precision."""
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megatron.config.errors import require
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    """Samples per forward/backward on one rank (--micro-batch-size)."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all DP ranks; micro-batch x DP when unset."""
+    rampup_batch_size: Optional[List[int]] = None
+    """START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES."""
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: Optional[int] = None
+    """Stop (after saving) when the iteration is a multiple of this."""
+    fp16: bool = False
+    bf16: bool = False
+
+    def __post_init__(self):
+        require(self.micro_batch_size > 0, f"--micro-batch-size must be positive, got {self.micro_batch_size}")
+        require((self.train_iters is None) != (self.train_samples is None),
+                f"exactly one of --train-iters ({self.train_iters}) and --train-samples "
+                f"({self.train_samples}) must be given")
+        require(not (self.fp16 and self.bf16), "--fp16 and --bf16 cannot both be set; pick one")
+        require(self.eval_interval > 0, f"--eval-interval must be positive, got {self.eval_interval}")
+        require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.rampup_batch_size is not None:
+            require(len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
+                    f"--rampup-batch-size takes START INCR SAMPLES (positive), got {self.rampup_batch_size}")
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"
+    lr: Optional[float] = None
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: Optional[int] = None
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    loss_scale: Optional[float] = None
+    """Static loss scale for fp16; dynamic scaling when unset."""
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self):
+        require(self.optimizer in ("adam", "sgd"), f"--optimizer {self.optimizer!r} is not adam or sgd")
+        require(self.lr is not None and self.lr > 0, f"--lr must be given and positive, got {self.lr}")
+        require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
+        require(self.lr_decay_style in LR_DECAY_STYLES,
+                f"--lr-decay-style {self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+        if self.lr_warmup_fraction is not None:
+            require(0.0 <= self.lr_warmup_fraction <= 1.0,
+                    f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+            require(self.lr_warmup_iters == 0 and self.lr_warmup_samples == 0,
+                    "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
+        require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+    tensorboard_queue_size: int = 1000
+    log_batch_size_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_timers_to_tensorboard: bool = False
+    timing_log_level: int = 0
+    """0: iteration time only; 1: + forward/backward/optimizer; 2: + p2p and comm."""
+
+    def __post_init__(self):
+        require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
+        require(self.timing_log_level in (0, 1, 2),
+                f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")

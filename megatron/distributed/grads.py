@@ -1,0 +1,78 @@
+"""Gradient reductions that are not data parallelism, and global-norm clipping.
+
+- Tied embeddings: the first and last pipeline stages hold copies of the word
+  embeddings; their gradients are summed over the embedding group.
+- Sequence parallelism: replicated parameters that saw only a slice of the
+  sequence (layer norms, row-parallel biases) have partial gradients, summed
+  over the tensor-parallel group.
+- The gradient norm counts each parameter once across TP and PP: sharded
+  parameters on every rank, replicated ones on TP rank 0 only, and the last
+  stage's embedding copy not at all.
+"""
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.mpu.mappings import all_reduce, group_rank, group_size
+
+
+def grad_of(param: torch.nn.Parameter):
+    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+
+
+def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
+    if not grads or group_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def allreduce_embedding_grads(models, pstate) -> None:
+    """Sum the word-embedding gradients of the first and last pipeline stage."""
+    if pstate.pp_size == 1 or not pstate.in_embedding_group():
+        return
+    grads = []
+    first, last = models[0], models[-1]
+    if pstate.is_first_stage() and first.pre_process:
+        grads.append(grad_of(first.head_weight()))
+    if pstate.is_last_stage() and last.post_process and not last.pre_process:
+        grads.append(grad_of(last.head_weight()))
+    _all_reduce_coalesced([g for g in grads if g is not None], pstate.embedding_group)
+
+
+def allreduce_sequence_parallel_grads(models, tp_group) -> None:
+    grads = [grad_of(p) for m in models for p in m.parameters()
+             if getattr(p, "sequence_parallel", False) and grad_of(p) is not None]
+    _all_reduce_coalesced(grads, tp_group)
+
+
+def counts_for_norm(param, tp_rank: int) -> bool:
+    if getattr(param, "shared_embedding", False):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+
+
+def global_grad_norm(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
+                     tp_group, mp_group) -> float:
+    """L2 norm of all gradients of the model, summed over the model-parallel group."""
+    tp_rank = group_rank(tp_group)
+    squares = [g.detach().float().pow(2).sum() for p, g in zip(params, grads)
+               if g is not None and counts_for_norm(p, tp_rank)]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=device)
+    all_reduce(total, mp_group)
+    return total.sqrt().item()
+
+
+def clip_grads(grads: List[torch.Tensor], norm: float, max_norm: float) -> None:
+    if max_norm <= 0 or norm <= max_norm:
+        return
+    coeff = max_norm / (norm + 1e-6)
+    for g in grads:
+        if g is not None:
+            g.mul_(coeff)

@@ -1,0 +1,142 @@
+"""GPT: embeddings -> transformer layers -> final norm -> head tied to the embeddings.
+
+One `GPTModel` is one pipeline chunk: `pre_process` chunks own the embeddings,
+`post_process` chunks the final layer norm and the head. A last stage that is
+not also the first keeps its own copy of the word embeddings
+(`word_embeddings_for_head`), initialised equal to the first stage's and kept
+equal by all-reducing its gradient over the embedding group.
+
+Parameter names follow Megatron-LM's GPT checkpoints
+(language_model.embedding.word_embeddings.weight, language_model.encoder.layers.N...).
+"""
+import re
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.config import ModelConfig
+from megatron.model.transformer import ParallelTransformer, dropout_rng_context
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.mpu.layers import VocabParallelEmbedding, init_normal, init_parameters, set_parallel_attributes
+from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region,
+                                   gather_from_sequence_parallel_region,
+                                   gather_from_tensor_model_parallel_region,
+                                   scatter_to_sequence_parallel_region)
+
+WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
+
+
+class Embedding(torch.nn.Module):
+    """Word (vocab-parallel) plus learned absolute position embeddings, then dropout."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, device, dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.tp_group = tp_group
+        init = init_normal(cfg.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.padded_vocab_size, cfg.hidden_size, tp_group=tp_group, init_method=init,
+            device=device, dtype=dtype)
+        self.position_embeddings = torch.nn.Embedding(
+            cfg.max_position_embeddings, cfg.hidden_size, device=device, dtype=dtype)
+        set_parallel_attributes(self.position_embeddings.weight, False, init_method=init)
+
+    def forward(self, input_ids, position_ids):
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.cfg.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        with dropout_rng_context(self.cfg.sequence_parallel):
+            return F.dropout(x, p=self.cfg.hidden_dropout, training=self.training)
+
+
+class LanguageModel(torch.nn.Module):
+    def __init__(self, cfg, tp_group, pre_process, post_process, layer_offset, num_layers,
+                 device, dtype):
+        super().__init__()
+        self.embedding = Embedding(cfg, tp_group, device, dtype) if pre_process else None
+        self.encoder = ParallelTransformer(cfg, tp_group, layer_offset, num_layers, post_process,
+                                           device, dtype)
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group=None, pre_process: bool = True,
+                 post_process: bool = True, layer_offset: int = 0,
+                 num_layers: Optional[int] = None, parallel_output: bool = True,
+                 device=None, dtype=torch.float32):
+        super().__init__()
+        if cfg.padded_vocab_size <= 0:
+            raise ValueError("ModelConfig.padded_vocab_size is not set: build the tokenizer first")
+        self.cfg = cfg
+        self.tp_group = tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        num_layers = cfg.num_layers if num_layers is None else num_layers
+        self.language_model = LanguageModel(cfg, tp_group, pre_process, post_process,
+                                            layer_offset, num_layers, device, dtype)
+        self.word_embeddings_for_head = None
+        if post_process and not pre_process:
+            self.word_embeddings_for_head = VocabParallelEmbedding(
+                cfg.padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
+                init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
+            self.word_embeddings_for_head.weight.shared_embedding = True
+        self.input_tensor = None
+
+    # -- pipeline plumbing -------------------------------------------------
+    def set_input_tensor(self, tensor):
+        """Activation received from the previous pipeline stage."""
+        self.input_tensor = tensor
+
+    def head_weight(self) -> torch.Tensor:
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        return self.word_embeddings_for_head.weight
+
+    # -- initialisation ----------------------------------------------------
+    def global_parameter_names(self) -> Dict[str, torch.nn.Parameter]:
+        """Parameters keyed by layout-independent names (global layer numbers,
+        the head copy named as the embedding it mirrors)."""
+        offset = self.language_model.encoder.layer_offset
+
+        def rename(name):
+            if name.startswith("word_embeddings_for_head."):
+                return WORD_EMBEDDINGS
+            return re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{int(m.group(1)) + offset}.", name)
+
+        return {rename(name): p for name, p in self.named_parameters()}
+
+    def init_weights(self, seed: int) -> None:
+        init_parameters(self.global_parameter_names(), seed, self.tp_group,
+                        self.cfg.use_cpu_initialization)
+
+    # -- forward -------------------------------------------------------------
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        """Per-token losses [b, s] when `labels` is given, else logits [b, s, V(/TP)].
+
+        attention_mask: None for plain causal attention, else bool [b, 1, s, s]
+        with True where attention is not allowed.
+        """
+        if self.pre_process:
+            hidden = self.language_model.embedding(input_ids, position_ids)
+        else:
+            hidden = self.input_tensor
+        hidden = self.language_model.encoder(hidden, attention_mask)
+        if not self.post_process:
+            return hidden
+        return self._head(hidden, labels)
+
+    def _head(self, hidden, labels):
+        if self.cfg.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+        logits = F.linear(hidden, self.head_weight())  # [s, b, V / TP]
+        if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
+            return logits.transpose(0, 1).contiguous()
+        if not self.cfg.fp16_lm_cross_entropy:
+            logits = logits.float()
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group)
+        return losses.transpose(0, 1).contiguous()

@@ -1,0 +1,189 @@
+"""Autograd-aware collectives of tensor and sequence parallelism.
+
+Each public function takes the tensor-parallel group explicitly; a None group or
+a group of one process makes it the identity. The forward of each Function is
+the backward of its partner:
+
+    copy_to      fwd identity     bwd all-reduce
+    reduce_from  fwd all-reduce   bwd identity
+    scatter_to   fwd split last   bwd gather last
+    gather_from  fwd gather last  bwd split last
+    scatter_to_sequence         fwd split first       bwd gather first
+    gather_from_sequence        fwd gather first      bwd reduce-scatter first
+    reduce_scatter_to_sequence  fwd reduce-scatter    bwd gather first
+"""
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _is_nccl(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def all_reduce(x, group, op=dist.ReduceOp.SUM):
+    """In-place all-reduce of `x` over `group` (no-op for one process)."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _split(x, dim, group):
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by "
+                         f"the tensor-parallel size {size}")
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather(x, dim, group):
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    if _is_nccl(group) and dim == 0:
+        out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x, dim, group):
+    """Sum over the group, keep this rank's slice of `dim` (first dimension)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size != 0:
+        raise ValueError(f"sequence length {x.shape[dim]} is not divisible by the "
+                         f"tensor-parallel size {size} (sequence parallelism)")
+    if _is_nccl(group) and dim == 0:
+        out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+    # gloo has no reduce-scatter: all-reduce then keep our slice.
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, grad.dim() - 1, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, grad.dim() - 1, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_grad_is_partial):
+        ctx.group = group
+        ctx.output_grad_is_partial = output_grad_is_partial
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.output_grad_is_partial:
+            return _reduce_scatter(grad, 0, ctx.group), None, None
+        return _split(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(x, group):
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x, group):
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x, group):
+    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x, group):
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group, output_grad_is_partial=True):
+    """All-gather the sequence dimension. When the consumer is a tensor-parallel
+    layer, each rank's output gradient is a partial sum and the backward is a
+    reduce-scatter; otherwise it is a plain split."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSequence.apply(x, group, output_grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)

@@ -1,0 +1,171 @@
+"""Process groups of one rank, built from the pure topology in `topology.py`.
+
+Library code receives a `ParallelState` explicitly. The module-level getters
+(`get_tensor_model_parallel_rank()` ...) exist for entry points and tools that
+want Megatron's familiar names; they read the state set by
+`initialize_model_parallel`.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from megatron.mpu.topology import ParallelDims
+
+
+@dataclass
+class ParallelState:
+    """This rank's position in the TP x DP x PP grid and its process groups.
+
+    A group is None when the run has a single process (no torch.distributed);
+    every collective treats a None group, or a group of one, as a no-op.
+    """
+
+    dims: ParallelDims
+    rank: int = 0
+    tp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    tp_group: Optional[object] = None
+    dp_group: Optional[object] = None
+    pp_group: Optional[object] = None
+    mp_group: Optional[object] = None
+    embedding_group: Optional[object] = None
+    pp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_ranks: List[int] = field(default_factory=lambda: [0])
+    embedding_ranks: List[int] = field(default_factory=lambda: [0])
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def virtual_pp_size(self) -> Optional[int]:
+        return self.dims.virtual_pp
+
+    @property
+    def prev_rank(self) -> Optional[int]:
+        """Global rank of the previous pipeline stage, None on the first."""
+        return self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
+
+    @property
+    def next_rank(self) -> Optional[int]:
+        """Global rank of the next pipeline stage, None on the last."""
+        return self.pp_ranks[self.pp_rank + 1] if self.pp_rank < self.pp_size - 1 else None
+
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def single_process_state() -> ParallelState:
+    """The state of a one-process run without torch.distributed."""
+    return ParallelState(dims=ParallelDims(world_size=1))
+
+
+def _my_group(groups, rank, backend):
+    """Create every group (all ranks must call new_group identically); keep ours."""
+    mine, my_ranks = None, None
+    for ranks in groups:
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine, my_ranks = group, ranks
+    return mine, my_ranks
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int] = None,
+                              backend: Optional[str] = None) -> ParallelState:
+    """Build the TP, DP, PP, model-parallel and embedding groups of this rank."""
+    global _STATE
+    if not dist.is_initialized():
+        if tp * pp != 1:
+            raise ValueError(f"tensor ({tp}) x pipeline ({pp}) parallelism needs torch.distributed "
+                             f"with {tp * pp} or more processes; launch with torchrun")
+        _STATE = single_process_state()
+        return _STATE
+    rank = dist.get_rank()
+    dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp)
+    pp_rank, dp_rank, tp_rank = dims.coordinates(rank)
+    tp_group, _ = _my_group(dims.tensor_parallel_groups(), rank, backend)
+    dp_group, dp_ranks = _my_group(dims.data_parallel_groups(), rank, backend)
+    pp_group, pp_ranks = _my_group(dims.pipeline_parallel_groups(), rank, backend)
+    mp_group, _ = _my_group(dims.model_parallel_groups(), rank, backend)
+    emb_group, emb_ranks = _my_group(dims.embedding_groups(), rank, backend)
+    _STATE = ParallelState(
+        dims=dims, rank=rank, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
+        tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,
+        embedding_group=emb_group, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
+        embedding_ranks=emb_ranks or [])
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model parallelism is not initialized: call initialize_model_parallel()")
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    global _STATE
+    _STATE = None
+
+
+# Megatron's familiar getters, for entry points and tools.
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp_rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp_size
+
+
+def get_tensor_model_parallel_group():
+    return get_parallel_state().tp_group
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel_state().pp_rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_parallel_state().pp_size
+
+
+def get_pipeline_model_parallel_group():
+    return get_parallel_state().pp_group
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel_state().dp_rank
+
+
+def get_data_parallel_world_size() -> int:
+    return get_parallel_state().dp_size
+
+
+def get_data_parallel_group():
+    return get_parallel_state().dp_group
+
+
+def get_model_parallel_group():
+    return get_parallel_state().mp_group
+
+
+def get_embedding_group():
+    return get_parallel_state().embedding_group

@@ -1,0 +1,120 @@
+"""The optimizer step: fp32 main parameters, loss-scale handling, global-norm clipping.
+
+Model parameters may be fp16/bf16; the optimizer then updates fp32 copies
+(`main params`) whose gradients are the fp32 `main_grad` buffers filled by the
+data-parallel reducer, and copies the result back into the model. With fp32
+models the main params are the model params themselves.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron.distributed.grads import clip_grads, global_grad_norm
+from megatron.mpu.mappings import all_reduce
+
+
+def _param_groups(named_params, weight_decay):
+    """Weight decay on matrices only; biases and norm parameters (1-D) get none."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (no_decay if p.ndim == 1 else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class MegatronOptimizer:
+    def __init__(self, cfg, models, pstate, grad_scaler=None):
+        self.cfg = cfg
+        self.pstate = pstate
+        self.grad_scaler = grad_scaler
+        named = [(n, p) for m in models for n, p in m.named_parameters() if p.requires_grad]
+        self.model_params = [p for _, p in named]
+        self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
+        if self.mixed:
+            self.main_params = [p.detach().clone().float() for p in self.model_params]
+        else:
+            self.main_params = self.model_params
+        self._main_of = {id(mp): main for mp, main in zip(self.model_params, self.main_params)}
+        groups = _param_groups([(n, self._main_of[id(p)]) for n, p in named], cfg.weight_decay)
+        self.optimizer = self._torch_optimizer(groups)
+
+    def _torch_optimizer(self, groups):
+        if self.cfg.optimizer == "adam":
+            return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+                                     eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=self.cfg.lr, momentum=self.cfg.sgd_momentum,
+                               weight_decay=self.cfg.weight_decay)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        return None if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        grads = []
+        for model_param, main_param in zip(self.model_params, self.main_params):
+            grad = getattr(model_param, "main_grad", None)
+            if grad is None:
+                grad = model_param.grad
+            if grad is not None and grad.dtype != torch.float32:
+                grad = grad.float()
+            main_param.grad = grad
+            grads.append(grad)
+        return grads
+
+    def _unscale_and_check(self, grads) -> bool:
+        """Divide by the loss scale; True when any gradient is inf or nan on any rank."""
+        inv = None if self.grad_scaler is None else 1.0 / self.grad_scaler.scale.item()
+        found = torch.zeros(1)
+        for g in grads:
+            if g is None:
+                continue
+            if inv is not None:
+                g.mul_(inv)
+            if not torch.isfinite(g).all():
+                found.fill_(1.0)
+        device = grads[0].device if grads else torch.device("cpu")
+        found = found.to(device)
+        all_reduce(found, self.pstate.mp_group, op=torch.distributed.ReduceOp.MAX)
+        return bool(found.item() > 0)
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], bool]:
+        """One update. Returns (applied, grad_norm, skipped_for_overflow)."""
+        grads = self._main_grads()
+        found_inf = self._unscale_and_check(grads)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        if found_inf:
+            return False, None, True
+        norm = global_grad_norm(self.main_params, grads, self.pstate.tp_group, self.pstate.mp_group)
+        clip_grads(grads, norm, self.cfg.clip_grad)
+        self.optimizer.step()
+        if self.mixed:
+            for model_param, main_param in zip(self.model_params, self.main_params):
+                model_param.copy_(main_param)
+        return True, norm, False
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        if self.mixed:
+            state["fp32_from_fp16_params"] = [p.detach().clone() for p in self.main_params]
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if self.mixed and "fp32_from_fp16_params" in state:
+            for main, saved in zip(self.main_params, state["fp32_from_fp16_params"]):
+                main.copy_(saved)

@@ -1,0 +1,214 @@
+"""Checkpoints in Megatron-LM's layout.
+
+    <root>/latest_checkpointed_iteration.txt
+    <root>/iter_0000100/mp_rank_00/model_optim_rng.pt        (PP = 1)
+    <root>/iter_0000100/mp_rank_00_001/model_optim_rng.pt    (PP > 1: TP rank, PP rank)
+
+Each file holds the model (Megatron's nested key layout; `model0`, `model1`...
+for virtual pipeline chunks), optimizer, lr scheduler, RNG states, iteration,
+consumed samples and the config as a plain dict. Files are written under a
+temporary name and renamed; the tracker file is updated last, so an
+interrupted save leaves the previous checkpoint intact. Loading uses
+`torch.load(weights_only=True)`: a checkpoint cannot run code.
+"""
+import os
+import random
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says why and what to do."""
+
+
+def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
+                    release: bool = False) -> str:
+    directory = "release" if release else f"iter_{iteration:07d}"
+    rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(root, directory, rank_dir, "model_optim_rng.pt")
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_save(obj, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# -- model state in Megatron's nested layout -----------------------------------
+_EMBEDDING = "language_model.embedding."
+_ENCODER = "language_model.encoder."
+_HEAD = "word_embeddings_for_head."
+
+
+def to_megatron_layout(flat: Dict[str, torch.Tensor]) -> dict:
+    nested: dict = {}
+    for key, value in flat.items():
+        if key.startswith(_ENCODER):
+            nested.setdefault("language_model", {}).setdefault("encoder", {})[key[len(_ENCODER):]] = value
+        elif key.startswith(_EMBEDDING):
+            module, name = key[len(_EMBEDDING):].split(".", 1)
+            emb = nested.setdefault("language_model", {}).setdefault("embedding", {})
+            emb.setdefault(module, {})[name] = value
+        elif key.startswith(_HEAD):
+            nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD):]] = value
+        else:
+            raise KeyError(f"unexpected model parameter {key!r}")
+    return nested
+
+
+def from_megatron_layout(nested: dict) -> Dict[str, torch.Tensor]:
+    flat = {}
+    lm = nested.get("language_model", {})
+    for key, value in lm.get("encoder", {}).items():
+        flat[_ENCODER + key] = value
+    for module, params in lm.get("embedding", {}).items():
+        for name, value in params.items():
+            flat[f"{_EMBEDDING}{module}.{name}"] = value
+    for name, value in nested.get("word_embeddings_for_head", {}).items():
+        flat[_HEAD + name] = value
+    return flat
+
+
+# -- RNG ---------------------------------------------------------------------
+def rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"random_rng_state": random.getstate(),
+            "np_rng_state": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+            "torch_rng_state": torch.get_rng_state(),
+            "device_rng_state": get_device_rng_state(),
+            "rng_tracker_states": get_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    name, keys, pos, has_gauss, cached = state["np_rng_state"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch_rng_state"])
+    set_device_rng_state(state["device_rng_state"])
+    get_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+# -- save / load ---------------------------------------------------------------
+def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, config, pstate,
+                    consumed_train: int, consumed_valid: int) -> None:
+    """Write this rank's file (DP rank 0 of each model-parallel group) and the tracker."""
+    ckpt = config.checkpoint
+    state = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+             "config": config.to_dict(), "consumed_train_samples": consumed_train,
+             "consumed_valid_samples": consumed_valid,
+             "parallel": {"tensor_model_parallel_size": pstate.tp_size,
+                          "pipeline_model_parallel_size": pstate.pp_size,
+                          "virtual_pipeline_model_parallel_size": len(models)}}
+    for i, model in enumerate(models):
+        state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
+    if not ckpt.no_save_optim:
+        state["optimizer"] = optimizer.state_dict()
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not ckpt.no_save_rng:
+        state["rng_state"] = rng_state()
+    if pstate.dp_rank == 0:
+        _atomic_save(state, checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
+                                            pstate.pp_size))
+    if dist.is_initialized():
+        dist.barrier()
+    if pstate.rank == 0:
+        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def read_tracker(root: str):
+    """(iteration, release) from the tracker file, or None when there is no checkpoint."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        return int(text), False
+    except ValueError:
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or remove it")
+
+
+def _layout_hint(root: str, iteration: int, release: bool) -> str:
+    directory = os.path.join(root, "release" if release else f"iter_{iteration:07d}")
+    found = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return (f"found {found or 'nothing'} in {directory}; the checkpoint was saved with another "
+            f"tensor/pipeline layout: load it with the same --tensor-model-parallel-size and "
+            f"--pipeline-model-parallel-size, or re-shard it with tools/merge_mp_partitions.py")
+
+
+def load_checkpoint_file(root: str, pstate) -> Optional[dict]:
+    tracked = read_tracker(root)
+    if tracked is None:
+        return None
+    iteration, release = tracked
+    path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, release)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"missing {path}: {_layout_hint(root, iteration, release)}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state["_release"] = release
+    return state
+
+
+def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
+    """Restore models (and optimizer, scheduler, RNG unless told not to).
+
+    Returns (iteration, consumed_train_samples, consumed_valid_samples); zeros when
+    there is no checkpoint, or with --finetune (weights only, counters reset).
+    """
+    state = load_checkpoint_file(root, pstate)
+    if state is None:
+        print(f" no checkpoint found at {root}; starting from scratch", flush=True)
+        return 0, 0, 0
+    _check_layout(state, pstate, len(models), root)
+    for i, model in enumerate(models):
+        model.load_state_dict(from_megatron_layout(state[_model_key(i, len(models))]), strict=True)
+    ckpt = config.checkpoint
+    if ckpt.finetune or state["_release"]:
+        return 0, 0, 0
+    if not ckpt.no_load_optim:
+        if "optimizer" not in state:
+            raise CheckpointError(f"{root} has no optimizer state (saved with --no-save-optim); "
+                                  f"load it with --no-load-optim or --finetune")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if not ckpt.no_load_rng and "rng_state" in state:
+        set_rng_state(state["rng_state"])
+    return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
+            int(state.get("consumed_valid_samples", 0)))
+
+
+def _check_layout(state, pstate, num_chunks, root):
+    saved = state.get("parallel", {})
+    expected = {"tensor_model_parallel_size": pstate.tp_size,
+                "pipeline_model_parallel_size": pstate.pp_size,
+                "virtual_pipeline_model_parallel_size": num_chunks}
+    for key, value in expected.items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(
+                f"checkpoint {root} has {key}={saved[key]} but this run has {value}; use the "
+                f"saved layout or re-shard with tools/merge_mp_partitions.py")

@@ -1,0 +1,137 @@
+"""`pretrain()`: build, resume, train, evaluate, save: the flow every entry point shares."""
+import math
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.logging import format_log_line, format_validation
+from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
+                                       print_rank_0, print_rank_last, total_iterations)
+
+
+def pretrain(config, pstate, device, model_provider: Callable, data_provider: Callable,
+             forward_step: Callable) -> TrainState:
+    """Train the model `model_provider` builds on the data `data_provider` serves.
+
+    model_provider(pre_process, post_process, layer_offset, num_layers) -> module
+    data_provider(consumed_train, consumed_valid) -> (train_iter, valid_iter, test_iter)
+    forward_step(data_iterator, model) -> (output, loss_func)
+    """
+    models = build_model_chunks(config, pstate, device, model_provider)
+    trainer = Trainer(config, pstate, device, models, forward_step)
+    state = trainer.state
+    if config.checkpoint.load:
+        state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
+            config.checkpoint.load, models, trainer.optimizer, trainer.scheduler, config, pstate)
+    train_iter, valid_iter, test_iter = data_provider(state.consumed_train, state.consumed_valid)
+    chunks = len(models)
+    train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
+    valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
+    _train_loop(trainer, train_iters, valid_iters)
+    if valid_iters is not None and config.training.eval_iters > 0:
+        _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
+    if test_iter is not None and config.training.eval_iters > 0:
+        test_iters = ReplayIterators(test_iter, chunks).all()
+        _evaluate_and_print(trainer, test_iters, "the end of training for test data")
+    trainer.tensorboard.close()
+    return state
+
+
+def _save(trainer: Trainer) -> None:
+    cfg, state = trainer.config, trainer.state
+    save_checkpoint(cfg.checkpoint.save, state.iteration, trainer.models, trainer.optimizer,
+                    trainer.scheduler, cfg, trainer.pstate, state.consumed_train, state.consumed_valid)
+    print_rank_0(f" saved checkpoint at iteration {state.iteration:7d} to {cfg.checkpoint.save}")
+
+
+def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
+    cfg, state = trainer.config, trainer.state
+    total = total_iterations(cfg)
+    log = _LogWindow()
+    print_rank_0(f" training from iteration {state.iteration} to {total}")
+    while state.iteration < total:
+        trainer.microbatches.update(state.consumed_train)
+        start = time.perf_counter()
+        losses, grad_norm, skipped, nan = trainer.train_step(train_iters)
+        state.iteration += 1
+        state.consumed_train += trainer.microbatches.global_batch_size
+        if losses:
+            state.history.append(dict(losses, iteration=state.iteration))
+        log.add(losses, time.perf_counter() - start, skipped, nan)
+        if state.iteration % cfg.logging.log_interval == 0:
+            _log(trainer, log, grad_norm, total)
+        saving = cfg.checkpoint.save and cfg.checkpoint.save_interval
+        if saving and state.iteration % cfg.checkpoint.save_interval == 0:
+            _save(trainer)
+        if valid_iters is not None and cfg.training.eval_iters > 0 \
+                and state.iteration % cfg.training.eval_interval == 0 and state.iteration < total:
+            _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
+        if cfg.training.exit_interval and state.iteration % cfg.training.exit_interval == 0:
+            if cfg.checkpoint.save and not (saving and state.iteration % cfg.checkpoint.save_interval == 0):
+                _save(trainer)
+            print_rank_0(f" exiting program at iteration {state.iteration}")
+            return
+    if cfg.checkpoint.save and state.iteration > 0 and not (
+            cfg.checkpoint.save_interval and state.iteration % cfg.checkpoint.save_interval == 0):
+        _save(trainer)
+
+
+class _LogWindow:
+    """Sums over one log interval."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.losses, self.count, self.seconds, self.skipped, self.nans = {}, 0, 0.0, 0, 0
+
+    def add(self, losses, seconds, skipped, nan):
+        for key, value in losses.items():
+            self.losses[key] = self.losses.get(key, 0.0) + value
+        self.count += 1
+        self.seconds += seconds
+        self.skipped += int(skipped)
+        self.nans += int(nan)
+
+
+def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: int) -> None:
+    cfg, state = trainer.config, trainer.state
+    lr = trainer.scheduler.get_lr()
+    scale = trainer.optimizer.loss_scale
+    scale = 1.0 if scale is None else float(scale.item())
+    normal = max(1, log.count - log.skipped - log.nans)
+    losses = {key: value / normal for key, value in log.losses.items()}
+    gbs = trainer.microbatches.global_batch_size
+    print_rank_last(format_log_line(state.iteration, total, state.consumed_train,
+                                    1000.0 * log.seconds / max(1, log.count), lr, gbs, losses,
+                                    scale, grad_norm, log.skipped, log.nans))
+    timings = trainer.timers.pop_all()
+    if timings and cfg.logging.timing_log_level > 0:
+        print_rank_last(" time (ms) | " + " | ".join(
+            f"{name}: {1000.0 * sec / max(1, log.count):.2f}" for name, sec in sorted(timings.items())))
+    scalars = {f"{key}": value for key, value in losses.items()}
+    scalars.update({"learning-rate": lr, "loss-scale": scale})
+    if grad_norm is not None:
+        scalars["grad-norm"] = grad_norm
+    if cfg.logging.log_batch_size_to_tensorboard:
+        scalars["batch-size"] = gbs
+    if cfg.logging.log_timers_to_tensorboard:
+        scalars.update({f"{name}-time": sec / max(1, log.count) for name, sec in timings.items()})
+    trainer.tensorboard.scalars(scalars, state.iteration)
+    log.reset()
+
+
+def _evaluate_and_print(trainer: Trainer, iterators, prefix: str) -> None:
+    cfg, state = trainer.config, trainer.state
+    losses = trainer.evaluate(iterators, cfg.training.eval_iters)
+    if not losses:
+        return
+    state.validation.append(dict(losses, iteration=state.iteration))
+    line = format_validation(prefix, losses)
+    print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    scalars = {f"{key} validation": value for key, value in losses.items()}
+    if cfg.logging.log_validation_ppl_to_tensorboard:
+        scalars.update({f"{key} validation ppl": math.exp(min(20.0, v)) for key, v in losses.items()})
+    trainer.tensorboard.scalars(scalars, state.iteration)

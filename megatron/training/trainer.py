@@ -1,0 +1,215 @@
+"""The training loop: schedule-driven steps, evaluation, logging and checkpoints.
+
+`pretrain()` is the one entry: it builds the model chunks of this rank, the
+gradient reducers, optimizer and lr schedule, loads a checkpoint, asks the
+caller for data iterators (which start from the consumed samples), and trains.
+"""
+import contextlib
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.distributed.ddp import GradReducer
+from megatron.distributed.grads import allreduce_embedding_grads, allreduce_sequence_parallel_grads
+from megatron.optimizer import build_lr_scheduler, build_optimizer
+from megatron.pipeline.executor import forward_backward
+from megatron.pipeline.p2p import P2PCommunicator
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.logging import (TensorBoard, Timers, format_log_line,
+                                       format_validation)
+from megatron.training.microbatches import MicroBatches
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def params_dtype(config) -> torch.dtype:
+    if config.training.fp16:
+        return torch.float16
+    return torch.bfloat16 if config.training.bf16 else torch.float32
+
+
+def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int],
+                 vpp_rank: int):
+    """(global index of the first layer, number of layers) of one model chunk.
+
+    With V virtual stages, chunk v of stage r holds layers
+    [v * L/V + r * L/(P V), ... + L/(P V)) (Megatron's interleaved assignment).
+    """
+    chunks = vpp_size or 1
+    per_chunk = num_layers // (pp_size * chunks)
+    return vpp_rank * (num_layers // chunks) + pp_rank * per_chunk, per_chunk
+
+
+def build_model_chunks(config, pstate, device, model_provider: Callable) -> List[torch.nn.Module]:
+    """This rank's model chunks, initialised from the global seed, on `device`."""
+    vpp = config.virtual_pipeline_size
+    models = []
+    for v in range(vpp or 1):
+        offset, count = chunk_layers(config.model.num_layers, pstate.pp_size, pstate.pp_rank, vpp, v)
+        pre = pstate.is_first_stage() and v == 0
+        post = pstate.is_last_stage() and v == (vpp or 1) - 1
+        model = model_provider(pre_process=pre, post_process=post, layer_offset=offset,
+                               num_layers=count)
+        model.init_weights(config.training.seed)
+        models.append(model.to(device=device, dtype=params_dtype(config)))
+    return models
+
+
+class ReplayIterators:
+    """One iterator per model chunk over the same micro batches: the first chunk
+    to ask for the k-th micro batch pulls it from the loader, the others replay it."""
+
+    def __init__(self, iterator, num_chunks: int):
+        self.iterator = iterator
+        self.queues = [deque() for _ in range(num_chunks)]
+
+    def chunk(self, index: int):
+        while True:
+            if not self.queues[index]:
+                item = next(self.iterator)
+                for q in self.queues:
+                    q.append(item)
+            yield self.queues[index].popleft()
+
+    def all(self):
+        return [self.chunk(i) for i in range(len(self.queues))]
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train: int = 0
+    consumed_valid: int = 0
+    history: List[Dict[str, float]] = field(default_factory=list)
+    validation: List[Dict[str, float]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, config, pstate, device, models, forward_step):
+        self.config, self.pstate, self.device = config, pstate, device
+        self.models = models
+        self.forward_step = forward_step
+        grad_dtype = torch.float32 if (config.training.fp16 or config.training.bf16
+                                       or config.parallel.accumulate_allreduce_grads_in_fp32) \
+            else params_dtype(config)
+        self.reducers = [GradReducer(list(m.parameters()), pstate.dp_group, grad_dtype,
+                                     overlap=config.parallel.overlap_grad_reduce) for m in models]
+        self.optimizer = build_optimizer(config, models, pstate)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
+        t = config.training
+        self.microbatches = MicroBatches(t.global_batch_size, t.micro_batch_size, pstate.dp_size,
+                                         t.rampup_batch_size)
+        self.timers = Timers(config.logging.timing_log_level)
+        self.comm = self._communicator()
+        self.schedule = ("none" if pstate.pp_size == 1
+                         else "interleaved" if len(models) > 1 else "1f1b")
+        self.tensorboard = TensorBoard(config.logging.tensorboard_dir if is_last_rank() else None,
+                                       config.logging.tensorboard_queue_size)
+        self.state = TrainState()
+
+    def _communicator(self):
+        p = self.pstate
+        if p.pp_size == 1:
+            return None
+        seq = self.config.model.seq_length
+        if self.config.model.sequence_parallel:
+            seq //= p.tp_size
+        shape = (seq, self.config.training.micro_batch_size, self.config.model.hidden_size)
+        ring = len(self.models) > 1
+        prev_rank = p.pp_ranks[(p.pp_rank - 1) % p.pp_size] if ring else p.prev_rank
+        next_rank = p.pp_ranks[(p.pp_rank + 1) % p.pp_size] if ring else p.next_rank
+        return P2PCommunicator(p.pp_group, prev_rank, next_rank, shape, params_dtype(self.config),
+                               self.device, timers=self.timers)
+
+    @contextlib.contextmanager
+    def _no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for reducer in self.reducers:
+                stack.enter_context(reducer.no_sync())
+            yield
+
+    def _run_schedule(self, iterators, num_microbatches, forward_only):
+        scale = self.optimizer.loss_scale
+        return forward_backward(
+            self.schedule, forward_step=self.forward_step, data_iterators=iterators,
+            model_chunks=self.models, num_microbatches=num_microbatches, comm=self.comm,
+            pp_rank=self.pstate.pp_rank, pp_size=self.pstate.pp_size, forward_only=forward_only,
+            no_sync=self._no_sync, timers=self.timers,
+            loss_scale=None if scale is None else scale.to(self.device))
+
+    def train_step(self, iterators):
+        """One optimizer step over a global batch; returns (losses, grad_norm, overflow, nan)."""
+        for reducer in self.reducers:
+            reducer.zero_grad()
+        losses = self._run_schedule(iterators, self.microbatches.num_micro_batches, False)
+        self.timers.start("grads-all-reduce")
+        for reducer in self.reducers:
+            reducer.finish_grad_sync()
+        self.timers.stop("grads-all-reduce")
+        if self.config.model.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)
+        self.timers.start("embedding-grads-all-reduce")
+        allreduce_embedding_grads(self.models, self.pstate)
+        self.timers.stop("embedding-grads-all-reduce")
+        self.timers.start("optimizer")
+        applied, grad_norm, overflow = self.optimizer.step()
+        self.timers.stop("optimizer")
+        if applied:
+            self.scheduler.step(self.microbatches.global_batch_size)
+        nan = not applied and not (overflow and self.optimizer.grad_scaler is not None)
+        return average_losses(losses), grad_norm, (not applied) and not nan, nan
+
+    @torch.no_grad()
+    def evaluate(self, iterators, num_iters: int) -> Dict[str, float]:
+        for m in self.models:
+            m.eval()
+        totals: Dict[str, float] = {}
+        micro = self.config.training.global_batch_size // (
+            self.config.training.micro_batch_size * self.pstate.dp_size)
+        for _ in range(num_iters):
+            for key, value in average_losses(self._run_schedule(iterators, micro, True)).items():
+                totals[key] = totals.get(key, 0.0) + value / num_iters
+            self.state.consumed_valid += self.config.training.global_batch_size
+        for m in self.models:
+            m.train()
+        return totals
+
+
+def average_losses(losses: List[dict]) -> Dict[str, float]:
+    """Mean over micro batches of each reported loss (present on the last stage only)."""
+    if not losses:
+        return {}
+    return {key: sum(float(d[key]) for d in losses) / len(losses) for key in losses[0]}
+
+
+def total_iterations(config) -> int:
+    t = config.training
+    if t.train_iters is not None:
+        return t.train_iters
+    if t.rampup_batch_size is None:
+        return t.train_samples // t.global_batch_size
+    mb = MicroBatches(t.global_batch_size, t.micro_batch_size, 1, t.rampup_batch_size)
+    consumed, iters = 0, 0
+    while consumed < t.train_samples:
+        mb.update(consumed)
+        consumed += mb.global_batch_size
+        iters += 1
+    return iters

@@ -1,0 +1,116 @@
+"""Pretrain a GPT: `python pretrain_gpt.py ...` or `torchrun --nproc_per_node N pretrain_gpt.py ...`."""
+import os
+import sys
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from megatron.arguments import fail, parse_args  # noqa: E402
+from megatron.config import ConfigError  # noqa: E402
+from megatron.data.batch import gpt_batch  # noqa: E402
+from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
+from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
+from megatron.model import GPTModel  # noqa: E402
+from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
+from megatron.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
+from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.training.initialize import initialize_distributed  # noqa: E402
+from megatron.training.pretrain import pretrain  # noqa: E402
+from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings")
+
+
+def model_provider(config, tp_group, **chunk):
+    return GPTModel(config.model, tp_group=tp_group, **chunk)
+
+
+def loss_func(loss_mask, dp_group, losses):
+    """Mean loss over the micro batch's unmasked tokens; reported averaged over DP."""
+    loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
+    reported = all_reduce(loss.detach().clone(), dp_group) / group_size(dp_group)
+    return loss, {"lm loss": reported}
+
+
+def forward_step(config, eod, pstate, device, data_iterator, model):
+    d = config.data
+    tokens, labels, loss_mask, mask, position_ids = gpt_batch(
+        next(data_iterator), eod, device, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    output = model(tokens, position_ids, mask, labels=labels)
+    return output, partial(loss_func, loss_mask, pstate.dp_group)
+
+
+def split_sample_counts(config):
+    t = config.training
+    train_iters = total_iterations(config)
+    train = t.train_samples if t.train_samples is not None else train_iters * t.global_batch_size
+    evals = (train_iters // t.eval_interval + 1) * t.eval_iters
+    return train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size
+
+
+def data_provider(config, pstate, consumed_train, consumed_valid):
+    if not config.data.data_path:
+        fail("--data-path is required: a preprocessed prefix (see tools/preprocess_data.py)")
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
+        config.data.data_path, config.data.split, split_sample_counts(config),
+        config.model.seq_length, config.training.seed, config.data.data_cache_path)
+    loader = partial(build_pretraining_data_loader, micro_batch_size=config.training.micro_batch_size,
+                     data_parallel_rank=pstate.dp_rank, data_parallel_size=pstate.dp_size,
+                     dataloader_type=config.data.dataloader_type, num_workers=config.data.num_workers,
+                     seed=config.training.seed)
+    train = loader(train_ds, consumed_train)
+    valid = loader(valid_ds, consumed_valid)
+    test = loader(test_ds, 0)
+    cyclic = config.data.dataloader_type == "cyclic"
+    return (None if train is None else iter(cyclic_iter(train) if cyclic else train),
+            None if valid is None else iter(cyclic_iter(valid)),
+            None if test is None else iter(cyclic_iter(test)))
+
+
+def setup(argv=None):
+    """Parse flags and build the tokenizer; every problem here is one line and exit 2."""
+    config, _ = parse_args(argv)
+    missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if _flag_missing(argv, name)]
+    if missing:
+        fail(f"missing required flags: {' '.join(missing)}")
+    d = config.data
+    if d.tokenizer_type is None:
+        fail("--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and --merge-file)")
+    try:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
+                                    d.tokenizer_name_or_path, d.vocab_size)
+        config.model.padded_vocab_size = padded_vocab_size(
+            tokenizer.vocab_size, config.model.make_vocab_size_divisible_by,
+            config.parallel.tensor_model_parallel_size)
+    except (ValueError, OSError, ImportError) as err:
+        fail(str(err).splitlines()[0])
+    config.model.sequence_parallel = config.parallel.sequence_parallel
+    return config, tokenizer
+
+
+def _flag_missing(argv, name):
+    args = sys.argv[1:] if argv is None else argv
+    flag = f"--{name.replace('_', '-')}"
+    return not any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def main(argv=None):
+    config, tokenizer = setup(argv)
+    pstate, device = initialize_distributed(config)
+    print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
+                 f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
+                 f"(new size: {config.model.padded_vocab_size})")
+    try:
+        return pretrain(config, pstate, device,
+                        partial(model_provider, config, pstate.tp_group),
+                        partial(data_provider, config, pstate),
+                        partial(forward_step, config, tokenizer.eod, pstate, device))
+    except (CheckpointError, ConfigError, FileNotFoundError) as err:
+        print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
