@@ -89,14 +89,21 @@ class MegatronOptimizer:
     def step(self) -> Tuple[bool, Optional[float], bool]:
         """One update. Returns (applied, grad_norm, skipped_for_overflow)."""
         grads = self._main_grads()
-        found_inf = self._unscale_and_check(grads)
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(found_inf)
-        if found_inf:
-            return False, None, True
-        norm = global_grad_norm(self.main_params, grads, self.pstate.tp_group, self.pstate.mp_group)
-        clip_grads(grads, norm, self.cfg.clip_grad)
-        self.optimizer.step()
+        try:
+            found_inf = self._unscale_and_check(grads)
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, True
+            norm = global_grad_norm(self.main_params, grads, self.pstate.tp_group,
+                                    self.pstate.mp_group)
+            clip_grads(grads, norm, self.cfg.clip_grad)
+            self.optimizer.step()
+        finally:
+            # The grads are views of the reducer's buffer: never let the next
+            # backward accumulate into them through `.grad`.
+            for main_param in self.main_params:
+                main_param.grad = None
         if self.mixed:
             for model_param, main_param in zip(self.model_params, self.main_params):
                 model_param.copy_(main_param)
