@@ -1,0 +1,287 @@
+"""Megatron's memory-mapped indexed dataset (MMIDIDX version 1), both ways.
+
+A dataset is two files sharing a prefix:
+
+``prefix.bin``  the token arrays of every sequence, back to back, no header.
+``prefix.idx``  little-endian: the 9-byte magic ``MMIDIDX\\0\\0``, ``<Q`` version (1),
+                ``<B`` dtype code, ``<Q`` number of sequences N, ``<Q`` doc-index length M,
+                then int32 sizes[N] (tokens per sequence), int64 pointers[N] (byte
+                offset of each sequence in ``.bin``), int64 doc_idx[M].
+
+``doc_idx`` starts with 0 and holds, after each document, the number of sequences
+written so far: document d is sequences ``doc_idx[d]:doc_idx[d+1]``. Without
+sentence splitting every document is one sequence.
+"""
+import os
+import shutil
+import struct
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, M
+
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+          6: np.float64, 7: np.float32, 8: np.uint16}
+
+
+def dtype_code(dtype) -> int:
+    """The MMIDIDX code of a numpy dtype."""
+    dtype = np.dtype(dtype)
+    for code, candidate in DTYPES.items():
+        if np.dtype(candidate) == dtype:
+            return code
+    raise ValueError(f"dtype {dtype} cannot be stored in an MMIDIDX file; "
+                     f"use one of {[np.dtype(d).name for d in DTYPES.values()]}")
+
+
+def best_fitting_dtype(vocab_size: Optional[int] = None):
+    """uint16 when every id fits comfortably (vocab < 65500), else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def index_file_path(prefix: str) -> str:
+    return f"{prefix}.idx"
+
+
+def data_file_path(prefix: str) -> str:
+    return f"{prefix}.bin"
+
+
+class _Index:
+    """The parsed, memory-mapped ``.idx`` file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mmap = np.memmap(path, mode="r", order="C") if os.path.getsize(path) else b""
+        buffer = memoryview(self._mmap)
+        if len(buffer) < _HEADER.size:
+            raise ValueError(f"{path}: truncated index ({len(buffer)} bytes, the header "
+                             f"alone is {_HEADER.size}); regenerate the dataset")
+        magic, version, code, count, doc_count = _HEADER.unpack_from(buffer, 0)
+        if magic != MAGIC:
+            raise ValueError(f"{path}: not an MMIDIDX index (magic {magic!r}, expected "
+                             f"{MAGIC!r}); only Megatron's mmap format is supported")
+        if version != VERSION:
+            raise ValueError(f"{path}: unknown MMIDIDX version {version} (only {VERSION} "
+                             "is supported)")
+        if code not in DTYPES:
+            raise ValueError(f"{path}: unknown dtype code {code} (valid: {sorted(DTYPES)})")
+        expected = _HEADER.size + 12 * count + 8 * doc_count
+        if len(buffer) < expected:
+            raise ValueError(f"{path}: truncated index ({len(buffer)} bytes, {count} sequences "
+                             f"and {doc_count} doc-index entries need {expected})")
+        self.dtype = DTYPES[code]
+        offset = _HEADER.size
+        self.sizes = np.frombuffer(buffer, np.int32, count, offset)
+        self.pointers = np.frombuffer(buffer, np.int64, count, offset + 4 * count)
+        self.doc_idx = np.frombuffer(buffer, np.int64, doc_count, offset + 12 * count)
+
+    def data_bytes(self) -> int:
+        """Bytes of ``.bin`` the index refers to."""
+        if len(self.sizes) == 0:
+            return 0
+        itemsize = np.dtype(self.dtype).itemsize
+        return int(self.pointers[-1]) + int(self.sizes[-1]) * itemsize
+
+
+class MMapIndexedDataset:
+    """Read-only view of ``prefix.bin``/``prefix.idx``; items are zero-copy numpy views."""
+
+    def __init__(self, path_prefix: str):
+        self._prefix = path_prefix
+        for path in (index_file_path(path_prefix), data_file_path(path_prefix)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"dataset file not found: {path} (a dataset is named "
+                                        "by its prefix, without .bin/.idx)")
+        self._index = _Index(index_file_path(path_prefix))
+        self._bin = self._map_data(data_file_path(path_prefix), self._index.data_bytes())
+
+    @staticmethod
+    def _map_data(path: str, needed: int):
+        size = os.path.getsize(path)
+        if size < needed:
+            raise ValueError(f"{path}: data file is {size} bytes but its index refers to "
+                             f"{needed}; the .bin is truncated or belongs to another .idx")
+        return memoryview(np.memmap(path, mode="r", order="C")) if size else b""
+
+    def __len__(self) -> int:
+        return len(self._index.sizes)
+
+    def __getitem__(self, idx: Union[int, slice]):
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        return self.get(idx)
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens ``offset:offset+length`` of sequence ``idx`` (to its end by default)."""
+        count = len(self)
+        if not -count <= idx < count:
+            raise IndexError(f"sequence index {idx} out of range for {count} sequences")
+        idx = int(idx) % count
+        size = int(self._index.sizes[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"offset {offset} + length {length} outside sequence {idx} "
+                             f"of {size} tokens")
+        dtype = self._index.dtype
+        start = int(self._index.pointers[idx]) + offset * np.dtype(dtype).itemsize
+        return np.frombuffer(self._bin, dtype=dtype, count=length, offset=start)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self._index.sizes
+
+    @property
+    def pointers(self) -> np.ndarray:
+        return self._index.pointers
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        return self._index.doc_idx
+
+    @property
+    def dtype(self):
+        return self._index.dtype
+
+    @property
+    def supports_prefetch(self) -> bool:
+        return False
+
+    @staticmethod
+    def exists(path_prefix: str) -> bool:
+        return (os.path.exists(index_file_path(path_prefix))
+                and os.path.exists(data_file_path(path_prefix)))
+
+
+class MMapIndexedDatasetBuilder:
+    """Writes an MMIDIDX dataset: items to ``.bin`` as they come, the index at the end.
+
+    The data goes to a temporary file that ``finalize`` renames, so an
+    interrupted build leaves nothing under the final names (``abort`` cleans up).
+    """
+
+    def __init__(self, bin_path: str, dtype=np.int64, buffer_bytes: int = 1 << 22):
+        dtype_code(dtype)  # validates
+        self._dtype = np.dtype(dtype)
+        self._bin_path = os.fspath(bin_path)
+        self._tmp_path = f"{self._bin_path}.tmp{os.getpid()}"
+        self._file = open(self._tmp_path, "wb", buffering=buffer_bytes)
+        self._sizes: List[int] = []
+        self._doc_idx: List[int] = [0]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def _as_array(self, tokens) -> np.ndarray:
+        """Tokens as a flat array of the builder's dtype, rejecting ids that do not fit."""
+        array = np.asarray(tokens)
+        if array.dtype == object:
+            raise ValueError("tokens must be numbers, got objects")
+        if array.size and self._dtype.kind in "iu" and array.dtype != self._dtype:
+            info = np.iinfo(self._dtype)
+            low, high = array.min(), array.max()
+            if low < info.min or high > info.max:
+                raise ValueError(f"token id {low if low < info.min else high} does not fit "
+                                 f"dtype {self._dtype.name}; build with a wider dtype "
+                                 "(best_fitting_dtype(vocab_size))")
+        return np.ascontiguousarray(array.reshape(-1), dtype=self._dtype)
+
+    def add_item(self, tokens) -> None:
+        """Append one sequence (numpy array, list or CPU tensor of ids)."""
+        array = self._as_array(tokens)
+        self._file.write(array.tobytes(order="C"))
+        self._sizes.append(array.size)
+
+    def end_document(self) -> None:
+        """Close the current document: it spans the sequences added since the last one."""
+        self._doc_idx.append(len(self._sizes))
+
+    def add_doc(self, tokens, lengths: Sequence[int]) -> None:
+        """Append one document made of sequences of ``lengths`` tokens (flat ``tokens``)."""
+        self.add_docs(tokens, lengths, [len(lengths)])
+
+    def add_docs(self, tokens, lengths: Sequence[int], seqs_per_doc: Sequence[int]) -> None:
+        """Append many documents at once: flat ``tokens`` cut into sequences of
+        ``lengths`` tokens, grouped into documents of ``seqs_per_doc`` sequences."""
+        array = self._as_array(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        seqs_per_doc = np.asarray(seqs_per_doc, dtype=np.int64)
+        if int(lengths.sum()) != array.size or int(seqs_per_doc.sum()) != lengths.size:
+            raise ValueError(f"add_docs: {array.size} tokens, lengths summing to "
+                             f"{int(lengths.sum())} over {lengths.size} sequences, and "
+                             f"seqs_per_doc summing to {int(seqs_per_doc.sum())} disagree")
+        self._file.write(array.tobytes(order="C"))
+        base = len(self._sizes)
+        self._sizes.extend(lengths.tolist())
+        self._doc_idx.extend((base + np.cumsum(seqs_per_doc)).tolist())
+
+    def merge_file_(self, another_prefix: str) -> None:
+        """Append every sequence and document of the dataset at ``another_prefix``."""
+        other = MMapIndexedDataset(another_prefix)
+        if np.dtype(other.dtype) != self._dtype:
+            raise ValueError(f"cannot merge {another_prefix}: its dtype is "
+                             f"{np.dtype(other.dtype).name}, this builder's is {self._dtype.name}")
+        base = len(self._sizes)
+        self._sizes.extend(other.sizes.tolist())
+        self._doc_idx.extend((base + other.doc_idx[1:]).tolist())
+        with open(data_file_path(another_prefix), "rb") as f:
+            shutil.copyfileobj(f, self._file, 1 << 22)
+
+    def finalize(self, idx_path: str) -> None:
+        """Write the index and move both files to their final names."""
+        self._file.close()
+        sizes = np.asarray(self._sizes, dtype=np.int32)
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        if len(sizes) > 1:
+            np.cumsum(sizes[:-1].astype(np.int64) * self._dtype.itemsize, out=pointers[1:])
+        doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
+        tmp_idx = f"{idx_path}.tmp{os.getpid()}"
+        try:
+            with open(tmp_idx, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self._dtype), len(sizes),
+                                     len(doc_idx)))
+                f.write(sizes.tobytes(order="C"))
+                f.write(pointers.tobytes(order="C"))
+                f.write(doc_idx.tobytes(order="C"))
+            os.replace(self._tmp_path, self._bin_path)
+            os.replace(tmp_idx, idx_path)
+        except BaseException:
+            _remove(tmp_idx)
+            raise
+
+    def abort(self) -> None:
+        """Stop building and delete the temporary data file."""
+        self._file.close()
+        _remove(self._tmp_path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def make_builder(out_bin: str, vocab_size: Optional[int] = None,
+                 impl: str = "mmap") -> MMapIndexedDatasetBuilder:
+    """A builder for ``out_bin`` with the smallest dtype that holds ``vocab_size`` ids."""
+    _check_impl(impl)
+    return MMapIndexedDatasetBuilder(out_bin, dtype=best_fitting_dtype(vocab_size))
+
+
+def make_dataset(path_prefix: str, impl: str = "mmap") -> MMapIndexedDataset:
+    """Open the dataset at ``path_prefix`` (``.bin``/``.idx`` without the extension)."""
+    _check_impl(impl)
+    return MMapIndexedDataset(path_prefix)
+
+
+def _check_impl(impl: str) -> None:
+    if impl != "mmap":
+        raise ValueError(f"--dataset-impl {impl!r} is not supported; only 'mmap' is")
