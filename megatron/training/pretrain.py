@@ -5,7 +5,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
                                        print_rank_0, print_rank_last, total_iterations)
@@ -25,7 +25,11 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     if config.checkpoint.load:
         state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
             config.checkpoint.load, models, trainer.optimizer, trainer.scheduler, config, pstate)
+    # Building data loaders draws from the default generator; keep it out of the
+    # training RNG stream so a resumed run continues exactly where it stopped.
+    rng = rng_state()
     train_iter, valid_iter, test_iter = data_provider(state.consumed_train, state.consumed_valid)
+    set_rng_state(rng)
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
     valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None

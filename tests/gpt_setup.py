@@ -1,0 +1,47 @@
+"""A tiny GPT run on the WikiText validation corpus, shared by the training tests."""
+import os
+import sys
+
+from tests.conftest import ROOT, SHARED_DATA
+
+BPE = SHARED_DATA / "bpe-8k"
+WIKI = SHARED_DATA / "wikitext" / "wiki.valid.jsonl"
+
+
+def have_reference_data() -> bool:
+    return WIKI.is_file() and (BPE / "vocab.json").is_file()
+
+
+def preprocess_wiki(out_dir) -> str:
+    """Preprocess wiki.valid.jsonl with the bpe-8k vocabulary; returns the data prefix."""
+    sys.path.insert(0, str(ROOT))
+    from tools import preprocess_data
+    prefix = os.path.join(str(out_dir), "wiki")
+    if not os.path.exists(prefix + "_text_document.idx"):
+        status = preprocess_data.main([
+            "--input", str(WIKI), "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(BPE / "vocab.json"), "--merge-file", str(BPE / "merges.txt"),
+            "--append-eod", "--workers", "1", "--log-interval", "100000"])
+        assert status == 0, f"preprocessing failed with status {status}"
+    return prefix + "_text_document"
+
+
+def tiny_gpt_argv(data_prefix, cache_dir, *extra, layers=4, hidden=64, heads=4, seq=32,
+                  mbs=2, gbs=8, iters=10):
+    """Flags of a small deterministic run (dropout 0, CPU initialisation)."""
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
+        "--lr", "1e-3", "--lr-warmup-fraction", "0.1", "--data-path", str(data_prefix),
+        "--split", "949,50,1", "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(BPE / "vocab.json"), "--merge-file", str(BPE / "merges.txt"),
+        "--make-vocab-size-divisible-by", "16", "--log-interval", "1", "--eval-interval", "1000",
+        "--eval-iters", "1", "--num-workers", "0", "--data-cache-path", str(cache_dir),
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization",
+        "--seed", "1234", *extra]
+
+
+def losses(state):
+    """lm losses per iteration from a TrainState (last pipeline stage)."""
+    return [h["lm loss"] for h in state.history]

@@ -1,0 +1,44 @@
+"""Pure rank arithmetic of 3D parallelism."""
+import pytest
+
+from megatron.mpu.topology import ParallelDims
+
+
+def _check_partition(groups, world):
+    flat = sorted(r for g in groups for r in g)
+    assert flat == list(range(world))
+
+
+@pytest.mark.parametrize("world, tp, pp", [(1024, 8, 16), (64, 2, 4), (8, 2, 2), (6, 1, 3)])
+def test_groups_partition_the_world(world, tp, pp):
+    dims = ParallelDims(world, tp, pp)
+    dp = world // (tp * pp)
+    for groups, size in ((dims.tensor_parallel_groups(), tp), (dims.data_parallel_groups(), dp),
+                         (dims.pipeline_parallel_groups(), pp), (dims.model_parallel_groups(), tp * pp)):
+        assert all(len(g) == size for g in groups)
+        _check_partition(groups, world)
+
+
+def test_megatron_rank_order_1024_ranks():
+    dims = ParallelDims(1024, tp=8, pp=16)
+    assert dims.dp == 8
+    for rank in (0, 7, 8, 63, 64, 1023, 517):
+        pp, dp, tp = dims.coordinates(rank)
+        assert rank == pp * (8 * 8) + dp * 8 + tp
+        assert dims.rank_of(pp, dp, tp) == rank
+    assert dims.tensor_parallel_groups()[0] == list(range(8))  # contiguous
+    assert dims.data_parallel_groups()[0] == [0, 8, 16, 24, 32, 40, 48, 56]
+    assert dims.pipeline_parallel_groups()[0] == [64 * i for i in range(16)]
+    assert dims.embedding_groups()[0] == [0, 960]
+    assert all(len(g) == 2 and g[1] - g[0] == 960 for g in dims.embedding_groups())
+
+
+def test_embedding_group_without_pipeline_is_the_rank_itself():
+    assert ParallelDims(4, tp=2, pp=1).embedding_groups() == [[0], [1], [2], [3]]
+
+
+def test_rejects_sizes_that_do_not_divide_the_world():
+    with pytest.raises(ValueError, match=r"world size \(12\).*\(8\)"):
+        ParallelDims(12, tp=8, pp=1)
+    with pytest.raises(ValueError, match="virtual"):
+        ParallelDims(4, tp=1, pp=1, virtual_pp=2)

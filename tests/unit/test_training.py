@@ -1,0 +1,94 @@
+"""End-to-end training on real text: loss falls, checkpoints resume exactly."""
+import math
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.training.checkpointing import (CheckpointError, from_megatron_layout, load_checkpoint_file,
+                                             to_megatron_layout)
+from megatron.mpu import single_process_state
+from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+
+pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
+
+
+@pytest.fixture(scope="module")
+def wiki(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wiki")
+    return preprocess_wiki(out), out / "cache"
+
+
+def test_loss_falls_below_6_in_200_iterations(wiki):
+    """The foundation's acceptance run: 4 layers, hidden 128, 4 heads, seq 128, batch 8."""
+    prefix, cache = wiki
+    argv = tiny_gpt_argv(prefix, cache, "--log-interval", "50", "--eval-interval", "200",
+                         "--eval-iters", "2", hidden=128, seq=128, mbs=8, gbs=8, iters=200)
+    state = pretrain_gpt.main(argv)
+    curve = losses(state)
+    assert curve[0] > math.log(8000) - 0.5
+    assert sum(curve[-10:]) / 10 < 6.0, curve[-10:]
+    assert state.validation and state.validation[-1]["lm loss"] < 6.5
+
+
+def test_resume_reproduces_uninterrupted_losses(wiki, tmp_path):
+    prefix, cache = wiki
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # RNG must resume too
+    full = losses(pretrain_gpt.main(tiny_gpt_argv(prefix, cache, *dropout, iters=40)))
+    save = str(tmp_path / "ckpt")
+    first = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, *dropout, "--save", save,
+                                            "--save-interval", "20", "--exit-interval", "20", iters=40))
+    assert losses(first) == full[:20]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "20"
+    assert os.path.isfile(os.path.join(save, "iter_0000020", "mp_rank_00", "model_optim_rng.pt"))
+    resumed = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, *dropout, "--load", save, iters=40))
+    assert [h["iteration"] for h in resumed.history] == list(range(21, 41))
+    assert losses(resumed) == full[20:]
+
+
+def test_finetune_and_layout_errors(wiki, tmp_path):
+    prefix, cache = wiki
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--save", save, "--no-save-optim", iters=2))
+    state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, "--finetune", iters=2))
+    assert [h["iteration"] for h in state.history] == [1, 2]
+    with pytest.raises(SystemExit):  # saved without optimizer: one-line error, exit 1
+        pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, iters=4))
+    pp2 = single_process_state()
+    pp2.dims = type(pp2.dims)(world_size=2, tp=1, pp=2)
+    with pytest.raises(CheckpointError, match="merge_mp_partitions"):
+        load_checkpoint_file(save, pp2)
+
+
+def test_checkpoint_loads_with_weights_only_and_megatron_keys(wiki, tmp_path):
+    prefix, cache = wiki
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--save", save, iters=1))
+    state = torch.load(os.path.join(save, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"),
+                       weights_only=True)
+    model = state["model"]["language_model"]
+    assert set(model) == {"embedding", "encoder"}
+    assert model["embedding"]["word_embeddings"]["weight"].shape == (8000, 64)
+    assert "layers.3.self_attention.query_key_value.weight" in model["encoder"]
+    assert "final_layernorm.weight" in model["encoder"]
+    flat = from_megatron_layout(state["model"])
+    assert to_megatron_layout(flat).keys() == state["model"].keys()
+    assert state["iteration"] == 1 and state["config"]["model"]["num_layers"] == 4
+
+
+def test_interrupted_save_keeps_previous_checkpoint(wiki, tmp_path, monkeypatch):
+    prefix, cache = wiki
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--save", save, iters=1))
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, "--save", save, iters=2))
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "1"
+    monkeypatch.undo()
+    state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, iters=2))
+    assert [h["iteration"] for h in state.history] == [2]
