@@ -14,15 +14,20 @@ leaves a `BUILD_OK` stamp, and later processes import the library directly
 (milliseconds, no ninja). One process builds while the others wait on a file
 lock in that folder, so torchrun ranks share one compilation.
 
+Without a cached build, a module of the same name installed by setup.py (built
+from `fused_extension_sources()` with `fused_extension_cflags()`) is used as is.
+
 `MEGATRON_DISABLE_FUSED_BUILD=1` forbids compiling (as if there were no
-compiler); a library already built in the cache is still used. When a build
+compiler); a library already built (cache or setup.py) is still used. When a build
 fails, or is forbidden, one warning gives the short reason and every fused op
 falls back to plain PyTorch: a missing compiler never stops training.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib
 import importlib.util
 import os
 import re
@@ -72,6 +77,7 @@ def build_root() -> Path:
     return Path(cache) / "megatron_fused"
 
 
+@functools.lru_cache(maxsize=None)
 def _want_cuda() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -151,6 +157,8 @@ def _load_or_build(name: str, spec: dict, verbose: bool) -> ModuleType:
     library = build_dir / f"{name}.so"
     if (build_dir / _STAMP).is_file() and library.is_file():
         return _import_library(name, library)
+    if importlib.util.find_spec(name) is not None:  # pre-built by setup.py
+        return importlib.import_module(name)
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         raise RuntimeError(f"compiling is disabled by {DISABLE_ENV}=1")
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -163,11 +171,12 @@ def _load_or_build(name: str, spec: dict, verbose: bool) -> ModuleType:
 
 
 def _short_reason(exc: BaseException) -> str:
-    """First compiler error line of a failed build (or the exception's last line)."""
+    """First compiler error line of a failed build (else the first line of the message)."""
     text = str(exc) or type(exc).__name__
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    diagnostics = [ln for ln in lines if re.search(r"\berror:", ln)]  # compiler lines
     errors = [ln for ln in lines if re.search(r"\berror\b", ln, re.IGNORECASE)]
-    reason = (errors or lines or [type(exc).__name__])[0]
+    reason = (diagnostics or errors or lines or [type(exc).__name__])[0]
     return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
@@ -180,6 +189,8 @@ def _warn(message: str) -> None:
 
 def _load(name: str, verbose: bool) -> ModuleType | None:
     """Module `name`, loading or building it once per process; None on failure."""
+    if name in _modules:  # fast path for every call after the first
+        return _modules[name]
     with _lock:
         if name in _modules:
             return _modules[name]

@@ -1,0 +1,157 @@
+"""Speed of the fused softmax / layer-norm kernels against plain PyTorch, same run.
+
+    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
+
+CPU (float32, torch.set_num_threads(threads) for both sides):
+  - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
+    scale + masked_fill + softmax (target: >= 1.5x);
+  - layer norm forward+backward on [8192, 1024]: fused vs F.layer_norm (target: >= 1x);
+  - bias_gelu forward+backward on [2048, 4096]: plain vs TorchScript (and
+    torch.compile with --compile), to decide whether fusing it pays on CPU.
+CUDA (when available): fp16/bf16 causal softmax and layer norm vs PyTorch, with the
+achieved bandwidth against a device-to-device copy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.model import fused, fused_kernels  # noqa: E402
+
+
+def timeit(fn, repeat: int, warmup: int = 2, sync=None) -> float:
+    """Median seconds of fn() over `repeat` runs."""
+    return compare([fn], repeat, warmup, sync)[0]
+
+
+def compare(fns, repeat: int, warmup: int = 2, sync=None) -> list[float]:
+    """Median seconds of each fn, running them in turn so that both see the same load."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, bucket in zip(fns, times):
+            if sync:
+                sync()
+            start = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            bucket.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def softmax_step(x, grad, fusion: bool):
+    def run():
+        xr = x.detach().requires_grad_()
+        y = fused.attention_softmax(xr, scale=0.125, causal=True, fusion=fusion)
+        y.backward(grad)
+    return run
+
+
+def layer_norm_step(x, w, b, grad, fusion: bool):
+    def run():
+        xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+        y = fused.layer_norm(xr, wr, br, 1e-5, fusion=fusion)
+        y.backward(grad)
+    return run
+
+
+def report(name: str, times: list[float], target: float | None = None) -> None:
+    t_plain, t_fused = times
+    ratio = t_plain / t_fused
+    goal = f" (target >= {target:.1f}x: {'ok' if ratio >= target else 'MISSED'})" if target else ""
+    print(f"{name:<44} plain {t_plain * 1e3:8.2f} ms  fused {t_fused * 1e3:8.2f} ms  "
+          f"speed-up {ratio:5.2f}x{goal}")
+
+
+def bench_cpu(repeat: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(32, 1, 512, 512)
+    g = torch.randn_like(x)
+    report("CPU causal softmax fwd+bwd [32,512,512] f32",
+           compare([softmax_step(x, g, False), softmax_step(x, g, True)], repeat), 1.5)
+    x = torch.randn(8192, 1024)
+    w, b, g = torch.randn(1024), torch.randn(1024), torch.randn(8192, 1024)
+    report("CPU layer norm fwd+bwd [8192,1024] f32",
+           compare([layer_norm_step(x, w, b, g, False), layer_norm_step(x, w, b, g, True)],
+                   repeat), 1.0)
+
+
+def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.gelu(y + bias, approximate="tanh")
+
+
+def bench_bias_gelu(repeat: int, with_compile: bool) -> None:
+    y = torch.randn(2048, 4096)
+    bias = torch.randn(4096)
+    g = torch.randn_like(y)
+
+    def step(fn):
+        def run():
+            yr, br = y.detach().requires_grad_(), bias.detach().requires_grad_()
+            fn(br, yr).backward(g)
+        return run
+
+    report("CPU bias_gelu fwd+bwd [2048,4096]: TorchScript",
+           compare([step(_bias_gelu), step(torch.jit.script(_bias_gelu))], repeat, warmup=3))
+    if with_compile:
+        report("CPU bias_gelu fwd+bwd [2048,4096]: torch.compile",
+               compare([step(_bias_gelu), step(torch.compile(_bias_gelu))], repeat, warmup=3))
+
+
+def bench_cuda(repeat: int) -> None:
+    sync = torch.cuda.synchronize
+    x = torch.randn(64, 1, 2048, 2048, device="cuda")
+    t_copy = timeit(lambda: torch.empty_like(x).copy_(x), repeat, sync=sync)
+    copy_bw = 2 * x.numel() * x.element_size() / t_copy
+    print(f"CUDA device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
+    for dtype in (torch.float16, torch.bfloat16):
+        xs = x.to(dtype)
+        g = torch.randn_like(xs)
+        fwd = [lambda f=f: fused.attention_softmax(xs, scale=0.125, causal=True, fusion=f)
+               for f in (False, True)]
+        times = compare(fwd, repeat, sync=sync)
+        report(f"CUDA causal softmax fwd {dtype}", times)
+        bw = 2 * xs.numel() * xs.element_size() / times[1]  # read scores, write probs
+        print(f"    fused forward {bw / 1e9:.0f} GB/s = {bw / copy_bw:.0%} of copy")
+        report(f"CUDA causal softmax fwd+bwd {dtype}",
+               compare([softmax_step(xs, g, False), softmax_step(xs, g, True)], repeat,
+                       sync=sync))
+        xl = torch.randn(32768, 4096, device="cuda", dtype=dtype)
+        w, b = torch.randn(4096, device="cuda", dtype=dtype), torch.zeros(4096, device="cuda",
+                                                                         dtype=dtype)
+        gl = torch.randn_like(xl)
+        report(f"CUDA layer norm fwd+bwd [32768,4096] {dtype}",
+               compare([layer_norm_step(xl, w, b, gl, False), layer_norm_step(xl, w, b, gl, True)],
+                       repeat, sync=sync))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    if not fused_kernels.load_fused_kernels(verbose=False):
+        print("fused kernels unavailable; nothing to compare")
+    print(f"kernels loaded in {time.perf_counter() - start:.2f} s, threads={args.threads}")
+    bench_cpu(args.repeat)
+    bench_bias_gelu(args.repeat, args.compile)
+    if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
+        bench_cuda(args.repeat)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+// Argument checks and output allocation shared by the CPU and CUDA bindings.
+#pragma once
+
+#include <limits>
+#include <string>
+
+// Light includes instead of <torch/extension.h>: the binding compiles ~3x faster.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace megatron_fused {
+
+// When set, every output is filled with NaN before a kernel runs, so that an
+// element a kernel forgets to write shows up in tests.
+inline bool& poison_outputs_flag() {
+  static bool flag = false;
+  return flag;
+}
+
+inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor out = at::empty(sizes, options);
+  if (poison_outputs_flag()) out.fill_(std::numeric_limits<float>::quiet_NaN());
+  return out;
+}
+
+inline void check_float_type(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, name,
+              " must be float32, bfloat16 or float16, got ", st);
+}
+
+inline void check_tensor(const at::Tensor& t, const char* name, int64_t dim,
+                         c10::DeviceType device) {
+  TORCH_CHECK(t.device().type() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+inline void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.sizes() == b.sizes(), what, ": shapes differ, ", a.sizes(), " vs ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtypes differ, ", a.scalar_type(),
+              " vs ", b.scalar_type());
+}
+
+// mask [mask_b, 1, sq, sk] of bool/uint8 for input [b, np, sq, sk]; returns mask_b.
+inline int64_t check_mask(const at::Tensor& mask, const at::Tensor& input,
+                          c10::DeviceType device) {
+  check_tensor(mask, "mask", 4, device);
+  const auto st = mask.scalar_type();
+  TORCH_CHECK(st == at::kBool || st == at::kByte, "mask must be bool or uint8, got ", st);
+  const int64_t mb = mask.size(0);
+  TORCH_CHECK((mb == 1 || mb == input.size(0)) && mask.size(1) == 1 &&
+                  mask.size(2) == input.size(2) && mask.size(3) == input.size(3),
+              "mask shape ", mask.sizes(), " does not fit input ", input.sizes(),
+              "; expected [1 or b, 1, sq, sk]");
+  return mb;
+}
+
+inline const uint8_t* mask_data(const at::Tensor& mask) {
+  return static_cast<const uint8_t*>(mask.data_ptr());
+}
+
+}  // namespace megatron_fused

@@ -1,0 +1,43 @@
+// CPU fused kernels on raw pointers. All tensors are contiguous, row-major.
+// T is float, c10::BFloat16 or c10::Half; arithmetic is always in float.
+// Rows are spread over threads with at::parallel_for.
+#pragma once
+
+#include <cstdint>
+
+namespace megatron_fused {
+namespace cpu {
+
+// softmax(scale * x) over the last dim of [batches, sq, sq] with j > i masked out.
+template <typename T>
+void upper_triang_softmax_forward(const T* in, T* out, int64_t batches, int64_t sq, float scale);
+
+// dx = scale * y * (g - sum(g * y)) for the kernel above; y is its saved output.
+template <typename T>
+void upper_triang_softmax_backward(const T* grad, const T* out, T* dx, int64_t batches,
+                                   int64_t sq, float scale);
+
+// softmax over the last dim of x [b, np, sq, sk] where x*scale is replaced by -10000
+// wherever mask [mask_b, 1, sq, sk] is non-zero; mask_b is 1 or b.
+template <typename T>
+void masked_softmax_forward(const T* in, const uint8_t* mask, T* out, int64_t b, int64_t np,
+                            int64_t sq, int64_t sk, int64_t mask_b, float scale);
+
+// Backward of the kernel above; masked positions get a zero gradient.
+template <typename T>
+void masked_softmax_backward(const T* grad, const T* out, const uint8_t* mask, T* dx, int64_t b,
+                             int64_t np, int64_t sq, int64_t sk, int64_t mask_b, float scale);
+
+// y = (x - mean) * rstd * w + b per row of x [rows, cols]; mean and rstd are float [rows].
+template <typename T>
+void layer_norm_forward(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd,
+                        int64_t rows, int64_t cols, float eps);
+
+// Gradients of layer_norm_forward: dx [rows, cols], dw and db [cols]. The weight and bias
+// gradients are summed in a fixed order, so results do not depend on the thread count.
+template <typename T>
+void layer_norm_backward(const T* dy, const T* x, const float* mean, const float* rstd,
+                         const T* w, T* dx, T* dw, T* db, int64_t rows, int64_t cols);
+
+}  // namespace cpu
+}  // namespace megatron_fused

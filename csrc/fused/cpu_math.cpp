@@ -1,0 +1,331 @@
+// Row primitives for the CPU kernels (see cpu_math.h).
+//
+// The arithmetic is written on LaneVec, 16 floats handled as one value through
+// the GCC/Clang vector extension; each function is compiled for AVX-512, AVX2 and
+// the baseline (target_clones) and the compiler maps LaneVec to that target's
+// registers. Reductions keep 16 partial results and add them at the end, so no
+// -ffast-math is needed. exp() is a short polynomial accurate to about 2 ulp.
+// Row tails shorter than 16 go through a padded LaneVec, so every element sees
+// the same arithmetic.
+#include "cpu_math.h"
+
+#include <cstring>
+#include <limits>
+
+#if defined(__GNUC__) && !defined(__clang__)
+// The LaneVec helpers are inlined; GCC's note on passing 64-byte vectors by value
+// across an ABI boundary does not apply to them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define MF_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MF_CLONES
+#endif
+
+namespace megatron_fused {
+namespace cpu {
+namespace {
+
+constexpr int kLanes = 16;
+typedef float LaneVec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t LaneInt __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t LaneU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t LaneU16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint8_t LaneU8 __attribute__((vector_size(kLanes * sizeof(uint8_t))));
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline LaneVec splat(float v) {
+  LaneVec out;
+  for (int k = 0; k < kLanes; ++k) out[k] = v;
+  return out;
+}
+
+inline LaneVec load(const float* p) {
+  LaneVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The first m (< kLanes) floats of p, the other lanes set to `fill`.
+inline LaneVec load_part(const float* p, int64_t m, float fill) {
+  LaneVec v = splat(fill);
+  std::memcpy(&v, p, sizeof(float) * m);
+  return v;
+}
+
+inline void store(float* p, const LaneVec& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_part(float* p, const LaneVec& v, int64_t m) {
+  std::memcpy(p, &v, sizeof(float) * m);
+}
+
+// -1 in the lanes whose mask byte is non-zero, 0 elsewhere; m bytes (m <= kLanes).
+inline LaneInt load_mask(const uint8_t* p, int64_t m = kLanes) {
+  LaneU8 bytes = {};
+  std::memcpy(&bytes, p, m);
+  return __builtin_convertvector(bytes, LaneInt) != 0;
+}
+
+// -1 in lanes [0, m), 0 elsewhere.
+inline LaneInt first_lanes(int64_t m) {
+  LaneInt index;
+  for (int k = 0; k < kLanes; ++k) index[k] = k;
+  return index < static_cast<int32_t>(m);
+}
+
+inline LaneVec select(const LaneInt& cond, const LaneVec& a, const LaneVec& b) {
+  return cond ? a : b;
+}
+
+inline LaneVec vmax(const LaneVec& a, const LaneVec& b) { return select(b > a, b, a); }
+
+inline float hsum(const LaneVec& v) {
+  float s = 0.0f;
+  for (int k = 0; k < kLanes; ++k) s += v[k];
+  return s;
+}
+
+inline float hmax(const LaneVec& v) {
+  float m = v[0];
+  for (int k = 1; k < kLanes; ++k) m = v[k] > m ? v[k] : m;
+  return m;
+}
+
+// exp(x): round x / ln2 to n, reduce to r = x - n ln2 (in two parts so that
+// n * kLn2Hi is exact), a degree-7 Taylor polynomial for exp(r), then scale by 2^n
+// through the exponent bits. 0 below the normal range; NaN stays NaN.
+inline LaneVec exp_lanes(const LaneVec& x) {
+  constexpr float kMin = -87.33f;  // exp(kMin) is just above the smallest normal float
+  constexpr float kMax = 88.37f;   // exp(kMax) is just below the largest float
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;  // 9 significant bits
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  LaneVec c = select(x < kMin, splat(kMin), x);
+  c = select(c > kMax, splat(kMax), c);
+  const LaneVec n = (c * kLog2e + kRound) - kRound;
+  const LaneVec r = (c - n * kLn2Hi) - n * kLn2Lo;
+  LaneVec p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const LaneInt bits = (__builtin_convertvector(n, LaneInt) + 127) << 23;
+  LaneVec pow2n;
+  std::memcpy(&pow2n, &bits, sizeof(pow2n));
+  return select(x < kMin, splat(0.0f), p * pow2n);
+}
+
+inline LaneVec masked_scores(const LaneVec& x, const LaneInt& masked, float scale) {
+  return select(masked, splat(kMaskedValue), x * scale);
+}
+
+}  // namespace
+
+MF_CLONES float scaled_max(const float* x, int64_t n, float scale) {
+  LaneVec acc = splat(-kInf);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vmax(acc, load(x + i) * scale);
+  if (i < n) {
+    const LaneVec v = load_part(x + i, n - i, 0.0f) * scale;
+    acc = vmax(acc, select(first_lanes(n - i), v, splat(-kInf)));
+  }
+  return hmax(acc);
+}
+
+MF_CLONES float masked_scaled_max(const float* x, const uint8_t* mask, int64_t n, float scale) {
+  LaneVec acc = splat(-kInf);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    acc = vmax(acc, masked_scores(load(x + i), load_mask(mask + i), scale));
+  if (i < n) {
+    const LaneVec v = masked_scores(load_part(x + i, n - i, 0.0f), load_mask(mask + i, n - i),
+                                    scale);
+    acc = vmax(acc, select(first_lanes(n - i), v, splat(-kInf)));
+  }
+  return hmax(acc);
+}
+
+MF_CLONES float scaled_exp_sum(float* y, const float* x, int64_t n, float scale, float m) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec e = exp_lanes(load(x + i) * scale - m);
+    store(y + i, e);
+    acc += e;
+  }
+  if (i < n) {
+    const LaneVec e = exp_lanes(load_part(x + i, n - i, 0.0f) * scale - m);
+    store_part(y + i, e, n - i);
+    acc += select(first_lanes(n - i), e, splat(0.0f));
+  }
+  return hsum(acc);
+}
+
+MF_CLONES float masked_scaled_exp_sum(float* y, const float* x, const uint8_t* mask, int64_t n,
+                                      float scale, float m) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec e = exp_lanes(masked_scores(load(x + i), load_mask(mask + i), scale) - m);
+    store(y + i, e);
+    acc += e;
+  }
+  if (i < n) {
+    const LaneVec s =
+        masked_scores(load_part(x + i, n - i, 0.0f), load_mask(mask + i, n - i), scale);
+    const LaneVec e = exp_lanes(s - m);
+    store_part(y + i, e, n - i);
+    acc += select(first_lanes(n - i), e, splat(0.0f));
+  }
+  return hsum(acc);
+}
+
+MF_CLONES void scale_inplace(float* y, int64_t n, float factor) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) * factor);
+  for (; i < n; ++i) y[i] *= factor;
+}
+
+void fill_zero(float* y, int64_t n) {
+  if (n > 0) std::memset(y, 0, sizeof(float) * n);
+}
+
+MF_CLONES float dot(const float* a, const float* b, int64_t n) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  if (i < n) acc += load_part(a + i, n - i, 0.0f) * load_part(b + i, n - i, 0.0f);
+  return hsum(acc);
+}
+
+MF_CLONES void softmax_grad(float* dx, const float* g, const float* y, int64_t n, float gy,
+                            float scale) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(dx + i, load(y + i) * (load(g + i) - gy) * scale);
+  for (; i < n; ++i) dx[i] = y[i] * (g[i] - gy) * scale;
+}
+
+MF_CLONES void masked_softmax_grad(float* dx, const float* g, const float* y,
+                                   const uint8_t* mask, int64_t n, float gy, float scale) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec v = load(y + i) * (load(g + i) - gy) * scale;
+    store(dx + i, select(load_mask(mask + i), splat(0.0f), v));
+  }
+  for (; i < n; ++i) dx[i] = mask[i] ? 0.0f : y[i] * (g[i] - gy) * scale;
+}
+
+MF_CLONES float sum(const float* x, int64_t n) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(x + i);
+  if (i < n) acc += load_part(x + i, n - i, 0.0f);
+  return hsum(acc);
+}
+
+MF_CLONES float sum_sq_dev(const float* x, int64_t n, float mean) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec d = load(x + i) - mean;
+    acc += d * d;
+  }
+  if (i < n) {
+    const LaneVec d = load_part(x + i, n - i, mean) - mean;  // padding contributes 0
+    acc += d * d;
+  }
+  return hsum(acc);
+}
+
+MF_CLONES void layer_norm_affine(float* y, const float* x, const float* w, const float* b,
+                                 int64_t n, float mean, float rstd) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    store(y + i, (load(x + i) - mean) * rstd * load(w + i) + load(b + i));
+  for (; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+}
+
+MF_CLONES void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const float* dy,
+                                   const float* x, const float* w, int64_t n, float mean,
+                                   float rstd) {
+  LaneVec acc1 = splat(0.0f);
+  LaneVec acc2 = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec d = load(dy + i);
+    const LaneVec xhat = (load(x + i) - mean) * rstd;
+    const LaneVec g = d * load(w + i);
+    acc1 += g;
+    acc2 += g * xhat;
+    store(dgamma + i, load(dgamma + i) + d * xhat);
+    store(dbeta + i, load(dbeta + i) + d);
+  }
+  float s1 = hsum(acc1);
+  float s2 = hsum(acc2);
+  for (int64_t j = i; j < n; ++j) {
+    const float xhat = (x[j] - mean) * rstd;
+    const float g = dy[j] * w[j];
+    s1 += g;
+    s2 += g * xhat;
+    dgamma[j] += dy[j] * xhat;
+    dbeta[j] += dy[j];
+  }
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const float c1 = s1 * inv_n;
+  const float c2 = s2 * inv_n;
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    const LaneVec xhat = (load(x + i) - mean) * rstd;
+    store(dx + i, rstd * (load(dy + i) * load(w + i) - c1 - xhat * c2));
+  }
+  for (; i < n; ++i) dx[i] = rstd * (dy[i] * w[i] - c1 - (x[i] - mean) * rstd * c2);
+}
+
+MF_CLONES void add_inplace(float* acc, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(acc + i, load(acc + i) + load(x + i));
+  for (; i < n; ++i) acc[i] += x[i];
+}
+
+// bfloat16 is the top half of a float: widen by shifting; narrow with round to
+// nearest even, NaN kept as a quiet NaN (the same results as c10::BFloat16).
+MF_CLONES void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    LaneU16 h;
+    std::memcpy(&h, src + i, sizeof(h));
+    const LaneU32 bits = __builtin_convertvector(h, LaneU32) << 16;
+    std::memcpy(dst + i, &bits, sizeof(bits));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+MF_CLONES void from_float(c10::BFloat16* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec f = load(src + i);
+    LaneU32 bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    const LaneU32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
+    const LaneU32 out = (f != f) ? LaneU32{} + 0x7fc0u : rounded;
+    const LaneU16 h = __builtin_convertvector(out, LaneU16);
+    std::memcpy(dst + i, &h, sizeof(h));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+}
+
+MF_CLONES void to_float(float* dst, const c10::Half* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+MF_CLONES void from_float(c10::Half* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+
+}  // namespace cpu
+}  // namespace megatron_fused

@@ -1,0 +1,64 @@
+// Row primitives for the CPU kernels: plain loops over contiguous float rows.
+//
+// Every function works on one row of `n` elements. They are compiled once per
+// instruction set (AVX-512, AVX2, baseline) and chosen when the library loads,
+// so the same binary is fast on new CPUs and still runs on old ones.
+#pragma once
+
+#include <cstdint>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace megatron_fused {
+namespace cpu {
+
+// Value given to masked-out attention scores before the softmax (Megatron's convention).
+constexpr float kMaskedValue = -10000.0f;
+
+// max_j (x[j] * scale).
+float scaled_max(const float* x, int64_t n, float scale);
+// Same, where mask[j] != 0 counts as kMaskedValue instead of x[j] * scale.
+float masked_scaled_max(const float* x, const uint8_t* mask, int64_t n, float scale);
+
+// y[j] = exp(x[j] * scale - m); returns sum_j y[j]. y may alias x.
+float scaled_exp_sum(float* y, const float* x, int64_t n, float scale, float m);
+// Same with masked entries taking kMaskedValue. y may alias x.
+float masked_scaled_exp_sum(float* y, const float* x, const uint8_t* mask, int64_t n,
+                            float scale, float m);
+
+// y[j] *= factor.
+void scale_inplace(float* y, int64_t n, float factor);
+// y[j] = 0.
+void fill_zero(float* y, int64_t n);
+
+// sum_j a[j] * b[j].
+float dot(const float* a, const float* b, int64_t n);
+// dx[j] = y[j] * (g[j] - gy) * scale (softmax backward). dx may alias g or y.
+void softmax_grad(float* dx, const float* g, const float* y, int64_t n, float gy, float scale);
+// Same, with dx[j] = 0 where mask[j] != 0.
+void masked_softmax_grad(float* dx, const float* g, const float* y, const uint8_t* mask,
+                         int64_t n, float gy, float scale);
+
+// sum_j x[j] and sum_j (x[j] - mean)^2.
+float sum(const float* x, int64_t n);
+float sum_sq_dev(const float* x, int64_t n, float mean);
+// y[j] = (x[j] - mean) * rstd * w[j] + b[j]. y may alias x.
+void layer_norm_affine(float* y, const float* x, const float* w, const float* b, int64_t n,
+                       float mean, float rstd);
+// One row of the layer-norm backward. Computes s1 = sum(dy*w), s2 = sum(dy*w*xhat),
+// then dx = rstd * (dy*w - s1/n - xhat*s2/n), and accumulates dgamma += dy*xhat,
+// dbeta += dy. dx may alias dy.
+void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const float* dy,
+                         const float* x, const float* w, int64_t n, float mean, float rstd);
+// acc[j] += x[j].
+void add_inplace(float* acc, const float* x, int64_t n);
+
+// Conversions between float rows and 16-bit storage (round to nearest even).
+void to_float(float* dst, const c10::BFloat16* src, int64_t n);
+void to_float(float* dst, const c10::Half* src, int64_t n);
+void from_float(c10::BFloat16* dst, const float* src, int64_t n);
+void from_float(c10::Half* dst, const float* src, int64_t n);
+
+}  // namespace cpu
+}  // namespace megatron_fused

@@ -1,0 +1,270 @@
+"""Fused operations used by the transformer, each with a plain-PyTorch path.
+
+The softmax and layer-norm kernels live in `csrc/fused` (C++ for CPU, CUDA for
+GPUs) and are built on first use by `fused_kernels`. Each call picks the fused
+kernel when it is built and the inputs meet its constraints, else the plain
+PyTorch path below (also the reference the kernels are tested against).
+`fusion=False` always takes the plain path.
+
+Fused-path constraints (checked per call; anything else runs plain PyTorch):
+
+attention_softmax, scores [b, np, sq, sk]:
+  - dtype float32, bfloat16 or float16 (arithmetic in float32 whatever
+    `softmax_in_fp32` says, output in the scores' dtype);
+  - device CPU, or CUDA with sk <= 8192 (rows are staged in shared memory);
+  - `causal` and no mask with sq == sk: `scaled_upper_triang_masked_softmax`;
+  - otherwise `scaled_masked_softmax`: the mask must be bool/uint8 and
+    broadcastable to [b, 1, sq, sk] (no per-head masks); it is expanded to
+    [b or 1, 1, sq, sk] and combined with the causal mask when `causal`.
+layer_norm:
+  - normalises the last dim only, weight and bias given, both [hidden] of the
+    input's dtype (float32, bfloat16 or float16);
+  - CUDA: hidden <= 8192.
+Both: fewer than 2**31 rows (one CUDA block per row).
+
+Masked scores take -10000.0 before the softmax (Megatron's convention), so a
+fully masked row comes out uniform, as in the plain path.
+
+bias_gelu and bias_dropout_add stay plain PyTorch. On CPU TorchScript does not
+fuse (its CPU fuser is off; 0.9x in benchmarks/bench_fused.py) and torch.compile
+won only about 1.2x on bias_gelu forward+backward for ~30 s of compiling per
+shape and a C++ compiler at run time, which does not pay.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model import fused_kernels
+
+MASKED_VALUE = -10000.0
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Longest softmax row / layer-norm row per device type; None means no limit.
+MAX_ROW_LENGTH = {"cpu": None, "cuda": 8192}
+
+UPPER_TRIANG = "scaled_upper_triang_masked_softmax"
+MASKED = "scaled_masked_softmax"
+
+
+def _ext(tensor: torch.Tensor):
+    module = fused_kernels.get_extension(tensor.device.type)
+    if module is None:
+        raise RuntimeError(f"fused kernels are not available for device {tensor.device}; "
+                           "call attention_softmax/layer_norm, which fall back to PyTorch")
+    return module
+
+
+# ----------------------------------------------------------------------------------
+# Autograd functions around the kernels
+# ----------------------------------------------------------------------------------
+
+class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
+    """softmax(scale * x) over the last dim of x [attn_batches, sq, sq], future masked."""
+
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        probs = _ext(inputs).scaled_upper_triang_masked_softmax_forward(
+            inputs.contiguous(), float(scale))
+        ctx.scale = float(scale)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        dx = _ext(probs).scaled_upper_triang_masked_softmax_backward(
+            grad.contiguous(), probs, ctx.scale)
+        return dx, None
+
+
+class ScaledMaskedSoftmax(torch.autograd.Function):
+    """softmax(scale * x) of x [b, np, sq, sk] with mask [b or 1, 1, sq, sk] (True = hidden)."""
+
+    @staticmethod
+    def forward(ctx, inputs, mask, scale):
+        mask = mask.contiguous()
+        probs = _ext(inputs).scaled_masked_softmax_forward(
+            inputs.contiguous(), mask, float(scale))
+        ctx.scale = float(scale)
+        ctx.save_for_backward(probs, mask)
+        return probs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        probs, mask = ctx.saved_tensors
+        dx = _ext(probs).scaled_masked_softmax_backward(
+            grad.contiguous(), probs, mask, ctx.scale)
+        return dx, None, None
+
+
+class FusedLayerNormAffine(torch.autograd.Function):
+    """Layer norm over the last dim with weight and bias; saves mean and 1/std."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden).contiguous()
+        y, mean, rstd = _ext(x).layer_norm_forward(
+            x2, weight.contiguous(), bias.contiguous(), float(eps))
+        ctx.shape = x.shape
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        dy = grad.reshape(x2.shape).contiguous()
+        dx, dw, db = _ext(x2).layer_norm_backward(dy, x2, mean, rstd, weight.contiguous())
+        dw = dw if ctx.needs_input_grad[1] else None
+        db = db if ctx.needs_input_grad[2] else None
+        return dx.view(ctx.shape), dw, db, None
+
+
+# ----------------------------------------------------------------------------------
+# Attention softmax
+# ----------------------------------------------------------------------------------
+
+def _row_fits(device: torch.device, length: int) -> bool:
+    if device.type not in MAX_ROW_LENGTH:
+        return False
+    limit = MAX_ROW_LENGTH[device.type]
+    return length >= 1 and (limit is None or length <= limit)
+
+
+def _mask_fits(mask: torch.Tensor, b: int, sq: int, sk: int) -> bool:
+    if mask.dtype not in (torch.bool, torch.uint8) or mask.dim() > 4:
+        return False
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return (shape[0] in (1, b) and shape[1] == 1
+            and shape[2] in (1, sq) and shape[3] in (1, sk))
+
+
+def softmax_kernel_for(scores: torch.Tensor, causal: bool, mask=None) -> str | None:
+    """Name of the kernel the fused path would use for these inputs, or None.
+
+    A pure check of the constraints (see the module docstring); builds nothing.
+    """
+    if scores.dim() != 4 or scores.dtype not in KERNEL_DTYPES or scores.numel() == 0:
+        return None
+    b, _, sq, sk = scores.shape
+    if not _row_fits(scores.device, sk) or scores.numel() // sk >= 2**31:
+        return None
+    if mask is None:
+        return UPPER_TRIANG if causal and sq == sk else MASKED
+    if mask.device != scores.device or not _mask_fits(mask, b, sq, sk):
+        return None
+    return MASKED
+
+
+def _kernel_mask(mask, causal: bool, b: int, sq: int, sk: int, device) -> torch.Tensor:
+    """mask as a [b or 1, 1, sq, sk] bool tensor, with the future hidden when causal."""
+    if mask is None:
+        kernel_mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=device)
+    else:
+        kernel_mask = mask.bool().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        mb = b if kernel_mask.shape[0] == b else 1
+        kernel_mask = kernel_mask.expand(mb, 1, sq, sk)
+    if causal:
+        future = torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+        kernel_mask = kernel_mask | future
+    return kernel_mask.contiguous()
+
+
+def _fused_attention_softmax(scores, scale, causal, mask):
+    """Fused softmax, or None when the inputs or the machine do not allow it."""
+    kernel = softmax_kernel_for(scores, causal, mask)
+    if kernel is None or fused_kernels.get_extension(scores.device.type) is None:
+        return None
+    b, np_, sq, sk = scores.shape
+    if kernel == UPPER_TRIANG:
+        flat = scores.reshape(b * np_, sq, sk)
+        return ScaledUpperTriangMaskedSoftmax.apply(flat, scale).view(b, np_, sq, sk)
+    kernel_mask = _kernel_mask(mask, causal, b, sq, sk, scores.device)
+    return ScaledMaskedSoftmax.apply(scores, kernel_mask, scale)
+
+
+def _plain_attention_softmax(scores, scale, causal, mask, softmax_in_fp32):
+    dtype = scores.dtype
+    x = scores.float() if softmax_in_fp32 else scores
+    x = x * scale
+    if causal:
+        sq, sk = x.shape[-2:]
+        future = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(sk - sq + 1)
+        x = x.masked_fill(future, MASKED_VALUE)
+    if mask is not None:
+        x = x.masked_fill(mask.bool(), MASKED_VALUE)
+    return torch.softmax(x, dim=-1).to(dtype)
+
+
+def attention_softmax(scores, *, scale, causal, mask=None, softmax_in_fp32=True, fusion=True):
+    """softmax(scale * scores) with the future (causal) and/or `mask` (True = hidden) removed.
+
+    scores: [b, np, sq, sk]; mask: bool, broadcastable to scores, or None.
+    Returns probabilities in the dtype of `scores`.
+    """
+    if fusion:
+        probs = _fused_attention_softmax(scores, float(scale), causal, mask)
+        if probs is not None:
+            return probs
+    return _plain_attention_softmax(scores, scale, causal, mask, softmax_in_fp32)
+
+
+# ----------------------------------------------------------------------------------
+# Layer norm
+# ----------------------------------------------------------------------------------
+
+def layer_norm_fusable(x, weight, bias) -> bool:
+    """Whether the fused kernel accepts these inputs (see the module docstring)."""
+    if weight is None or bias is None or x.dim() == 0 or x.numel() == 0:
+        return False
+    hidden = x.shape[-1]
+    return (x.dtype in KERNEL_DTYPES and _row_fits(x.device, hidden)
+            and x.numel() // hidden < 2**31
+            and weight.shape == (hidden,) and bias.shape == (hidden,)
+            and weight.dtype == x.dtype and bias.dtype == x.dtype
+            and weight.device == x.device and bias.device == x.device)
+
+
+def layer_norm(x, weight, bias, eps, fusion=True):
+    """Layer norm of x over its last dim with `weight` and `bias`."""
+    if (fusion and layer_norm_fusable(x, weight, bias)
+            and fused_kernels.get_extension(x.device.type) is not None):
+        return FusedLayerNormAffine.apply(x, weight, bias, eps)
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+class LayerNorm(torch.nn.Module):
+    """Layer norm over the last dimension with weight and bias."""
+
+    def __init__(self, hidden_size, eps=1e-5, fusion=True, sequence_parallel=False):
+        super().__init__()
+        self.eps = eps
+        self.fusion = fusion
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size))
+        # Replicated over tensor-parallel ranks; under sequence parallelism its
+        # gradients are partial sums that must be all-reduced over TP.
+        for p in (self.weight, self.bias):
+            p.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps, self.fusion)
+
+
+# ----------------------------------------------------------------------------------
+# Element-wise fusions (plain PyTorch; see the module docstring)
+# ----------------------------------------------------------------------------------
+
+def bias_gelu(bias, y, fusion=True):
+    """tanh-approximated GeLU of y + bias."""
+    return F.gelu(y + bias, approximate="tanh")
+
+
+def bias_dropout_add(x, bias, residual, prob, training, fusion=True):
+    """residual + dropout(x + bias)."""
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=prob, training=training)

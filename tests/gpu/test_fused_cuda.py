@@ -1,0 +1,136 @@
+"""Fused softmax / layer-norm CUDA kernels against the plain PyTorch reference.
+
+Skipped without a GPU. Builds megatron_fused_cuda on first use (needs CUDA_HOME).
+Outputs are poisoned with NaN before each kernel call to catch unwritten elements.
+"""
+import pytest
+import torch
+
+from megatron.model import fused, fused_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+LIMIT = fused.MAX_ROW_LENGTH["cuda"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    fused_kernels.load_fused_kernels()
+    assert fused_kernels.fused_kernels_available("cuda"), "the CUDA kernels failed to build"
+    fused_kernels.set_poison_outputs(True)
+    yield fused_kernels.get_extension("cuda")
+    fused_kernels.set_poison_outputs(False)
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def run(fn, tensors, grad):
+    inputs = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*inputs)
+    out.backward(grad)
+    torch.cuda.synchronize()
+    return out.detach(), [t.grad for t in inputs]
+
+
+def reference_softmax(x, scale, causal, mask, grad):
+    return run(lambda t: fused.attention_softmax(t, scale=scale, causal=causal, mask=mask,
+                                                 fusion=False), [x.float()], grad.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,np_,s", [(1, 1, 1), (2, 3, 7), (2, 4, 64), (1, 2, 100),
+                                     (1, 2, 1024), (1, 1, LIMIT)])
+def test_causal_softmax(dtype, b, np_, s):
+    torch.manual_seed(s)
+    x = (torch.randn(b, np_, s, s, device="cuda") * 4).to(dtype)
+    g = torch.randn_like(x)
+    assert fused.softmax_kernel_for(x, True) == fused.UPPER_TRIANG
+    y, (dx,) = run(lambda t: fused.attention_softmax(t, scale=0.37, causal=True), [x], g)
+    y_ref, (dx_ref,) = reference_softmax(x, 0.37, True, None, g)
+    assert y.dtype == dtype
+    assert rel_err(y, y_ref) < TOLERANCE[dtype] and rel_err(dx, dx_ref) < TOLERANCE[dtype]
+    future = torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1)
+    assert (y[..., future] == 0).all() and (dx[..., future] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,mask_shape,causal", [
+    ((2, 3, 5, 29), (2, 1, 5, 29), False),
+    ((2, 3, 17, 16), (1, 1, 17, 16), True),
+    ((1, 2, 8, 300), (1, 1, 1, 300), False),
+    ((2, 2, 3, 2000), (2, 1, 3, 2000), False),
+    ((1, 1, 2, 8), None, True),  # sq != sk
+])
+def test_masked_softmax(dtype, shape, mask_shape, causal):
+    torch.manual_seed(sum(shape))
+    x = (torch.randn(shape, device="cuda") * 4).to(dtype)
+    g = torch.randn_like(x)
+    mask = None
+    if mask_shape is not None:
+        mask = torch.rand(mask_shape, device="cuda") < 0.4
+        mask[0, 0, 0] = True  # a fully masked row
+    assert fused.softmax_kernel_for(x, causal, mask) == fused.MASKED
+    y, (dx,) = run(lambda t: fused.attention_softmax(t, scale=0.5, causal=causal, mask=mask),
+                   [x], g)
+    y_ref, (dx_ref,) = reference_softmax(x, 0.5, causal, mask, g)
+    assert rel_err(y, y_ref) < TOLERANCE[dtype] and rel_err(dx, dx_ref) < TOLERANCE[dtype]
+
+
+def test_rows_over_the_limit_take_the_plain_path():
+    x = torch.randn(1, 1, 2, LIMIT + 1, device="cuda", requires_grad=True)
+    assert fused.softmax_kernel_for(x, False) is None
+    y = fused.attention_softmax(x, scale=1.0, causal=False)
+    assert "ScaledMaskedSoftmax" not in type(y.grad_fn).__name__
+    xl = torch.randn(4, LIMIT + 1, device="cuda")
+    w, b = torch.ones(LIMIT + 1, device="cuda"), torch.zeros(LIMIT + 1, device="cuda")
+    assert not fused.layer_norm_fusable(xl, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (300, 1024), (4, 5000), (16, LIMIT)])
+def test_layer_norm(dtype, shape):
+    torch.manual_seed(shape[-1])
+    hidden = shape[-1]
+    x = (torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    b = torch.randn(hidden, device="cuda").to(dtype)
+    g = torch.randn(shape, device="cuda").to(dtype)
+    assert fused.layer_norm_fusable(x, w, b)
+    y, grads = run(lambda *t: fused.layer_norm(*t, 1e-5), [x, w, b], g)
+    y_ref, grads_ref = run(
+        lambda *t: torch.nn.functional.layer_norm(t[0], (hidden,), t[1], t[2], 1e-5),
+        [x.float(), w.float(), b.float()], g.float())
+    assert rel_err(y, y_ref) < TOLERANCE[dtype]
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
+
+
+def test_layer_norm_grads_deterministic_and_stream_aware():
+    torch.manual_seed(0)
+    x, g = torch.randn(1000, 768, device="cuda"), torch.randn(1000, 768, device="cuda")
+    w, b = torch.rand(768, device="cuda"), torch.randn(768, device="cuda")
+    first = run(lambda *t: fused.layer_norm(*t, 1e-5), [x, w, b], g)[1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        second = run(lambda *t: fused.layer_norm(*t, 1e-5), [x, w, b], g)[1]
+    torch.cuda.synchronize()
+    for a, b_ in zip(first, second):
+        assert torch.equal(a, b_)
+
+
+def test_softmax_on_a_side_stream():
+    x = torch.randn(2, 4, 128, 128, device="cuda")
+    expected = fused.attention_softmax(x, scale=0.5, causal=True, fusion=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = fused.attention_softmax(x, scale=0.5, causal=True)
+    torch.cuda.synchronize()
+    assert rel_err(y, expected) < 1e-6

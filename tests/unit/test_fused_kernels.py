@@ -1,0 +1,346 @@
+"""Fused softmax / layer-norm CPU kernels against the plain PyTorch reference.
+
+The first run compiles the CPU extension (a minute or two, cached afterwards in
+~/.cache/megatron_fused or $MEGATRON_FUSED_BUILD_DIR). Outputs are poisoned with
+NaN before every kernel call, so an element a kernel forgets to write fails.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron.model import fused, fused_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """Loads the CPU kernels (failing, not skipping, when they do not build)."""
+    if os.environ.get(fused_kernels.DISABLE_ENV, "0") not in ("", "0"):
+        pytest.skip(f"{fused_kernels.DISABLE_ENV} is set")
+    assert fused_kernels.load_fused_kernels(), "the CPU fused kernels failed to build"
+    fused_kernels.set_poison_outputs(True)
+    yield fused_kernels.get_extension("cpu")
+    fused_kernels.set_poison_outputs(False)
+
+
+def rel_err(actual, expected):
+    """max |actual - expected| / max |expected|, in float64."""
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def reference_softmax(x, scale, causal, mask, grad):
+    """Plain path in float32 on the same input values: (probs, d probs / d x)."""
+    xr = x.detach().float().requires_grad_()
+    y = fused.attention_softmax(xr, scale=scale, causal=causal, mask=mask, fusion=False)
+    y.backward(grad.float())
+    return y.detach(), xr.grad
+
+
+def fused_grads(fn, tensors, grad):
+    inputs = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*inputs)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in inputs]
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ------------------------------------------------------------------------ softmax
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batches,sq", [(1, 1), (3, 7), (2, 64), (4, 100)])
+def test_upper_triang_softmax(dtype, batches, sq):
+    torch.manual_seed(sq)
+    x = (torch.randn(batches, sq, sq) * 4).to(dtype)
+    g = torch.randn(batches, sq, sq).to(dtype)
+    y, (dx,) = fused_grads(
+        lambda t: fused.ScaledUpperTriangMaskedSoftmax.apply(t, 0.37), [x], g)
+    y_ref, dx_ref = reference_softmax(x.view(batches, 1, sq, sq), 0.37, True, None, g.view(
+        batches, 1, sq, sq))
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert rel_err(y, y_ref.view_as(y)) < TOLERANCE[dtype]
+    assert rel_err(dx, dx_ref.view_as(dx)) < TOLERANCE[dtype]
+    future = torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    assert (y[:, future] == 0).all() and (dx[:, future] == 0).all()
+    assert torch.allclose(y.float().sum(-1), torch.ones(batches, sq), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,mask_b,mask_dtype", [
+    ((2, 3, 5, 29), 2, torch.bool),
+    ((2, 3, 17, 16), 1, torch.bool),
+    ((1, 2, 8, 200), 1, torch.uint8),
+    ((3, 1, 4, 1), 3, torch.bool),
+])
+def test_masked_softmax(dtype, shape, mask_b, mask_dtype):
+    torch.manual_seed(sum(shape))
+    b, np_, sq, sk = shape
+    x = (torch.randn(shape) * 4).to(dtype)
+    g = torch.randn(shape).to(dtype)
+    mask = torch.rand(mask_b, 1, sq, sk) < 0.4
+    mask[0, 0, 0] = True  # one fully masked row: uniform output, zero gradient
+    y, (dx,) = fused_grads(
+        lambda t: fused.ScaledMaskedSoftmax.apply(t, mask.to(mask_dtype), 0.5), [x], g)
+    y_ref, dx_ref = reference_softmax(x, 0.5, False, mask, g)
+    assert rel_err(y, y_ref) < TOLERANCE[dtype]
+    assert rel_err(dx, dx_ref) < TOLERANCE[dtype]
+    assert (dx.expand(shape)[mask.expand(shape)] == 0).all()
+    assert torch.allclose(y[0, :, 0].float(), torch.full((np_, sk), 1.0 / sk), atol=1e-2)
+
+
+def test_float32_matches_plain_path_exactly_enough():
+    """float32: both the kernel and the plain path run in float32; < 1e-6 apart."""
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 4, 48, 48) * 3, torch.randn(2, 4, 48, 48)
+    for causal, mask in [(True, None), (False, torch.rand(2, 1, 48, 48) < 0.2)]:
+        y, (dx,) = fused_grads(
+            lambda t: fused.attention_softmax(t, scale=0.3, causal=causal, mask=mask), [x], g)
+        y_ref, (dx_ref,) = fused_grads(lambda t: fused.attention_softmax(
+            t, scale=0.3, causal=causal, mask=mask, fusion=False), [x], g)
+        assert rel_err(y, y_ref) < 1e-6 and rel_err(dx, dx_ref) < 1e-6
+
+
+B, NP, SQ, SK = 2, 3, 6, 6
+DISPATCH_CASES = [
+    # (scores shape, dtype, causal, mask shape, mask dtype, expected kernel)
+    ((B, NP, SQ, SK), torch.float32, True, None, None, fused.UPPER_TRIANG),
+    ((B, NP, SQ, SK), torch.bfloat16, True, None, None, fused.UPPER_TRIANG),
+    ((B, NP, 2, SK), torch.float32, True, None, None, fused.MASKED),  # sq != sk (KV cache)
+    ((B, NP, SQ, SK), torch.float32, False, None, None, fused.MASKED),
+    ((B, NP, SQ, SK), torch.float32, True, (B, 1, SQ, SK), torch.bool, fused.MASKED),
+    ((B, NP, SQ, SK), torch.float16, False, (B, 1, 1, SK), torch.bool, fused.MASKED),
+    ((B, NP, SQ, SK), torch.float32, False, (SQ, SK), torch.uint8, fused.MASKED),
+    # fail the fast-path constraints: plain PyTorch
+    ((B, NP, SQ, SK), torch.float32, False, (B, NP, SQ, SK), torch.bool, None),  # per head
+    ((B, NP, SQ, SK), torch.float64, True, None, None, None),
+    ((B, NP, SQ, SK), torch.float32, False, (B, 1, SQ, SK), torch.float32, None),
+    ((0, NP, SQ, SK), torch.float32, True, None, None, None),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,causal,mask_shape,mask_dtype,kernel", DISPATCH_CASES)
+def test_attention_softmax_dispatch(shape, dtype, causal, mask_shape, mask_dtype, kernel):
+    torch.manual_seed(1)
+    x = torch.randn(shape).to(dtype)
+    mask = None if mask_shape is None else (torch.rand(mask_shape) < 0.3).to(mask_dtype)
+    assert fused.softmax_kernel_for(x, causal, mask) == kernel
+    if mask is not None and mask.dtype == torch.float32:
+        return  # not a valid mask for the plain path either
+    g = torch.randn(shape).to(dtype)
+    y, (dx,) = fused_grads(
+        lambda t: fused.attention_softmax(t, scale=0.5, causal=causal, mask=mask), [x], g)
+    if x.numel() == 0:
+        return
+    y_ref, dx_ref = reference_softmax(x, 0.5, causal, mask, g)
+    tol = TOLERANCE.get(dtype, 1e-6)
+    assert y.dtype == dtype and rel_err(y, y_ref) < tol and rel_err(dx, dx_ref) < tol
+
+
+def test_fusion_false_takes_plain_path():
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    fused_y = fused.attention_softmax(x, scale=1.0, causal=False, fusion=True)
+    plain_y = fused.attention_softmax(x, scale=1.0, causal=False, fusion=False)
+    assert "ScaledMaskedSoftmax" in type(fused_y.grad_fn).__name__
+    assert "ScaledMaskedSoftmax" not in type(plain_y.grad_fn).__name__
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    assert "FusedLayerNorm" in type(fused.layer_norm(x, w, b, 1e-5).grad_fn).__name__
+    plain = fused.layer_norm(x, w, b, 1e-5, fusion=False)
+    assert "FusedLayerNorm" not in type(plain.grad_fn).__name__
+
+
+# --------------------------------------------------------------------- layer norm
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17)])
+def test_layer_norm(dtype, shape):
+    torch.manual_seed(shape[-1])
+    hidden = shape[-1]
+    x = (torch.randn(shape) * 2 + 0.5).to(dtype)
+    w = (torch.rand(hidden) + 0.5).to(dtype)
+    b = torch.randn(hidden).to(dtype)
+    g = torch.randn(shape).to(dtype)
+    y, grads = fused_grads(lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], g)
+    y_ref, grads_ref = fused_grads(
+        lambda *t: torch.nn.functional.layer_norm(t[0], (hidden,), t[1], t[2], 1e-5),
+        [x.float(), w.float(), b.float()], g.float())
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel_err(y, y_ref) < TOLERANCE[dtype]
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
+
+
+def test_layer_norm_hidden_one():
+    """hidden == 1: x - mean is 0, so y == bias and dx == 0 (up to rounding)."""
+    x, w, b = torch.randn(5, 1) * 3, torch.full((1,), 2.0), torch.full((1,), 0.25)
+    y, (dx, dw, db) = fused_grads(
+        lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], torch.ones(5, 1))
+    assert torch.equal(y, torch.full((5, 1), 0.25))
+    assert dx.abs().max() < 1e-4 and dw.abs().max() < 1e-4 and db.item() == 5.0
+
+
+def test_layer_norm_fallbacks_and_module():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    w, b = torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+    assert not fused.layer_norm_fusable(x, w, b)  # float64
+    assert not fused.layer_norm_fusable(x.float(), None, None)  # no affine params
+    assert not fused.layer_norm_fusable(x.bfloat16(), w.float(), b.float())  # mixed dtypes
+    assert not fused.layer_norm_fusable(x.float(), w[:4].float(), b[:4].float())
+    expected = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    assert torch.allclose(fused.layer_norm(x, w, b, 1e-5), expected)
+
+    ln = fused.LayerNorm(16, eps=1e-6, sequence_parallel=True)
+    assert ln.weight.sequence_parallel and ln.bias.sequence_parallel
+    out = ln(torch.randn(3, 2, 16))
+    assert "FusedLayerNorm" in type(out.grad_fn).__name__
+    out.sum().backward()
+    assert ln.weight.grad.shape == (16,) and torch.isfinite(ln.weight.grad).all()
+
+
+def test_layer_norm_grads_independent_of_thread_count():
+    torch.manual_seed(0)
+    x, g = torch.randn(300, 96), torch.randn(300, 96)
+    w, b = torch.rand(96), torch.randn(96)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(fused_grads(
+                lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], g)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+
+
+# ------------------------------------------------------------ build and loading
+
+def test_poison_mode_is_on(kernels):
+    assert kernels.poison_outputs()
+
+
+def test_bad_arguments_give_clear_errors(kernels):
+    with pytest.raises(RuntimeError, match=r"\[batches, sq, sq\]"):
+        kernels.scaled_upper_triang_masked_softmax_forward(torch.randn(2, 3, 4), 1.0)
+    with pytest.raises(RuntimeError, match="mask shape"):
+        kernels.scaled_masked_softmax_forward(
+            torch.randn(2, 1, 3, 4), torch.zeros(2, 1, 3, 5, dtype=torch.bool), 1.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernels.layer_norm_forward(torch.randn(2, 3).double(), torch.ones(3).double(),
+                                   torch.zeros(3).double(), 1e-5)
+
+
+def test_cached_load_is_cheap():
+    spec = fused_kernels._extension_specs()[fused_kernels.CPU_EXTENSION]
+    start = time.perf_counter()
+    module = fused_kernels._load_or_build(fused_kernels.CPU_EXTENSION, spec, verbose=False)
+    assert time.perf_counter() - start < 2.0
+    assert hasattr(module, "layer_norm_forward")
+
+
+def test_extension_sources_for_setup_py():
+    sources = fused_kernels.fused_extension_sources()
+    assert sources and all(os.path.isfile(s) and s.endswith(".cpp") for s in sources)
+    assert any(s.endswith("bindings_cpu.cpp") for s in sources)
+
+
+def test_file_lock_excludes_other_holders(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    lock = tmp_path / "build.lock"
+    blocked = []
+
+    def try_lock():
+        with open(lock, "a+") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                blocked.append(False)
+            except BlockingIOError:
+                blocked.append(True)
+
+    with fused_kernels._file_lock(lock):
+        thread = threading.Thread(target=try_lock)
+        thread.start()
+        thread.join()
+    try_lock()
+    assert blocked == [True, False]
+
+
+def test_short_reason_picks_compiler_error():
+    exc = RuntimeError("Error building extension 'x': [1/2] c++ -c a.cpp\n"
+                       "FAILED: a.o\na.cpp:3:1: error: expected ';'\nninja: build stopped")
+    assert fused_kernels._short_reason(exc) == "a.cpp:3:1: error: expected ';'"
+
+
+FALLBACK_SCRIPT = textwrap.dedent("""
+    import os, sys, warnings
+    warnings.simplefilter("default")
+    import torch
+    from megatron.model import fused, fused_kernels
+    build_dir = fused_kernels.build_root()
+    assert not fused_kernels.fused_kernels_available(), "loaded at import"
+    assert not build_dir.exists(), "built at import"
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    for _ in range(2):
+        y = fused.attention_softmax(x, scale=0.5, causal=True)
+        y.sum().backward()
+        ln = fused.layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5)
+    ref = fused.attention_softmax(x, scale=0.5, causal=True, fusion=False)
+    assert torch.equal(y, ref), "fallback differs from the plain path"
+    assert not fused_kernels.load_fused_kernels()
+    assert not fused_kernels.fused_kernels_available()
+    print("FALLBACK-OK")
+""")
+
+
+def run_fallback_script(tmp_path, **env):
+    full_env = dict(os.environ)
+    full_env.pop(fused_kernels.DISABLE_ENV, None)
+    full_env.update(MEGATRON_FUSED_BUILD_DIR=str(tmp_path / "build"), **env)
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stderr[-2000:]
+    return [ln for ln in proc.stderr.splitlines() if "Warning" in ln]
+
+
+def test_disabled_build_falls_back_with_one_warning(tmp_path):
+    warnings_seen = run_fallback_script(tmp_path, MEGATRON_DISABLE_FUSED_BUILD="1")
+    assert len(warnings_seen) == 1, warnings_seen
+    assert "MEGATRON_DISABLE_FUSED_BUILD" in warnings_seen[0]
+
+
+def test_compiler_failure_falls_back_with_its_reason(tmp_path):
+    fake = tmp_path / "fake-c++"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-c" ] && '
+                    '{ echo "x.cpp:1:1: error: simulated failure" >&2; exit 1; }; done\n'
+                    'exec c++ "$@"\n')
+    fake.chmod(0o755)
+    warnings_seen = run_fallback_script(tmp_path, CXX=str(fake))
+    assert len(warnings_seen) == 1, warnings_seen
+    assert "error: simulated failure" in warnings_seen[0]
+
+
+# -------------------------------------------------------- element-wise (plain)
+
+def test_bias_gelu_and_bias_dropout_add():
+    y, bias = torch.randn(4, 8), torch.randn(8)
+    expected = torch.nn.functional.gelu(y + bias, approximate="tanh")
+    assert torch.allclose(fused.bias_gelu(bias, y), expected)
+    x, residual = torch.randn(4, 8), torch.randn(4, 8)
+    assert torch.allclose(fused.bias_dropout_add(x, bias, residual, 0.5, False),
+                          residual + x + bias)
+    out = fused.bias_dropout_add(x, None, residual, 1.0, True)
+    assert torch.equal(out, residual)
