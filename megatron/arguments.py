@@ -19,6 +19,8 @@ _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": Train
 
 def _flag(group, name, section, field=None, **kwargs):
     field = field or name.lstrip("-").replace("-", "_")
+    if kwargs.get("action") not in ("store_true", "store_false") and "choices" not in kwargs:
+        kwargs.setdefault("metavar", field.upper())
     group.add_argument(name, dest=f"{section}.{field}", **kwargs)
 
 
