@@ -92,3 +92,28 @@ def test_interrupted_save_keeps_previous_checkpoint(wiki, tmp_path, monkeypatch)
     monkeypatch.undo()
     state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, iters=2))
     assert [h["iteration"] for h in state.history] == [2]
+
+
+def test_tensorboard_scalars(wiki, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    prefix, cache = wiki
+    tb = tmp_path / "tb"
+    pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--tensorboard-dir", str(tb), "--eval-interval", "2",
+                                    "--log-batch-size-to-tensorboard",
+                                    "--log-validation-ppl-to-tensorboard", iters=4))
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation",
+            "lm loss validation ppl"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
+
+
+def test_missing_vocab_file_is_one_line(wiki, tmp_path, capsys):
+    prefix, cache = wiki
+    argv = tiny_gpt_argv(prefix, cache, "--vocab-file", str(tmp_path / "nope.json"))
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nope.json" in err

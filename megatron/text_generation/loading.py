@@ -1,0 +1,177 @@
+"""Set-up shared by the inference entry points (sampling, zero-shot tasks).
+
+A checkpoint stores its `Config`; model and tokenizer flags left off the command
+line are taken from it (flags given explicitly win), so
+`--load CKPT --tokenizer-type ...` is enough to rebuild the model. The padded
+vocabulary is the checkpoint's (its embedding has that many rows), which keeps
+re-sharded checkpoints loadable.
+"""
+import argparse
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.arguments import config_from_namespace, fail, world_size_from_env
+from megatron.config import ConfigError
+from megatron.model import GPTModel
+from megatron.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.training.checkpointing import (TRACKER, CheckpointError, from_megatron_layout,
+                                             load_checkpoint_file, read_tracker)
+from megatron.training.trainer import build_model_chunks
+
+REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
+                        "max_position_embeddings")
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path",
+                    "vocab_size")
+
+
+def checkpoint_file(root: str) -> str:
+    """Path of one rank's file of the latest checkpoint under `root` (any rank will do)."""
+    tracked = read_tracker(root)
+    if tracked is None:
+        raise CheckpointError(f"no checkpoint at {root}: {os.path.join(root, TRACKER)} is "
+                              f"missing; pass the --save directory of a training run")
+    iteration, release = tracked
+    directory = os.path.join(root, "release" if release else f"iter_{iteration:07d}")
+    ranks = sorted(d for d in os.listdir(directory) if d.startswith("mp_rank_")) \
+        if os.path.isdir(directory) else []
+    for rank_dir in ranks:
+        path = os.path.join(directory, rank_dir, "model_optim_rng.pt")
+        if os.path.isfile(path):
+            return path
+    raise CheckpointError(f"no mp_rank_*/model_optim_rng.pt in {directory}; the checkpoint is "
+                          f"incomplete")
+
+
+def read_stored_config(root: str) -> Dict[str, Any]:
+    """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
+    state = torch.load(checkpoint_file(root), map_location="cpu", weights_only=True, mmap=True)
+    config = state.get("config") or {}
+    return config if isinstance(config, dict) else {}
+
+
+def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any]) -> Dict[str, Any]:
+    """Parser defaults (dest -> value) for every model and tokenizer flag the checkpoint knows."""
+    model, data = stored.get("model", {}), stored.get("data", {})
+    defaults = {}
+    for action in parser._actions:  # argparse has no public list of destinations
+        section, _, name = action.dest.partition(".")
+        if section == "model" and name in model and model[name] is not None:
+            defaults[action.dest] = model[name]
+        elif section == "data" and name in TOKENIZER_FIELDS and data.get(name) is not None:
+            defaults[action.dest] = data[name]
+    return defaults
+
+
+def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None):
+    """Parse flags, filling model and tokenizer flags from the checkpoint in --load.
+
+    Returns (config, namespace, stored_config). Problems exit 2 with one line.
+    """
+    parser.set_defaults(**{"training.train_iters": 1, "optimizer.lr": 1.0})
+    known, _ = parser.parse_known_args(argv)
+    root = getattr(known, "checkpoint.load", None)
+    if not root:
+        fail("--load is required: the checkpoint directory (the --save of a training run)")
+    try:
+        stored = read_stored_config(root)
+    except (CheckpointError, OSError, RuntimeError) as err:
+        fail(str(err).splitlines()[0])
+    parser.set_defaults(**checkpoint_defaults(parser, stored))
+    ns = parser.parse_args(argv)
+    missing = [f"--{n.replace('_', '-')}" for n in REQUIRED_MODEL_FLAGS
+               if getattr(ns, f"model.{n}", None) is None]
+    if missing:
+        fail(f"missing {' '.join(missing)}: the checkpoint in {root} stores no model config; "
+             f"pass them")
+    if getattr(ns, "model.seq_length", None) is None:
+        setattr(ns, "model.seq_length", getattr(ns, "model.max_position_embeddings"))
+    _default_global_batch(ns)
+    if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(ns.local_rank)
+    try:
+        config = config_from_namespace(ns)
+        config.check_layout(world_size_from_env())
+    except (ConfigError, TypeError) as err:
+        fail(str(err))
+    config.parallel.sequence_parallel = False
+    config.model.sequence_parallel = False
+    return config, ns, stored
+
+
+def _default_global_batch(ns) -> None:
+    """Inference has no global batch; make the interleaved schedule's check pass by default."""
+    if getattr(ns, "training.global_batch_size", None) is not None:
+        return
+    tp = getattr(ns, "parallel.tensor_model_parallel_size")
+    pp = getattr(ns, "parallel.pipeline_model_parallel_size")
+    dp = max(1, world_size_from_env() // (tp * pp))
+    setattr(ns, "training.global_batch_size", getattr(ns, "training.micro_batch_size") * dp * pp)
+
+
+def build_inference_tokenizer(config, stored: Dict[str, Any]):
+    """Tokenizer from the (merged) flags; sets config.model.padded_vocab_size.
+
+    The checkpoint's padded size wins when it is stored: the embedding has that
+    many rows. It must cover the tokenizer and divide by the TP size.
+    """
+    d, tp = config.data, config.parallel.tensor_model_parallel_size
+    if d.tokenizer_type is None:
+        fail("--tokenizer-type is required (the checkpoint stores none), e.g. GPT2BPETokenizer "
+             "with --vocab-file and --merge-file")
+    try:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
+                                    d.tokenizer_name_or_path, d.vocab_size)
+    except (ValueError, OSError, ImportError) as err:
+        fail(str(err).splitlines()[0])
+    saved = stored.get("model", {}).get("padded_vocab_size") or 0
+    if saved:
+        if saved < tokenizer.vocab_size:
+            fail(f"the checkpoint's vocabulary has {saved} rows but the tokenizer has "
+                 f"{tokenizer.vocab_size} ids; use the tokenizer the model was trained with")
+        if saved % tp:
+            fail(f"the checkpoint's padded vocabulary ({saved}) is not divisible by "
+                 f"--tensor-model-parallel-size {tp}")
+        config.model.padded_vocab_size = saved
+    else:
+        config.model.padded_vocab_size = padded_vocab_size(
+            tokenizer.vocab_size, config.model.make_vocab_size_divisible_by, tp)
+    return tokenizer
+
+
+def check_saved_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
+    saved = state.get("parallel", {})
+    here = {"tensor_model_parallel_size": pstate.tp_size,
+            "pipeline_model_parallel_size": pstate.pp_size,
+            "virtual_pipeline_model_parallel_size": num_chunks}
+    for key, value in here.items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(
+                f"checkpoint {root} has {key}={saved[key]} but this run has {value}; run with the "
+                f"saved layout or re-shard it with tools/merge_mp_partitions.py")
+
+
+def load_inference_models(config, pstate, device, parallel_output: bool = True
+                          ) -> Tuple[List[torch.nn.Module], int]:
+    """This rank's model chunks with the checkpoint's weights, in eval mode; and its iteration."""
+    def provider(**chunk):
+        return GPTModel(config.model, tp_group=pstate.tp_group, parallel_output=parallel_output,
+                        **chunk)
+
+    models = build_model_chunks(config, pstate, device, provider)
+    root = config.checkpoint.load
+    state = load_checkpoint_file(root, pstate)
+    if state is None:
+        raise CheckpointError(f"no checkpoint at {root}")
+    check_saved_layout(state, pstate, len(models), root)
+    for i, model in enumerate(models):
+        key = "model" if len(models) == 1 else f"model{i}"
+        try:
+            model.load_state_dict(from_megatron_layout(state[key]), strict=True)
+        except (KeyError, RuntimeError) as err:
+            first = str(err).strip().splitlines()[0]
+            raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
+                                  f"({first}); check the model flags") from None
+        model.eval()
+    return models, int(state.get("iteration", 0))

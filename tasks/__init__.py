@@ -1,0 +1,1 @@
+"""Downstream evaluation tasks run by `tasks/main.py`."""
