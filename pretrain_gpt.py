@@ -14,8 +14,8 @@ from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
-from megatron.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
-from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.text_generation.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
+from megatron.training.checkpointing import CheckpointError, read_tracker  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import pretrain  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
@@ -75,17 +75,12 @@ def setup(argv=None):
     missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if _flag_missing(argv, name)]
     if missing:
         fail(f"missing required flags: {' '.join(missing)}")
-    d = config.data
-    if d.tokenizer_type is None:
-        fail("--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and --merge-file)")
-    try:
-        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
-                                    d.tokenizer_name_or_path, d.vocab_size)
-        config.model.padded_vocab_size = padded_vocab_size(
-            tokenizer.vocab_size, config.model.make_vocab_size_divisible_by,
-            config.parallel.tensor_model_parallel_size)
-    except (ValueError, OSError, ImportError) as err:
-        fail(str(err).splitlines()[0])
+    # Resuming: the embedding has the checkpoint's padded vocabulary (it may come
+    # from a re-sharded checkpoint padded for another TP size).
+    stored = {}
+    if config.checkpoint.load and read_tracker(config.checkpoint.load) is not None:
+        stored = read_stored_config(config.checkpoint.load)
+    tokenizer = build_tokenizer_and_vocab(config, stored)
     config.model.sequence_parallel = config.parallel.sequence_parallel
     return config, tokenizer
 

@@ -21,7 +21,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from megatron.arguments import build_parser, fail  # noqa: E402
-from megatron.text_generation.loading import (build_inference_tokenizer,  # noqa: E402
+from megatron.text_generation.loading import (build_tokenizer_and_vocab,  # noqa: E402
                                               load_inference_models, parse_inference_args)
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv=None) -> Dict[str, float]:
     stride = window_stride(ns, seq_length)
     if ns.task == WIKITEXT and not 1 <= stride <= seq_length:
         fail(f"--overlapping-eval ({stride}) must be in 1..{seq_length} (--seq-length)")
-    tokenizer = build_inference_tokenizer(config, stored)
+    tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     try:
         dataset = build_dataset(ns, tokenizer, seq_length)

@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.arguments import build_parser, fail  # noqa: E402
 from megatron.text_generation import GenerationError, SamplingParams, generate  # noqa: E402
-from megatron.text_generation.loading import (build_inference_tokenizer,  # noqa: E402
+from megatron.text_generation.loading import (build_tokenizer_and_vocab,  # noqa: E402
                                               load_inference_models, parse_inference_args)
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
@@ -126,7 +126,7 @@ def main(argv=None) -> List[Dict]:
     if config.parallel.pipeline_model_parallel_size > 1:
         fail("generation with --pipeline-model-parallel-size > 1 is not supported; re-shard the "
              "checkpoint with tools/merge_mp_partitions.py --target-pipeline-model-parallel-size 1")
-    tokenizer = build_inference_tokenizer(config, stored)
+    tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     unconditional = not prompts
     try:

@@ -110,7 +110,7 @@ def _default_global_batch(ns) -> None:
     setattr(ns, "training.global_batch_size", getattr(ns, "training.micro_batch_size") * dp * pp)
 
 
-def build_inference_tokenizer(config, stored: Dict[str, Any]):
+def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
     """Tokenizer from the (merged) flags; sets config.model.padded_vocab_size.
 
     The checkpoint's padded size wins when it is stored: the embedding has that
