@@ -117,3 +117,20 @@ def test_missing_vocab_file_is_one_line(wiki, tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope.json" in err
+
+
+def test_training_runs_without_a_compiler(wiki, tmp_path):
+    """No fused kernels and no C++ helpers can be built: one warning each, same training."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    prefix, _ = wiki
+    env = dict(os.environ, MEGATRON_DISABLE_FUSED_BUILD="1", MEGATRON_FUSED_BUILD_DIR=str(tmp_path / "b"),
+               PYTHONWARNINGS="default")
+    argv = tiny_gpt_argv(prefix, tmp_path / "cache", "--attention-impl", "fused", iters=3)
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], env=env,
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count(" iteration ") >= 3
+    fused_warnings = [l for l in proc.stderr.splitlines() if "fused kernels" in l and "Warning" in l]
+    assert len(fused_warnings) == 1, proc.stderr[-2000:]
