@@ -9,6 +9,7 @@ import os
 import sys
 from typing import List, Optional
 
+from megatron.arguments_help import HELP
 from megatron.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
                              ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
 
@@ -21,12 +22,13 @@ def _flag(group, name, section, field=None, **kwargs):
     field = field or name.lstrip("-").replace("-", "_")
     if kwargs.get("action") not in ("store_true", "store_false") and "choices" not in kwargs:
         kwargs.setdefault("metavar", field.upper())
+    kwargs.setdefault("help", HELP.get(name))
     group.add_argument(name, dest=f"{section}.{field}", **kwargs)
 
 
 def _off(group, name, section, field):
     """A --no-X switch that turns a default-on feature off."""
-    group.add_argument(name, dest=f"{section}.{field}", action="store_false")
+    group.add_argument(name, dest=f"{section}.{field}", action="store_false", help=HELP.get(name))
 
 
 def _add_model_args(parser):
@@ -67,7 +69,8 @@ def _add_parallel_args(parser):
     _flag(g, "--overlap-grad-reduce", "parallel", action="store_true")
     _flag(g, "--accumulate-allreduce-grads-in-fp32", "parallel", action="store_true")
     # torch.distributed.launch passes --local-rank (or --local_rank); torchrun sets LOCAL_RANK.
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                   help=HELP["--local-rank"])
 
 
 def _add_training_args(parser):

@@ -1,0 +1,189 @@
+"""Pipeline efficiency on CPU: 1F1B over 2 gloo ranks against the whole model on one rank.
+
+Model: a stack of MLP blocks (x + W2 gelu(W1 x), hidden 1024, ffn 4096), split in
+two equal stages. Every process uses one thread.
+
+Measured bubble. With P stages of equal cost, perfect pipelining would take
+T_single / P for the global batch, where T_single is the time one process takes
+to run the whole model over the same M micro-batches. Everything above that is
+bubble (idle stages) plus communication, so
+
+    bubble = 1 - (T_single / P) / T_pipeline,
+
+the idle fraction of the pipeline's time, which theory puts at (P-1)/(M+P-1)
+for 1F1B. For fairness T_single is measured with both processes running the
+whole model at the same time (both cores busy, as in the pipelined run); the
+single and pipelined runs alternate, and each time is the best of several
+repeats and of both processes (the machine is shared: the minimum is the
+least disturbed run).
+
+With ``--sleep-ms`` each block sleeps instead of computing: the same
+measurement then checks the schedule, executor and p2p overheads alone, free of
+the noise other processes cause on a shared machine.
+
+Run from the repository root: python benchmarks/bench_pipeline.py [--quick] [--sleep-ms 10]
+"""
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.pipeline import P2PCommunicator, forward_backward  # noqa: E402
+from tests.distributed.run_ranks import run_ranks  # noqa: E402
+
+PP = 2
+
+
+class MLPBlock(nn.Module):
+    """x + W2 gelu(W1 x)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps: a stand-in for compute that other processes cannot slow down."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepBlock(nn.Module):
+    """x * w, then sleep ``ms`` in forward and twice that in backward."""
+
+    def __init__(self, ms: float):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.seconds = ms / 1000
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.w, self.seconds, 2 * self.seconds)
+
+
+class Stage(nn.Module):
+    """A run of blocks; non-first stages read their input from set_input_tensor."""
+
+    def __init__(self, cfg: dict, blocks: int, first: bool):
+        super().__init__()
+        if cfg["sleep_ms"] > 0:
+            made = [SleepBlock(cfg["sleep_ms"]) for _ in range(blocks)]
+        else:
+            made = [MLPBlock(cfg["hidden"], cfg["ffn"]) for _ in range(blocks)]
+        self.blocks = nn.Sequential(*made)
+        self.first = first
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def forward_step(batch_iter, model):
+    batch = next(batch_iter)
+    out = model(batch if model.first else model.input_tensor)
+    return out, lambda o: ((o ** 2).mean(), {"lm loss": (o ** 2).mean().detach()})
+
+
+def _time_once(fn, wait_for_all: bool) -> float:
+    """Wall time of fn() from a common start; to the common end if ``wait_for_all``."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    if wait_for_all:
+        dist.barrier()
+    elapsed = time.perf_counter() - t0
+    dist.barrier()
+    return elapsed
+
+
+def _timed_pair(single, pipelined, repeats: int) -> tuple[float, float]:
+    """Best times of the two runs, alternated so that outside load hits both alike."""
+    best_single = best_pipe = float("inf")
+    for i in range(repeats + 1):  # the first round is a warm-up
+        t_single = _time_once(single, wait_for_all=False)
+        t_pipe = _time_once(pipelined, wait_for_all=True)
+        if i:
+            best_single, best_pipe = min(best_single, t_single), min(best_pipe, t_pipe)
+    return best_single, best_pipe
+
+
+def _bench(rank, world_size, cfg):
+    shape = (cfg["seq"], cfg["micro"], cfg["hidden"])
+    torch.manual_seed(rank)
+    batch = torch.randn(shape)
+    whole = Stage(cfg, PP * cfg["blocks"], first=True)
+    stage = Stage(cfg, cfg["blocks"], first=rank == 0)
+    comm = P2PCommunicator(None, rank - 1 if rank else None, rank + 1 if rank < PP - 1 else None,
+                           shape, torch.float32, "cpu")
+    rows = []
+    for m in cfg["microbatches"]:
+        def single():
+            forward_backward("none", forward_step=forward_step,
+                             data_iterators=[itertools.repeat(batch)], model_chunks=[whole],
+                             num_microbatches=m, comm=None, pp_rank=0, pp_size=1)
+
+        def pipelined():
+            forward_backward("1f1b", forward_step=forward_step,
+                             data_iterators=[itertools.repeat(batch)], model_chunks=[stage],
+                             num_microbatches=m, comm=comm, pp_rank=rank, pp_size=PP)
+        rows.append((m, *_timed_pair(single, pipelined, cfg["repeats"])))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--blocks-per-stage", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--microbatches", default="1,2,4,8,16")
+    parser.add_argument("--sleep-ms", type=float, default=0.0,
+                        help="replace each block's compute by a sleep of this many ms forward "
+                             "(twice that backward): checks the schedule apart from CPU load")
+    parser.add_argument("--quick", action="store_true", help="small model, 2 repeats")
+    args = parser.parse_args()
+    cfg = dict(hidden=args.hidden, ffn=args.ffn, blocks=args.blocks_per_stage, seq=args.seq,
+               micro=args.micro_batch_size, repeats=args.repeats,
+               microbatches=[int(m) for m in args.microbatches.split(",")],
+               sleep_ms=args.sleep_ms)
+    if args.quick:
+        cfg.update(hidden=256, ffn=1024, repeats=2)
+    compute = (f"sleep {cfg['sleep_ms']} ms fwd / {2 * cfg['sleep_ms']} ms bwd per block"
+               if cfg["sleep_ms"] > 0 else f"MLP hidden {cfg['hidden']}, ffn {cfg['ffn']}")
+    print(f"PP={PP} ranks x 1 thread vs 1 rank x 1 thread; {compute}, {cfg['blocks']} "
+          f"blocks/stage, micro-batch {cfg['seq']}x{cfg['micro']}x{cfg['hidden']}")
+    per_rank = run_ranks(_bench, PP, cfg, timeout=3600)
+    print(f"{'M':>4} {'T_single (s)':>13} {'T_pipeline (s)':>15} {'bubble':>8} {'theory':>8}")
+    for i, m in enumerate(cfg["microbatches"]):
+        t_single = min(rows[i][1] for rows in per_rank)
+        t_pipe = max(rows[i][2] for rows in per_rank)
+        bubble = 1 - (t_single / PP) / t_pipe
+        theory = (PP - 1) / (m + PP - 1)
+        print(f"{m:>4} {t_single:>13.4f} {t_pipe:>15.4f} {bubble:>8.3f} {theory:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
