@@ -1,27 +1,82 @@
-"""Data-parallel gradient reduction over contiguous buckets.
+"""Data-parallel gradient reduction: our bucketed reducer, or torch's DDP.
 
-Every parameter gets a `main_grad` view into one contiguous buffer (fp32 for
-16-bit models, so micro-batch gradients accumulate in full precision). A hook
-moves each freshly computed `.grad` into `main_grad`. Buckets are laid out in
-reverse parameter order, the order in which backward produces gradients; with
-`overlap_grad_reduce` each bucket's all-reduce starts as soon as its last
-gradient of the last micro batch is in, overlapping with the rest of backward.
+`GradReducer` (--DDP-impl local): every parameter gets a `main_grad` view into
+one contiguous buffer (fp32 for 16-bit models, so micro-batch gradients
+accumulate in full precision). A hook moves each freshly computed `.grad` into
+`main_grad`. Buckets are laid out in reverse parameter order, the order in
+which backward produces gradients; with `overlap_grad_reduce` each bucket's
+reduction starts as soon as its last gradient of the last micro batch is in,
+overlapping with the rest of backward.
+
+With `reduce_scatter` (the distributed optimizer) each bucket is padded to a
+multiple of the DP size and split into DP equal contiguous shards; a DP rank
+only needs the averaged gradient of its own shard of every bucket:
+reduce-scatter on NCCL, all-reduce (then read the slice) on gloo.
+
+`TorchDDPReducer` (--DDP-impl torch) wraps a model chunk in
+torch.nn.parallel.DistributedDataParallel; gradients stay in `.grad`.
 """
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.mpu.mappings import group_size
+from megatron.config import ConfigError
+from megatron.mpu.mappings import group_rank, group_size
+
+SHARD_ALIGNMENT = 128
+"""Elements each DP shard of a bucket is padded to a multiple of (512-byte aligned in fp32)."""
+
+
+def plan_buckets(sizes: List[int], bucket_size: int, pad_to: int = 1
+                 ) -> Tuple[List[int], List[Tuple[int, int, int]]]:
+    """Lay out tensors of `sizes` back to back in buckets of about `bucket_size` elements.
+
+    Returns (offset of each tensor, buckets as (start, end, number of tensors)).
+    A bucket closes once it holds `bucket_size` elements; its end is padded up to
+    a multiple of `pad_to` (the next bucket starts there).
+    """
+    offsets, buckets = [], []
+    start, offset, count = 0, 0, 0
+    for size in sizes:
+        offsets.append(offset)
+        offset += size
+        count += 1
+        if offset - start >= bucket_size:
+            offset = _round_up(offset, pad_to)
+            buckets.append((start, offset, count))
+            start, count = offset, 0
+    if count:
+        offset = _round_up(offset, pad_to)
+        buckets.append((start, offset, count))
+    return offsets, buckets
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def shard_range(start: int, end: int, dp_size: int, dp_rank: int) -> Tuple[int, int]:
+    """The contiguous [start, end) slice of bucket [start, end) owned by `dp_rank`."""
+    size = (end - start) // dp_size
+    return start + dp_rank * size, start + (dp_rank + 1) * size
 
 
 class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter], data: torch.Tensor):
+    def __init__(self, params: List[torch.nn.Parameter], data: torch.Tensor, start: int,
+                 shard: Tuple[int, int]):
         self.params = params
         self.data = data
+        self.start = start
+        """Offset of the bucket in the reducer's buffer."""
+        self.shard = shard
+        """[start, end) in the buffer of this DP rank's shard (the whole bucket unsharded)."""
         self.pending = set(params)
         self.handle = None
+
+    def shard_view(self) -> torch.Tensor:
+        return self.data[self.shard[0] - self.start:self.shard[1] - self.start]
 
     def reset(self):
         self.pending = set(self.params)
@@ -29,34 +84,41 @@ class _Bucket:
 
 
 class GradReducer:
-    """Owns the gradient buffer of a model's parameters and its DP all-reduce."""
+    """Owns the gradient buffer of a model's parameters and its DP reduction."""
 
     def __init__(self, params: List[torch.nn.Parameter], dp_group, grad_dtype: torch.dtype,
-                 bucket_size: int = 40_000_000, overlap: bool = False):
+                 bucket_size: int = 40_000_000, overlap: bool = False,
+                 reduce_scatter: bool = False):
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
+        self.dp_rank = group_rank(dp_group)
         self.overlap = overlap and self.dp_size > 1
+        self.reduce_scatter = reduce_scatter
         self.sync_enabled = True
         params = [p for p in params if p.requires_grad]
-        numel = sum(p.numel() for p in params)
+        ordered = list(reversed(params))
+        pad = self.dp_size * SHARD_ALIGNMENT if reduce_scatter else 1
+        offsets, spans = plan_buckets([p.numel() for p in ordered], bucket_size, pad)
         device = params[0].device if params else None
+        numel = spans[-1][1] if spans else 0
         self.buffer = torch.zeros(numel, dtype=grad_dtype, device=device)
-        self.buckets = self._make_buckets(list(reversed(params)), bucket_size)
+        self.offsets: Dict[torch.nn.Parameter, int] = {}
+        for p, offset in zip(ordered, offsets):
+            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            self.offsets[p] = offset
+        self.buckets = self._make_buckets(ordered, spans)
         self._bucket_of: Dict[torch.nn.Parameter, _Bucket] = {
             p: b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _make_buckets(self, params, bucket_size) -> List[_Bucket]:
-        buckets, current, start, offset = [], [], 0, 0
-        for p in params:
-            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            current.append(p)
-            if offset - start >= bucket_size:
-                buckets.append(_Bucket(current, self.buffer[start:offset]))
-                current, start = [], offset
-        if current:
-            buckets.append(_Bucket(current, self.buffer[start:offset]))
+    def _make_buckets(self, ordered, spans) -> List[_Bucket]:
+        buckets, first = [], 0
+        for start, end, count in spans:
+            shard = (shard_range(start, end, self.dp_size, self.dp_rank) if self.reduce_scatter
+                     else (start, end))
+            params = ordered[first:first + count]
+            buckets.append(_Bucket(params, self.buffer[start:end], start, shard))
+            first += count
         return buckets
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -76,7 +138,12 @@ class GradReducer:
         if self.dp_size == 1 or bucket.handle is not None:
             return
         bucket.data.div_(self.dp_size)
-        bucket.handle = dist.all_reduce(bucket.data, group=self.dp_group, async_op=True)
+        if self.reduce_scatter and dist.get_backend(self.dp_group) == "nccl":
+            # In place: the output is this rank's slice of the input.
+            bucket.handle = dist.reduce_scatter_tensor(bucket.shard_view(), bucket.data,
+                                                       group=self.dp_group, async_op=True)
+        else:  # gloo has no reduce-scatter: all-reduce, the shard is then a slice
+            bucket.handle = dist.all_reduce(bucket.data, group=self.dp_group, async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -88,7 +155,8 @@ class GradReducer:
             self.sync_enabled = previous
 
     def finish_grad_sync(self) -> None:
-        """Average gradients over DP: start what has not started, wait for all."""
+        """Average gradients over DP (each rank's shard of them with `reduce_scatter`):
+        start what has not started, wait for all."""
         for bucket in self.buckets:
             self._start(bucket)
         for bucket in self.buckets:
@@ -100,3 +168,72 @@ class GradReducer:
         self.buffer.zero_()
         for bucket in self.buckets:
             bucket.reset()
+
+
+class TorchDDPReducer:
+    """--DDP-impl torch: DistributedDataParallel averages `.grad` over DP.
+
+    The model itself stays unwrapped for everything else (checkpoint keys,
+    `set_input_tensor`); only the forward goes through `module_for_forward()`.
+    DDP decides during the forward whether the coming backward all-reduces, so
+    the reducer counts forwards and lets only the last micro batch synchronise.
+    """
+
+    def __init__(self, module: torch.nn.Module, dp_group):
+        from torch.nn.parallel import DistributedDataParallel
+        self.module = module
+        self.ddp: Optional[torch.nn.Module] = None
+        if group_size(dp_group) > 1:
+            self.ddp = DistributedDataParallel(module, process_group=dp_group)
+        self.num_micro_batches = 1
+        self._forwards = 0
+
+    def begin_step(self, num_micro_batches: int) -> None:
+        """Called before the forwards and backwards of one global batch."""
+        self.num_micro_batches = num_micro_batches
+        self._forwards = 0
+
+    def module_for_forward(self) -> torch.nn.Module:
+        if self.ddp is None:
+            return self.module
+        self._forwards += 1
+        self.ddp.require_backward_grad_sync = self._forwards >= self.num_micro_batches
+        return self.ddp
+
+    def no_sync(self):
+        return contextlib.nullcontext()  # decided in module_for_forward()
+
+    def finish_grad_sync(self) -> None:
+        pass  # DDP waits for its all-reduces at the end of backward
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def check_reducer_options(parallel_cfg) -> None:
+    """Combinations of --DDP-impl, --use-distributed-optimizer and
+    --overlap-grad-reduce this implementation does not support."""
+    p = parallel_cfg
+    if p.DDP_impl == "torch" and p.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--DDP-impl torch supports --pipeline-model-parallel-size 1 only "
+                          f"(got {p.pipeline_model_parallel_size}); use --DDP-impl local")
+    if p.DDP_impl == "torch" and p.use_distributed_optimizer:
+        raise ConfigError("--use-distributed-optimizer needs --DDP-impl local (its gradient "
+                          "buffer is what the optimizer shards); drop --DDP-impl torch")
+    if p.use_distributed_optimizer and p.overlap_grad_reduce and p.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"--overlap-grad-reduce with --use-distributed-optimizer supports "
+            f"--pipeline-model-parallel-size 1 only (got {p.pipeline_model_parallel_size}): the "
+            f"tied embedding gradients must be summed before the reduce-scatter; drop one flag")
+
+
+def build_grad_reducers(models: List[torch.nn.Module], dp_group, parallel_cfg,
+                        grad_dtype: torch.dtype) -> list:
+    """One reducer per model chunk, of the kind --DDP-impl asks for."""
+    check_reducer_options(parallel_cfg)
+    if parallel_cfg.DDP_impl == "torch":
+        return [TorchDDPReducer(m, dp_group) for m in models]
+    return [GradReducer(list(m.parameters()), dp_group, grad_dtype,
+                        overlap=parallel_cfg.overlap_grad_reduce,
+                        reduce_scatter=parallel_cfg.use_distributed_optimizer) for m in models]

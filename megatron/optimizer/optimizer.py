@@ -27,6 +27,10 @@ def _param_groups(named_params, weight_decay):
 
 
 class MegatronOptimizer:
+    """Every DP rank holds the full optimizer state (see DistributedOptimizer for ZeRO-1)."""
+
+    is_distributed = False
+
     def __init__(self, cfg, models, pstate, grad_scaler=None):
         self.cfg = cfg
         self.pstate = pstate
@@ -108,6 +112,13 @@ class MegatronOptimizer:
             for model_param, main_param in zip(self.model_params, self.main_params):
                 model_param.copy_(main_param)
         return True, norm, False
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model (after loading its weights)."""
+        if self.mixed:
+            for model_param, main_param in zip(self.model_params, self.main_params):
+                main_param.copy_(model_param)
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}

@@ -10,15 +10,27 @@ consumed samples and the config as a plain dict. Files are written under a
 temporary name and renamed; the tracker file is updated last, so an
 interrupted save leaves the previous checkpoint intact. Loading uses
 `torch.load(weights_only=True)`: a checkpoint cannot run code.
+
+With the distributed optimizer the model file says `"distributed_optimizer": True`
+and has no "optimizer" entry; every DP rank writes its shard next to it:
+
+    <root>/iter_0000100/mp_rank_00/distrib_optim_dp_001.pt
+
+Such a checkpoint resumes with the same data-parallel size, or without
+--use-distributed-optimizer (the shards are then consolidated on load, see
+`consolidate_distributed_optimizer`). A regular optimizer state also loads
+into the distributed optimizer (each rank takes its shard of it).
 """
 import os
 import random
+import re
 from typing import Dict, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.optimizer.distributed import merge_optimizer_shards
 from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -34,6 +46,22 @@ def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_si
     directory = "release" if release else f"iter_{iteration:07d}"
     rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
     return os.path.join(root, directory, rank_dir, "model_optim_rng.pt")
+
+
+def distributed_optimizer_path(root: str, iteration: int, tp_rank: int, pp_rank: int,
+                               pp_size: int, dp_rank: int) -> str:
+    directory = os.path.dirname(checkpoint_path(root, iteration, tp_rank, pp_rank, pp_size))
+    return os.path.join(directory, f"distrib_optim_dp_{dp_rank:03d}.pt")
+
+
+_SHARD_FILE = re.compile(r"^distrib_optim_dp_(\d{3,})\.pt$")
+
+
+def _shard_files(directory: str, from_rank: int = 0) -> list:
+    """The distributed-optimizer shard files in one rank directory (DP rank >= `from_rank`)."""
+    found = sorted((int(m.group(1)), name) for name in os.listdir(directory)
+                   if (m := _SHARD_FILE.match(name)))
+    return [os.path.join(directory, name) for rank, name in found if rank >= from_rank]
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -123,14 +151,24 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
                           "virtual_pipeline_model_parallel_size": len(models)}}
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
+    sharded = not ckpt.no_save_optim and getattr(optimizer, "is_distributed", False)
     if not ckpt.no_save_optim:
-        state["optimizer"] = optimizer.state_dict()
+        if sharded:
+            state["distributed_optimizer"] = True
+        else:
+            state["optimizer"] = optimizer.state_dict()
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not ckpt.no_save_rng:
         state["rng_state"] = rng_state()
+    path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
     if pstate.dp_rank == 0:
-        _atomic_save(state, checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
-                                            pstate.pp_size))
+        _atomic_save(state, path)
+        if sharded:  # shards of a larger DP size saved here before would confuse loading
+            for stale in _shard_files(os.path.dirname(path), from_rank=pstate.dp_size):
+                os.remove(stale)
+    if sharded:
+        _atomic_save(optimizer.state_dict(), distributed_optimizer_path(
+            root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, pstate.dp_rank))
     if dist.is_initialized():
         dist.barrier()
     if pstate.rank == 0:
@@ -187,19 +225,85 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     _check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
         model.load_state_dict(from_megatron_layout(state[_model_key(i, len(models))]), strict=True)
+    if optimizer is not None:
+        optimizer.reload_model_params()  # fp32 main copies follow; a saved state overrides them
     ckpt = config.checkpoint
     if ckpt.finetune or state["_release"]:
         return 0, 0, 0
     if not ckpt.no_load_optim:
-        if "optimizer" not in state:
-            raise CheckpointError(f"{root} has no optimizer state (saved with --no-save-optim); "
-                                  f"load it with --no-load-optim or --finetune")
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(root, state, optimizer, pstate)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not ckpt.no_load_rng and "rng_state" in state:
         set_rng_state(state["rng_state"])
     return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
             int(state.get("consumed_valid_samples", 0)))
+
+
+def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
+    """Load the regular or sharded optimizer state into either kind of optimizer."""
+    iteration = int(state["iteration"])
+    if state.get("distributed_optimizer"):
+        if getattr(optimizer, "is_distributed", False):
+            saved = _load_shard(root, iteration, pstate)
+        else:
+            saved = consolidate_distributed_optimizer(root, pstate.tp_rank, pstate.pp_rank,
+                                                      pstate.pp_size, iteration)
+    elif "optimizer" in state:
+        saved = state["optimizer"]
+    else:
+        raise CheckpointError(f"{root} has no optimizer state (saved with --no-save-optim); "
+                              f"load it with --no-load-optim or --finetune")
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, IndexError) as err:
+        raise CheckpointError(f"optimizer state in {root} does not fit this run: "
+                              f"{str(err).splitlines()[0]}") from err
+
+
+def _load_shard(root: str, iteration: int, pstate) -> dict:
+    """This DP rank's distributed-optimizer shard; the DP size must be the saved one."""
+    path = distributed_optimizer_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
+                                      pstate.pp_size, pstate.dp_rank)
+    directory = os.path.dirname(path)
+    saved = len(_shard_files(directory))
+    if saved != pstate.dp_size:
+        raise CheckpointError(
+            f"{directory} holds distributed-optimizer shards of {saved} data-parallel ranks but "
+            f"this run has {pstate.dp_size}; resume with {saved} data-parallel ranks, or without "
+            f"--use-distributed-optimizer (the shards are then consolidated), or with "
+            f"--no-load-optim")
+    shard = torch.load(path, map_location="cpu", weights_only=True)
+    if shard.get("dp_size") != pstate.dp_size:
+        raise CheckpointError(f"{path} was saved with {shard.get('dp_size')} data-parallel ranks, "
+                              f"this run has {pstate.dp_size}; resume with the saved size")
+    return shard
+
+
+def consolidate_distributed_optimizer(root: str, tp_rank: int = 0, pp_rank: int = 0,
+                                      pp_size: int = 1, iteration: Optional[int] = None) -> dict:
+    """The regular (MegatronOptimizer) optimizer state of one model-parallel rank,
+    merged from the distributed-optimizer shards of all its DP ranks.
+
+    `iteration` defaults to the tracker's. The result is what `state["optimizer"]`
+    of a checkpoint saved without --use-distributed-optimizer holds.
+    """
+    if iteration is None:
+        tracked = read_tracker(root)
+        if tracked is None:
+            raise CheckpointError(f"no {TRACKER} in {root}: not a checkpoint directory")
+        iteration = tracked[0]
+    directory = os.path.dirname(checkpoint_path(root, iteration, tp_rank, pp_rank, pp_size))
+    files = _shard_files(directory) if os.path.isdir(directory) else []
+    if not files:
+        raise CheckpointError(f"no distributed-optimizer shards (distrib_optim_dp_*.pt) in "
+                              f"{directory}; was it saved with --use-distributed-optimizer?")
+    shards = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    sizes = {s["dp_size"] for s in shards}
+    ranks = sorted(s["dp_rank"] for s in shards)
+    if sizes != {len(shards)} or ranks != list(range(len(shards))):
+        raise CheckpointError(f"{directory} holds shards of data-parallel ranks {ranks} saved "
+                              f"with sizes {sorted(sizes)}: incomplete; save it again")
+    return merge_optimizer_shards(shards)
 
 
 def _check_layout(state, pstate, num_chunks, root):

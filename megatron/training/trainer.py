@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.distributed.ddp import GradReducer
+from megatron.distributed.ddp import build_grad_reducers
 from megatron.distributed.grads import allreduce_embedding_grads, allreduce_sequence_parallel_grads
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
@@ -106,13 +106,16 @@ class Trainer:
     def __init__(self, config, pstate, device, models, forward_step):
         self.config, self.pstate, self.device = config, pstate, device
         self.models = models
-        self.forward_step = forward_step
         grad_dtype = torch.float32 if (config.training.fp16 or config.training.bf16
                                        or config.parallel.accumulate_allreduce_grads_in_fp32) \
             else params_dtype(config)
-        self.reducers = [GradReducer(list(m.parameters()), pstate.dp_group, grad_dtype,
-                                     overlap=config.parallel.overlap_grad_reduce) for m in models]
-        self.optimizer = build_optimizer(config, models, pstate)
+        self.reducers = build_grad_reducers(models, pstate.dp_group, config.parallel, grad_dtype)
+        self.torch_ddp = config.parallel.DDP_impl == "torch"
+        # --DDP-impl torch: the forward goes through the DDP wrapper (the plain
+        # module stays in self.models for checkpoints and set_input_tensor).
+        self.forward_step = self._ddp_forward_step if self.torch_ddp else forward_step
+        self._user_forward_step = forward_step
+        self.optimizer = build_optimizer(config, models, pstate, self.reducers)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         t = config.training
         self.microbatches = MicroBatches(t.global_batch_size, t.micro_batch_size, pstate.dp_size,
@@ -139,6 +142,10 @@ class Trainer:
         return P2PCommunicator(p.pp_group, prev_rank, next_rank, shape, params_dtype(self.config),
                                self.device, timers=self.timers)
 
+    def _ddp_forward_step(self, data_iterator, model):
+        reducer = self.reducers[self.models.index(model)]
+        return self._user_forward_step(data_iterator, reducer.module_for_forward())
+
     @contextlib.contextmanager
     def _no_sync(self):
         with contextlib.ExitStack() as stack:
@@ -157,18 +164,13 @@ class Trainer:
 
     def train_step(self, iterators):
         """One optimizer step over a global batch; returns (losses, grad_norm, overflow, nan)."""
+        num_micro_batches = self.microbatches.num_micro_batches
         for reducer in self.reducers:
             reducer.zero_grad()
-        losses = self._run_schedule(iterators, self.microbatches.num_micro_batches, False)
-        self.timers.start("grads-all-reduce")
-        for reducer in self.reducers:
-            reducer.finish_grad_sync()
-        self.timers.stop("grads-all-reduce")
-        if self.config.model.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)
-        self.timers.start("embedding-grads-all-reduce")
-        allreduce_embedding_grads(self.models, self.pstate)
-        self.timers.stop("embedding-grads-all-reduce")
+            if self.torch_ddp:
+                reducer.begin_step(num_micro_batches)
+        losses = self._run_schedule(iterators, num_micro_batches, False)
+        self._reduce_grads()
         self.timers.start("optimizer")
         applied, grad_norm, overflow = self.optimizer.step()
         self.timers.stop("optimizer")
@@ -176,6 +178,29 @@ class Trainer:
             self.scheduler.step(self.microbatches.global_batch_size)
         nan = not applied and not (overflow and self.optimizer.grad_scaler is not None)
         return average_losses(losses), grad_norm, (not applied) and not nan, nan
+
+    def _reduce_grads(self) -> None:
+        """Average gradients over DP, sum the tied embedding copies and the
+        sequence-parallel partial gradients."""
+        # The distributed optimizer's reduce-scatter leaves each DP rank only its
+        # shard, at different offsets on the first and last stage: sum the
+        # embedding copies before it.
+        embedding_first = self.config.parallel.use_distributed_optimizer
+        if embedding_first:
+            self._reduce_embedding_grads()
+        self.timers.start("grads-all-reduce")
+        for reducer in self.reducers:
+            reducer.finish_grad_sync()
+        self.timers.stop("grads-all-reduce")
+        if self.config.model.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)
+        if not embedding_first:
+            self._reduce_embedding_grads()
+
+    def _reduce_embedding_grads(self) -> None:
+        self.timers.start("embedding-grads-all-reduce")
+        allreduce_embedding_grads(self.models, self.pstate)
+        self.timers.stop("embedding-grads-all-reduce")
 
     @torch.no_grad()
     def evaluate(self, iterators, num_iters: int) -> Dict[str, float]:

@@ -189,13 +189,13 @@ def _train_flags(data_prefix, vocab, merges, cache):
 def _logits_tp2_pp2(ckpt, tok_flags, tokens):
     """Logits of `tokens` from the TP=2 x PP=2 checkpoint, pipelined by hand."""
     from megatron.mpu import initialize_model_parallel
-    from megatron.text_generation.loading import (build_inference_tokenizer,
+    from megatron.text_generation.loading import (build_tokenizer_and_vocab,
                                                   load_inference_models, parse_inference_args)
     from tasks.main import get_parser
     config, _, stored = parse_inference_args(get_parser(), [
         "--load", ckpt, "--task", "LAMBADA", "--tensor-model-parallel-size", "2",
         "--pipeline-model-parallel-size", "2"] + tok_flags)
-    build_inference_tokenizer(config, stored)
+    build_tokenizer_and_vocab(config, stored)
     pstate = initialize_model_parallel(2, 2)
     (model,), _ = load_inference_models(config, pstate, "cpu", parallel_output=False)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
@@ -212,14 +212,14 @@ def _logits_tp2_pp2(ckpt, tok_flags, tokens):
 def _single_process(ckpt, tok_flags, tokens, wiki):
     """Rank 0 alone: logits, evaluation loss and greedy tokens of the merged TP=1 model."""
     from megatron.text_generation import generate
-    from megatron.text_generation.loading import (build_inference_tokenizer,
+    from megatron.text_generation.loading import (build_tokenizer_and_vocab,
                                                   load_inference_models, parse_inference_args)
     from tasks.main import build_dataset, get_parser, metrics_of
     from tasks.zeroshot_gpt.evaluate import evaluate
     argv = ["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", wiki,
             "--micro-batch-size", "2"] + tok_flags
     config, ns, stored = parse_inference_args(get_parser(), argv)
-    tokenizer = build_inference_tokenizer(config, stored)
+    tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate = single_process_state()
     (model,), _ = load_inference_models(config, pstate, "cpu", parallel_output=False)
     dataset = build_dataset(ns, tokenizer, config.model.seq_length)
