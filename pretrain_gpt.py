@@ -5,8 +5,6 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 from megatron.arguments import fail, parse_args  # noqa: E402
 from megatron.config import ConfigError  # noqa: E402
 from megatron.data.batch import gpt_batch  # noqa: E402

@@ -31,8 +31,23 @@ class ParallelConfig:
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
+        self._check_reducer_options()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # nothing to split, as in Megatron
+
+    def _check_reducer_options(self):
+        """Combinations of the gradient reducer and optimizer that are not supported."""
+        pp = self.pipeline_model_parallel_size
+        require(not (self.DDP_impl == "torch" and pp > 1),
+                f"--DDP-impl torch supports --pipeline-model-parallel-size 1 only (got {pp}); "
+                f"use --DDP-impl local")
+        require(not (self.DDP_impl == "torch" and self.use_distributed_optimizer),
+                "--use-distributed-optimizer needs --DDP-impl local (its gradient buffer is what "
+                "the optimizer shards); drop --DDP-impl torch")
+        require(not (self.use_distributed_optimizer and self.overlap_grad_reduce and pp > 1),
+                f"--overlap-grad-reduce with --use-distributed-optimizer supports "
+                f"--pipeline-model-parallel-size 1 only (got {pp}): the tied embedding gradients "
+                f"must be summed before the reduce-scatter; drop one flag")
 
     @property
     def model_parallel_size(self) -> int:

@@ -22,7 +22,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.config import ConfigError
 from megatron.mpu.mappings import group_rank, group_size
 
 SHARD_ALIGNMENT = 128
@@ -211,27 +210,9 @@ class TorchDDPReducer:
             p.grad = None
 
 
-def check_reducer_options(parallel_cfg) -> None:
-    """Combinations of --DDP-impl, --use-distributed-optimizer and
-    --overlap-grad-reduce this implementation does not support."""
-    p = parallel_cfg
-    if p.DDP_impl == "torch" and p.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--DDP-impl torch supports --pipeline-model-parallel-size 1 only "
-                          f"(got {p.pipeline_model_parallel_size}); use --DDP-impl local")
-    if p.DDP_impl == "torch" and p.use_distributed_optimizer:
-        raise ConfigError("--use-distributed-optimizer needs --DDP-impl local (its gradient "
-                          "buffer is what the optimizer shards); drop --DDP-impl torch")
-    if p.use_distributed_optimizer and p.overlap_grad_reduce and p.pipeline_model_parallel_size > 1:
-        raise ConfigError(
-            f"--overlap-grad-reduce with --use-distributed-optimizer supports "
-            f"--pipeline-model-parallel-size 1 only (got {p.pipeline_model_parallel_size}): the "
-            f"tied embedding gradients must be summed before the reduce-scatter; drop one flag")
-
-
 def build_grad_reducers(models: List[torch.nn.Module], dp_group, parallel_cfg,
                         grad_dtype: torch.dtype) -> list:
     """One reducer per model chunk, of the kind --DDP-impl asks for."""
-    check_reducer_options(parallel_cfg)
     if parallel_cfg.DDP_impl == "torch":
         return [TorchDDPReducer(m, dp_group) for m in models]
     return [GradReducer(list(m.parameters()), dp_group, grad_dtype,

@@ -16,3 +16,18 @@ from megatron.mpu.parallel_state import (
     initialize_model_parallel, single_process_state)
 from megatron.mpu.random import checkpoint, get_rng_tracker, model_parallel_seed
 from megatron.mpu.topology import ParallelDims
+
+__all__ = [
+    "vocab_parallel_cross_entropy", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "init_parameters", "copy_to_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region",
+    "ParallelState", "destroy_model_parallel", "get_data_parallel_group",
+    "get_data_parallel_rank", "get_data_parallel_world_size", "get_embedding_group",
+    "get_model_parallel_group", "get_parallel_state", "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size",
+    "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size", "initialize_model_parallel", "single_process_state",
+    "checkpoint", "get_rng_tracker", "model_parallel_seed", "ParallelDims",
+]

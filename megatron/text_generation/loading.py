@@ -16,8 +16,9 @@ from megatron.arguments import config_from_namespace, fail, world_size_from_env
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.checkpointing import (TRACKER, CheckpointError, from_megatron_layout,
-                                             load_checkpoint_file, read_tracker)
+from megatron.training.checkpointing import (TRACKER, CheckpointError, check_layout,
+                                             from_megatron_layout, load_checkpoint_file,
+                                             read_tracker)
 from megatron.training.trainer import build_model_chunks
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
@@ -140,18 +141,6 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
     return tokenizer
 
 
-def check_saved_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
-    saved = state.get("parallel", {})
-    here = {"tensor_model_parallel_size": pstate.tp_size,
-            "pipeline_model_parallel_size": pstate.pp_size,
-            "virtual_pipeline_model_parallel_size": num_chunks}
-    for key, value in here.items():
-        if key in saved and saved[key] != value:
-            raise CheckpointError(
-                f"checkpoint {root} has {key}={saved[key]} but this run has {value}; run with the "
-                f"saved layout or re-shard it with tools/merge_mp_partitions.py")
-
-
 def load_inference_models(config, pstate, device, parallel_output: bool = True
                           ) -> Tuple[List[torch.nn.Module], int]:
     """This rank's model chunks with the checkpoint's weights, in eval mode; and its iteration."""
@@ -164,7 +153,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True
     state = load_checkpoint_file(root, pstate)
     if state is None:
         raise CheckpointError(f"no checkpoint at {root}")
-    check_saved_layout(state, pstate, len(models), root)
+    check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         try:

@@ -222,7 +222,7 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     if state is None:
         print(f" no checkpoint found at {root}; starting from scratch", flush=True)
         return 0, 0, 0
-    _check_layout(state, pstate, len(models), root)
+    check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
         model.load_state_dict(from_megatron_layout(state[_model_key(i, len(models))]), strict=True)
     if optimizer is not None:
@@ -243,9 +243,10 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
     """Load the regular or sharded optimizer state into either kind of optimizer."""
     iteration = int(state["iteration"])
     if state.get("distributed_optimizer"):
-        if getattr(optimizer, "is_distributed", False):
+        if getattr(optimizer, "is_distributed", False) and _saved_dp_size(root, iteration, pstate) \
+                == pstate.dp_size:
             saved = _load_shard(root, iteration, pstate)
-        else:
+        else:  # another DP size, or a regular optimizer: merge the shards, then re-cut them
             saved = consolidate_distributed_optimizer(root, pstate.tp_rank, pstate.pp_rank,
                                                       pstate.pp_size, iteration)
     elif "optimizer" in state:
@@ -260,22 +261,20 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
                               f"{str(err).splitlines()[0]}") from err
 
 
+def _saved_dp_size(root: str, iteration: int, pstate) -> int:
+    path = distributed_optimizer_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
+                                      pstate.pp_size, 0)
+    return len(_shard_files(os.path.dirname(path)))
+
+
 def _load_shard(root: str, iteration: int, pstate) -> dict:
-    """This DP rank's distributed-optimizer shard; the DP size must be the saved one."""
+    """This DP rank's distributed-optimizer shard (saved with this run's DP size)."""
     path = distributed_optimizer_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
                                       pstate.pp_size, pstate.dp_rank)
-    directory = os.path.dirname(path)
-    saved = len(_shard_files(directory))
-    if saved != pstate.dp_size:
-        raise CheckpointError(
-            f"{directory} holds distributed-optimizer shards of {saved} data-parallel ranks but "
-            f"this run has {pstate.dp_size}; resume with {saved} data-parallel ranks, or without "
-            f"--use-distributed-optimizer (the shards are then consolidated), or with "
-            f"--no-load-optim")
     shard = torch.load(path, map_location="cpu", weights_only=True)
     if shard.get("dp_size") != pstate.dp_size:
         raise CheckpointError(f"{path} was saved with {shard.get('dp_size')} data-parallel ranks, "
-                              f"this run has {pstate.dp_size}; resume with the saved size")
+                              f"this run has {pstate.dp_size}; its shard files are inconsistent")
     return shard
 
 
@@ -306,7 +305,8 @@ def consolidate_distributed_optimizer(root: str, tp_rank: int = 0, pp_rank: int 
     return merge_optimizer_shards(shards)
 
 
-def _check_layout(state, pstate, num_chunks, root):
+def check_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
+    """Refuse a checkpoint saved with another TP / PP / virtual-PP layout."""
     saved = state.get("parallel", {})
     expected = {"tensor_model_parallel_size": pstate.tp_size,
                 "pipeline_model_parallel_size": pstate.pp_size,

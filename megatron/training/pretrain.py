@@ -3,7 +3,6 @@ import math
 import time
 from typing import Callable, Optional
 
-import torch.distributed as dist
 
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation

@@ -1,13 +1,9 @@
-"""The training loop: schedule-driven steps, evaluation, logging and checkpoints.
+"""One training step and one evaluation over a global batch, driven by a pipeline schedule.
 
-`pretrain()` is the one entry: it builds the model chunks of this rank, the
-gradient reducers, optimizer and lr schedule, loads a checkpoint, asks the
-caller for data iterators (which start from the consumed samples), and trains.
+The `Trainer` owns this rank's model chunks, their gradient reducers, the
+optimizer, the lr schedule and the micro-batch count; `pretrain.py` runs the loop.
 """
 import contextlib
-import math
-import os
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -20,9 +16,7 @@ from megatron.distributed.grads import allreduce_embedding_grads, allreduce_sequ
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron.training.logging import (TensorBoard, Timers, format_log_line,
-                                       format_validation)
+from megatron.training.logging import TensorBoard, Timers
 from megatron.training.microbatches import MicroBatches
 
 
@@ -139,6 +133,9 @@ class Trainer:
         ring = len(self.models) > 1
         prev_rank = p.pp_ranks[(p.pp_rank - 1) % p.pp_size] if ring else p.prev_rank
         next_rank = p.pp_ranks[(p.pp_rank + 1) % p.pp_size] if ring else p.next_rank
+        # NCCL creates a group's communicator on its first collective, and batched
+        # p2p must not be that first call: settle it with a barrier.
+        dist.barrier(group=p.pp_group)
         return P2PCommunicator(p.pp_group, prev_rank, next_rank, shape, params_dtype(self.config),
                                self.device, timers=self.timers)
 
