@@ -134,3 +134,12 @@ def test_training_runs_without_a_compiler(wiki, tmp_path):
     assert proc.stdout.count(" iteration ") >= 3
     fused_warnings = [l for l in proc.stderr.splitlines() if "fused kernels" in l and "Warning" in l]
     assert len(fused_warnings) == 1, proc.stderr[-2000:]
+
+
+def test_timing_log_level_prints_phase_times(wiki, capsys):
+    prefix, cache = wiki
+    pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--timing-log-level", "2", iters=2))
+    timing = [l for l in capsys.readouterr().out.splitlines() if l.startswith(" time (ms) |")]
+    assert len(timing) == 2
+    for phase in ("forward-compute", "backward-compute", "optimizer", "grads-all-reduce"):
+        assert f"{phase}: " in timing[0], timing[0]
