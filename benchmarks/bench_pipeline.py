@@ -131,7 +131,10 @@ def _timed_pair(single, pipelined, repeats: int) -> tuple[float, float]:
 def _bench(rank, world_size, cfg):
     shape = (cfg["seq"], cfg["micro"], cfg["hidden"])
     torch.manual_seed(rank)
-    batch = torch.randn(shape)
+    # The input needs a gradient, as every later stage's does: then all stages do
+    # the same work (the first would otherwise skip its first input gradient), and
+    # the measured bubble is the schedule's, not a stage imbalance.
+    batch = torch.randn(shape, requires_grad=True)
     whole = Stage(cfg, PP * cfg["blocks"], first=True)
     stage = Stage(cfg, cfg["blocks"], first=rank == 0)
     comm = P2PCommunicator(None, rank - 1 if rank else None, rank + 1 if rank < PP - 1 else None,
