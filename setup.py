@@ -21,7 +21,8 @@ def extensions():
     fused = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fused)
     ext = CppExtension(fused.CPU_EXTENSION, fused.fused_extension_sources(),
-                       extra_compile_args=fused.fused_extension_cflags())
+                       extra_compile_args=fused.fused_extension_cflags(),
+                       extra_link_args=fused.fused_extension_ldflags())
     return {"build_ext": BuildExtension}, [ext]
 
 

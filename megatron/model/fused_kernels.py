@@ -46,7 +46,10 @@ CPU_SOURCES = ("cpu_math.cpp", "softmax_cpu.cpp", "layer_norm_cpu.cpp", "binding
 CUDA_SOURCES = ("bindings_cuda.cpp", "softmax_cuda.cu", "layer_norm_cuda.cu")
 HEADERS = ("cpu_math.h", "cpu_kernels.h", "cpu_rows.h", "bindings_common.h",
            "fused_cuda.h", "cuda_common.cuh")
-CPU_CFLAGS = ("-O3",)
+# -fopenmp: at::parallel_for is an inline template over torch's OpenMP pool; compiled
+# without it the kernels would run on one thread.
+CPU_CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 CUDA_CFLAGS = ("-O3",)
 DISABLE_ENV = "MEGATRON_DISABLE_FUSED_BUILD"
 BUILD_DIR_ENV = "MEGATRON_FUSED_BUILD_DIR"
@@ -66,6 +69,11 @@ def fused_extension_sources() -> list[str]:
 def fused_extension_cflags() -> list[str]:
     """Compiler flags the CPU extension is built with (for setup.py)."""
     return list(CPU_CFLAGS)
+
+
+def fused_extension_ldflags() -> list[str]:
+    """Linker flags the CPU extension is built with (for setup.py)."""
+    return list(LDFLAGS)
 
 
 def build_root() -> Path:
@@ -145,7 +153,7 @@ def _compile(name: str, spec: dict, build_dir: Path, verbose: bool) -> ModuleTyp
     sources = [str(CSRC_DIR / s) for s in spec["sources"]]
     kwargs = dict(extra_cuda_cflags=list(spec["cflags"])) if spec["cuda"] else {}
     return cpp_extension.load(
-        name=name, sources=sources, extra_cflags=list(CPU_CFLAGS),
+        name=name, sources=sources, extra_cflags=list(CPU_CFLAGS), extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC_DIR)], build_directory=str(build_dir),
         with_cuda=spec["cuda"], verbose=verbose, **kwargs)
 
