@@ -22,33 +22,22 @@ from typing import Dict, List, Sequence, Tuple
 import regex
 
 from megatron.tokenizer.abstract import AbstractTokenizer
+from megatron.tokenizer.unicode_tables import LETTERS, NUMBERS
 
 EOD_TOKEN = "<|endoftext|>"
-
-# Letters and numbers first assigned in Unicode 17.0. The `tokenizers` package
-# (Oniguruma) classifies characters with Unicode 16 tables, while a recent `regex`
-# package knows Unicode 17; leaving these out of \p{L} / \p{N} keeps the
-# pre-tokenisation identical to `tokenizers` (a no-op with an older `regex`).
-UNICODE_17_LETTERS = (
-    "\u088f\u0c5c\u0cdc\ua7ce-\ua7cf\ua7d2\ua7d4\ua7f1\U00010940-\U00010959"
-    "\U00010ec5-\U00010ec7\U00011db0-\U00011ddb\U00016ea0-\U00016eb8\U00016ebb-\U00016ed3"
-    "\U00016ff2-\U00016ff3\U000187f8-\U000187ff\U00018d09-\U00018d1e\U00018d80-\U00018df2"
-    "\U0001e6c0-\U0001e6de\U0001e6e0-\U0001e6e2\U0001e6e4-\U0001e6e5\U0001e6e7-\U0001e6ed"
-    "\U0001e6f0-\U0001e6f4\U0001e6fe-\U0001e6ff\U0002b73a-\U0002b73f\U0002cea2-\U0002cead"
-    "\U000323b0-\U00033479")
-UNICODE_17_NUMBERS = "\U00011de0-\U00011de9\U00016ff4-\U00016ff6"
-_LETTER = f"[\\p{{L}}--[{UNICODE_17_LETTERS}]]"
-_NUMBER = f"[\\p{{N}}--[{UNICODE_17_NUMBERS}]]"
-
-# GPT-2's pre-tokenisation (regex V1 syntax for the set differences above):
-# contractions, letters, numbers, other symbols (each optionally led by one
-# space), then whitespace runs.
-PRETOKENIZE_PATTERN = (f"'s|'t|'re|'ve|'m|'ll|'d| ?{_LETTER}+| ?{_NUMBER}+"
-                       f"| ?[^\\s{_LETTER}{_NUMBER}]+|\\s+(?!\\S)|\\s+")
 
 # The characters the `regex` package's \s matches (Unicode White_Space); the
 # stdlib's \s differs (it adds \x1c-\x1f), so the set is spelled out.
 WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+# GPT-2's pre-tokenisation: contractions, letters, numbers, other symbols (each
+# optionally led by one space), then whitespace runs. Letters and numbers are
+# Unicode 16.0's, spelled out (see unicode_tables.py), as `tokenizers` has them.
+_LETTER, _NUMBER = f"[{LETTERS}]", f"[{NUMBERS}]"
+PRETOKENIZE_PATTERN = (f"'s|'t|'re|'ve|'m|'ll|'d| ?{_LETTER}+| ?{_NUMBER}+"
+                       f"| ?[^{WHITESPACE}{LETTERS}{NUMBERS}]+"
+                       f"|[{WHITESPACE}]+(?![^{WHITESPACE}])|[{WHITESPACE}]+")
+
 # Zero-width cut before every space that is followed by a non-space: such a
 # space always begins a pre-token, so the pieces between cuts encode alone.
 PIECE_SPLIT = re.compile(f"(?= [^{WHITESPACE}])")
@@ -188,7 +177,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
         self._eod = self._vocab[EOD_TOKEN]
         self._merges = build_merge_map(self._vocab, load_merges(merge_file), merge_file)
         self._size = max(self._vocab.values()) + 1
-        self._pattern = regex.compile(PRETOKENIZE_PATTERN, regex.V1)
+        self._pattern = regex.compile(PRETOKENIZE_PATTERN)
         byte_map = bytes_to_unicode()
         # str.translate table: Latin-1 code point (= byte) -> GPT-2 character.
         self._byte_table = {b: ch for b, ch in byte_map.items()}
