@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.distributed.grads import clip_grads, counts_for_norm
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
+from megatron.optimizer.optimizer import torch_optimizer
 
 
 @dataclass
@@ -81,18 +82,9 @@ class DistributedOptimizer:
         pieces = [piece for _, _, bucket_pieces in self.buckets for piece in bucket_pieces]
         # Optimizer order (decayed pieces first) is the order of the saved state.
         self.pieces = [p for p in pieces if p.decays] + [p for p in pieces if not p.decays]
-        self.optimizer = self._torch_optimizer()
-
-    def _torch_optimizer(self):
-        cfg = self.cfg
-        groups = [{"params": [p.main for p in self.pieces if p.decays],
-                   "weight_decay": cfg.weight_decay},
-                  {"params": [p.main for p in self.pieces if not p.decays], "weight_decay": 0.0}]
-        if cfg.optimizer == "adam":
-            return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                     eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum,
-                               weight_decay=cfg.weight_decay)
+        self.optimizer = torch_optimizer(cfg, [
+            {"params": [p.main for p in self.pieces if p.decays], "weight_decay": cfg.weight_decay},
+            {"params": [p.main for p in self.pieces if not p.decays], "weight_decay": 0.0}])
 
     @property
     def param_groups(self):

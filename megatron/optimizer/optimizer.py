@@ -26,6 +26,15 @@ def _param_groups(named_params, weight_decay):
     return groups
 
 
+def torch_optimizer(cfg, groups) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay, as Megatron's Adam) or SGD over `groups`."""
+    if cfg.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum,
+                           weight_decay=cfg.weight_decay)
+
+
 class MegatronOptimizer:
     """Every DP rank holds the full optimizer state (see DistributedOptimizer for ZeRO-1)."""
 
@@ -44,14 +53,7 @@ class MegatronOptimizer:
             self.main_params = self.model_params
         self._main_of = {id(mp): main for mp, main in zip(self.model_params, self.main_params)}
         groups = _param_groups([(n, self._main_of[id(p)]) for n, p in named], cfg.weight_decay)
-        self.optimizer = self._torch_optimizer(groups)
-
-    def _torch_optimizer(self, groups):
-        if self.cfg.optimizer == "adam":
-            return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-                                     eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
-        return torch.optim.SGD(groups, lr=self.cfg.lr, momentum=self.cfg.sgd_momentum,
-                               weight_decay=self.cfg.weight_decay)
+        self.optimizer = torch_optimizer(cfg, groups)
 
     @property
     def param_groups(self):
