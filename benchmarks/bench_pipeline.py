@@ -12,10 +12,10 @@ bubble (idle stages) plus communication, so
 
 the idle fraction of the pipeline's time, which theory puts at (P-1)/(M+P-1)
 for 1F1B. For fairness T_single is measured with both processes running the
-whole model at the same time (both cores busy, as in the pipelined run); the
-single and pipelined runs alternate, and each time is the best of several
-repeats and of both processes (the machine is shared: the minimum is the
-least disturbed run).
+whole model at the same time (both cores busy, as in the pipelined run), and
+both runs are timed alike: from a common start until the slower process is
+done. The single and pipelined runs alternate, and each time is the best of
+several repeats (the machine is shared: the minimum is the least disturbed run).
 
 With ``--sleep-ms`` each block sleeps instead of computing: the same
 measurement then checks the schedule, executor and p2p overheads alone, free of
@@ -36,6 +36,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.pipeline import P2PCommunicator, forward_backward  # noqa: E402
+from megatron.training.logging import Timers  # noqa: E402
 from tests.distributed.run_ranks import run_ranks  # noqa: E402
 
 PP = 2
@@ -105,27 +106,32 @@ def forward_step(batch_iter, model):
     return out, lambda o: ((o ** 2).mean(), {"lm loss": (o ** 2).mean().detach()})
 
 
-def _time_once(fn, wait_for_all: bool) -> float:
-    """Wall time of fn() from a common start; to the common end if ``wait_for_all``."""
+def _time_once(fn, wait_for_all: bool):
+    """(wall time of fn() from a common start, to the common end if ``wait_for_all``;
+    what fn returned)."""
     dist.barrier()
     t0 = time.perf_counter()
-    fn()
+    result = fn()
     if wait_for_all:
         dist.barrier()
     elapsed = time.perf_counter() - t0
     dist.barrier()
-    return elapsed
+    return elapsed, result
 
 
-def _timed_pair(single, pipelined, repeats: int) -> tuple[float, float]:
-    """Best times of the two runs, alternated so that outside load hits both alike."""
+def _timed_pair(single, pipelined, repeats: int) -> tuple[float, float, float]:
+    """Best times of the two runs, alternated so that outside load hits both alike,
+    and the compute seconds of the best pipelined run."""
     best_single = best_pipe = float("inf")
+    best_compute = 0.0
     for i in range(repeats + 1):  # the first round is a warm-up
-        t_single = _time_once(single, wait_for_all=False)
-        t_pipe = _time_once(pipelined, wait_for_all=True)
+        t_single, _ = _time_once(single, wait_for_all=True)
+        t_pipe, compute = _time_once(pipelined, wait_for_all=True)
         if i:
-            best_single, best_pipe = min(best_single, t_single), min(best_pipe, t_pipe)
-    return best_single, best_pipe
+            best_single = min(best_single, t_single)
+            if t_pipe < best_pipe:
+                best_pipe, best_compute = t_pipe, compute
+    return best_single, best_pipe, best_compute
 
 
 def _bench(rank, world_size, cfg):
@@ -147,9 +153,12 @@ def _bench(rank, world_size, cfg):
                              num_microbatches=m, comm=None, pp_rank=0, pp_size=1)
 
         def pipelined():
+            timers = Timers(log_level=1)
             forward_backward("1f1b", forward_step=forward_step,
                              data_iterators=[itertools.repeat(batch)], model_chunks=[stage],
-                             num_microbatches=m, comm=comm, pp_rank=rank, pp_size=PP)
+                             num_microbatches=m, comm=comm, pp_rank=rank, pp_size=PP,
+                             timers=timers)
+            return sum(timers.pop_all().values())  # forward + backward compute
         rows.append((m, *_timed_pair(single, pipelined, cfg["repeats"])))
     return rows
 
@@ -158,7 +167,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=4096)
-    parser.add_argument("--blocks-per-stage", type=int, default=2)
+    parser.add_argument("--blocks-per-stage", type=int, default=6)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -179,13 +188,17 @@ def main():
     print(f"PP={PP} ranks x 1 thread vs 1 rank x 1 thread; {compute}, {cfg['blocks']} "
           f"blocks/stage, micro-batch {cfg['seq']}x{cfg['micro']}x{cfg['hidden']}")
     per_rank = run_ranks(_bench, PP, cfg, timeout=3600)
-    print(f"{'M':>4} {'T_single (s)':>13} {'T_pipeline (s)':>15} {'bubble':>8} {'theory':>8}")
+    print(f"{'M':>4} {'T_single (s)':>13} {'T_pipeline (s)':>15} {'bubble':>8} {'idle':>8} "
+          f"{'theory':>8}")
     for i, m in enumerate(cfg["microbatches"]):
         t_single = min(rows[i][1] for rows in per_rank)
         t_pipe = max(rows[i][2] for rows in per_rank)
         bubble = 1 - (t_single / PP) / t_pipe
+        idle = sum(1 - rows[i][3] / rows[i][2] for rows in per_rank) / PP
         theory = (PP - 1) / (m + PP - 1)
-        print(f"{m:>4} {t_single:>13.4f} {t_pipe:>15.4f} {bubble:>8.3f} {theory:>8.3f}")
+        print(f"{m:>4} {t_single:>13.4f} {t_pipe:>15.4f} {bubble:>8.3f} {idle:>8.3f} {theory:>8.3f}")
+    print("bubble: 1 - (T_single / P) / T_pipeline; idle: mean over stages of the time not "
+          "spent computing (p2p waits and transfers included), from the executor's timers")
 
 
 if __name__ == "__main__":
