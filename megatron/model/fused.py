@@ -25,10 +25,16 @@ Both: fewer than 2**31 rows (one CUDA block per row).
 Masked scores take -10000.0 before the softmax (Megatron's convention), so a
 fully masked row comes out uniform, as in the plain path.
 
-bias_gelu and bias_dropout_add stay plain PyTorch. On CPU TorchScript does not
-fuse (its CPU fuser is off; 0.9x in benchmarks/bench_fused.py) and torch.compile
-won only about 1.2x on bias_gelu forward+backward for ~30 s of compiling per
-shape and a C++ compiler at run time, which does not pay.
+bias_gelu stays plain PyTorch. On CPU TorchScript does not fuse (its CPU fuser
+is off; 0.9x in benchmarks/bench_fused.py) and torch.compile won only about
+1.2x on bias_gelu forward+backward for ~30 s of compiling per shape and a C++
+compiler at run time, which does not pay.
+
+dropout (and bias_dropout_add) with fusion on a CPU draws its keep-mask with
+one `rand_like` comparison, about twice as fast as `F.dropout`'s Bernoulli
+sampling there; the masks differ from `F.dropout`'s but come from the same
+generator, so activation recomputation reproduces them. On CUDA `F.dropout`
+is already a fused kernel and is used as is.
 """
 from __future__ import annotations
 
@@ -263,8 +269,18 @@ def bias_gelu(bias, y, fusion=True):
     return F.gelu(y + bias, approximate="tanh")
 
 
+def dropout(x, prob, training, fusion=True):
+    """Inverted dropout: zero each element with probability `prob`, scale the rest."""
+    if not training or prob == 0.0:
+        return x
+    if not fusion or x.device.type != "cpu" or prob >= 1.0:
+        return F.dropout(x, p=prob, training=True)
+    keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= prob
+    return x * keep * (1.0 / (1.0 - prob))
+
+
 def bias_dropout_add(x, bias, residual, prob, training, fusion=True):
     """residual + dropout(x + bias)."""
     if bias is not None:
         x = x + bias
-    return residual + F.dropout(x, p=prob, training=training)
+    return residual + dropout(x, prob, training, fusion)

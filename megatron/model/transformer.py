@@ -49,11 +49,16 @@ class CoreAttention(torch.nn.Module):
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
     def _use_sdpa(self, mask, q):
+        """auto: SDPA for plain causal attention, except where our path is faster or
+        needed: explicit masks, fp16 layer scaling, and dropout on CPUs (SDPA then
+        falls back to unfused math with slow Bernoulli sampling)."""
         impl = self.cfg.attention_impl
         if impl == "sdpa":
             return True
         if impl == "auto":
-            return mask is None and not (q.dtype == torch.float16 and self.cfg.apply_query_key_layer_scaling)
+            cpu_dropout = self.training and self.dropout_p > 0 and q.device.type == "cpu"
+            scaled_fp16 = q.dtype == torch.float16 and self.cfg.apply_query_key_layer_scaling
+            return mask is None and not (cpu_dropout or scaled_fp16)
         return False
 
     def _sdpa(self, q, k, v, mask):
@@ -70,11 +75,14 @@ class CoreAttention(torch.nn.Module):
         probs = fused.attention_softmax(
             scores, scale=coeff, causal=mask is None, mask=mask,
             softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or coeff != 1.0,
-            fusion=self.cfg.masked_softmax_fusion and self.cfg.attention_impl != "torch")
+            fusion=self._fusion())
         if self.training and self.dropout_p > 0:
             with get_rng_tracker().fork():
-                probs = F.dropout(probs, p=self.dropout_p)
+                probs = fused.dropout(probs, self.dropout_p, True, fusion=self._fusion())
         return torch.matmul(probs, v)
+
+    def _fusion(self) -> bool:
+        return self.cfg.masked_softmax_fusion and self.cfg.attention_impl != "torch"
 
 
 class ParallelAttention(torch.nn.Module):

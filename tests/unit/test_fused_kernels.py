@@ -344,3 +344,18 @@ def test_bias_gelu_and_bias_dropout_add():
                           residual + x + bias)
     out = fused.bias_dropout_add(x, None, residual, 1.0, True)
     assert torch.equal(out, residual)
+
+
+def test_fast_cpu_dropout_statistics_gradient_and_reproducibility():
+    x = torch.randn(256, 512, requires_grad=True)
+    torch.manual_seed(7)
+    y = fused.dropout(x, 0.25, training=True, fusion=True)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.01
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.75)
+    torch.manual_seed(7)  # same generator state, same mask: recomputation reproduces it
+    assert torch.equal(fused.dropout(x, 0.25, training=True, fusion=True), y)
+    assert torch.equal(fused.dropout(x, 0.25, training=False, fusion=True), x)
+    assert torch.count_nonzero(fused.dropout(x, 1.0, training=True, fusion=True)) == 0
