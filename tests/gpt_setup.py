@@ -12,14 +12,20 @@ def have_reference_data() -> bool:
     return WIKI.is_file() and (BPE / "vocab.json").is_file()
 
 
-def preprocess_wiki(out_dir) -> str:
-    """Preprocess wiki.valid.jsonl with the bpe-8k vocabulary; returns the data prefix."""
+def preprocess_wiki(out_dir, docs=None) -> str:
+    """Preprocess wiki.valid.jsonl (its first `docs` articles when given) with the
+    bpe-8k vocabulary; returns the data prefix."""
     sys.path.insert(0, str(ROOT))
     from tools import preprocess_data
     prefix = os.path.join(str(out_dir), "wiki")
+    source = WIKI
+    if docs is not None:
+        source = os.path.join(str(out_dir), "corpus.jsonl")
+        with open(WIKI) as full, open(source, "w") as part:
+            part.writelines(line for _, line in zip(range(docs), full))
     if not os.path.exists(prefix + "_text_document.idx"):
         status = preprocess_data.main([
-            "--input", str(WIKI), "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+            "--input", str(source), "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", str(BPE / "vocab.json"), "--merge-file", str(BPE / "merges.txt"),
             "--append-eod", "--workers", "1", "--log-interval", "100000"])
         assert status == 0, f"preprocessing failed with status {status}"

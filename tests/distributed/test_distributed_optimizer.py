@@ -21,9 +21,8 @@ from megatron.config import ConfigError, OptimizerConfig, ParallelConfig
 from megatron.distributed.ddp import GradReducer, plan_buckets, shard_range
 from megatron.mpu import single_process_state
 from megatron.optimizer import DistributedOptimizer, MegatronOptimizer, merge_optimizer_shards
-from tests.conftest import shared_file
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import losses, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
 
 
 # -- single process ----------------------------------------------------------------------
@@ -196,16 +195,9 @@ def _argv(prefix, tmp, *extra):
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
     """The first articles of wiki.valid.jsonl preprocessed with the bpe-8k vocabulary."""
-    from tools import preprocess_data
-    source = shared_file("wikitext", "wiki.valid.jsonl")
-    vocab, merges = shared_file("bpe-8k", "vocab.json"), shared_file("bpe-8k", "merges.txt")
-    tmp = tmp_path_factory.mktemp("corpus")
-    corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(source.read_text().splitlines(keepends=True)[:4]))
-    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp / "wiki"),
-                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
-                                 "--merge-file", str(merges), "--append-eod"]) == 0
-    return str(tmp / "wiki_text_document")
+    if not have_reference_data():
+        pytest.skip("../shared/data not available")
+    return preprocess_wiki(tmp_path_factory.mktemp("corpus"), docs=4)
 
 
 def _close(got, expected, rel):

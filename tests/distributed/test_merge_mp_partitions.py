@@ -93,8 +93,8 @@ def read_layout(root, iteration=5):
     out, state = {}, None
     for rank_dir in sorted(os.listdir(directory)):
         match = mmp.RANK_DIR.match(rank_dir)
-        state = torch.load(os.path.join(directory, rank_dir, "model_optim_rng.pt"),
-                           weights_only=True)
+        path = os.path.join(directory, rank_dir, "model_optim_rng.pt")
+        state = torch.load(path, weights_only=True)
         out[(int(match.group(1)), int(match.group(2) or 0))] = from_megatron_layout(state["model"])
     return out, state
 

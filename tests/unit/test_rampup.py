@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.conftest import shared_file
-from tests.gpt_setup import tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
 
 # START 2, INCR 2, SAMPLES 24 towards --global-batch-size 8: (8 - 2) / 2 = 3 increments,
 # one every 24 / 3 = 8 consumed samples (micro batch 2, one rank).
@@ -31,16 +30,10 @@ def expected_lr(consumed: int, max_lr=1e-3, train_iters=10, gbs=8, warmup_fracti
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
-    from tools import preprocess_data
-    source = shared_file("wikitext", "wiki.valid.jsonl")
-    vocab, merges = shared_file("bpe-8k", "vocab.json"), shared_file("bpe-8k", "merges.txt")
+    if not have_reference_data():
+        pytest.skip("../shared/data not available")
     tmp = tmp_path_factory.mktemp("corpus")
-    corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(source.read_text().splitlines(keepends=True)[:3]))
-    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp / "wiki"),
-                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
-                                 "--merge-file", str(merges), "--append-eod"]) == 0
-    return str(tmp / "wiki_text_document"), str(tmp / "cache")
+    return preprocess_wiki(tmp, docs=3), str(tmp / "cache")
 
 
 def _train(corpus, capsys, *extra):

@@ -65,8 +65,8 @@ def test_checkpoint_loads_with_weights_only_and_megatron_keys(wiki, tmp_path):
     prefix, cache = wiki
     save = str(tmp_path / "ckpt")
     pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--save", save, iters=1))
-    state = torch.load(os.path.join(save, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"),
-                       weights_only=True)
+    path = os.path.join(save, "iter_0000001", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=True)
     model = state["model"]["language_model"]
     assert set(model) == {"embedding", "encoder"}
     assert model["embedding"]["word_embeddings"]["weight"].shape == (8000, 64)
