@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron.distributed.grads import clip_grads, counts_for_norm
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
-from megatron.optimizer.optimizer import torch_optimizer
+from megatron.optimizer.optimizer import torch_optimizer, unscale_and_find_nonfinite
 
 
 @dataclass
@@ -106,13 +106,7 @@ class DistributedOptimizer:
 
     def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
         """Divide by the loss scale; True when any gradient is inf or nan on any rank."""
-        inv = None if self.grad_scaler is None else 1.0 / self.grad_scaler.scale.item()
-        found = torch.zeros(1, device=self._device())
-        for g in grads:
-            if inv is not None:
-                g.mul_(inv)
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
+        found = unscale_and_find_nonfinite(grads, self.grad_scaler, self._device())
         return bool(self._reduce_over_replica(found, dist.ReduceOp.MAX).item() > 0)
 
     def _grad_norm(self, grads: List[torch.Tensor]) -> float:

@@ -26,6 +26,20 @@ def _param_groups(named_params, weight_decay):
     return groups
 
 
+def unscale_and_find_nonfinite(grads, grad_scaler, device) -> torch.Tensor:
+    """Divide the gradients by the loss scale in place; returns a [1] tensor on
+    `device` that is 1 when any of them holds an inf or nan (no host sync per grad)."""
+    inv = None if grad_scaler is None else 1.0 / grad_scaler.scale.item()
+    found = torch.zeros(1, device=device)
+    for g in grads:
+        if g is None:
+            continue
+        if inv is not None:
+            g.mul_(inv)
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
+    return found
+
+
 def torch_optimizer(cfg, groups) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, as Megatron's Adam) or SGD over `groups`."""
     if cfg.optimizer == "adam":
@@ -77,17 +91,8 @@ class MegatronOptimizer:
 
     def _unscale_and_check(self, grads) -> bool:
         """Divide by the loss scale; True when any gradient is inf or nan on any rank."""
-        inv = None if self.grad_scaler is None else 1.0 / self.grad_scaler.scale.item()
-        found = torch.zeros(1)
-        for g in grads:
-            if g is None:
-                continue
-            if inv is not None:
-                g.mul_(inv)
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
         device = grads[0].device if grads else torch.device("cpu")
-        found = found.to(device)
+        found = unscale_and_find_nonfinite(grads, self.grad_scaler, device)
         all_reduce(found, self.pstate.mp_group, op=torch.distributed.ReduceOp.MAX)
         return bool(found.item() > 0)
 
