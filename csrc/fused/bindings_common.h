@@ -58,6 +58,63 @@ inline int64_t check_mask(const at::Tensor& mask, const at::Tensor& input,
   return mb;
 }
 
+// Argument checks of each op, the same on every device.
+
+// Causal softmax input: [batches, sq, sq].
+inline void check_upper_triang_input(const at::Tensor& input, c10::DeviceType device) {
+  check_tensor(input, "input", 3, device);
+  check_float_type(input, "input");
+  TORCH_CHECK(input.size(1) == input.size(2), "input must be [batches, sq, sq], got ",
+              input.sizes());
+}
+
+// Softmax backward: gradient and saved output of equal shape and a float type.
+inline void check_softmax_backward(const at::Tensor& grad, const at::Tensor& out, int64_t dim,
+                                   const char* what, c10::DeviceType device) {
+  check_tensor(grad, "grad", dim, device);
+  check_tensor(out, "softmax output", dim, device);
+  check_same(grad, out, what);
+  check_float_type(out, "softmax output");
+}
+
+// Masked softmax input [b, np, sq, sk] and its mask; returns the mask's batch size.
+inline int64_t check_masked_input(const at::Tensor& input, const at::Tensor& mask,
+                                  c10::DeviceType device) {
+  check_tensor(input, "input", 4, device);
+  check_float_type(input, "input");
+  return check_mask(mask, input, device);
+}
+
+inline void check_layer_norm_params(const at::Tensor& x, const at::Tensor& w,
+                                    c10::DeviceType device) {
+  check_tensor(x, "input", 2, device);
+  check_float_type(x, "input");
+  check_tensor(w, "weight", 1, device);
+  TORCH_CHECK(w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "weight must be [", x.size(1), "] of ", x.scalar_type(), ", got ", w.sizes(),
+              " of ", w.scalar_type());
+}
+
+inline void check_layer_norm_forward(const at::Tensor& x, const at::Tensor& w,
+                                     const at::Tensor& b, c10::DeviceType device) {
+  check_layer_norm_params(x, w, device);
+  check_tensor(b, "bias", 1, device);
+  check_same(w, b, "layer_norm weight and bias");
+}
+
+inline void check_layer_norm_backward(const at::Tensor& dy, const at::Tensor& x,
+                                      const at::Tensor& mean, const at::Tensor& rstd,
+                                      const at::Tensor& w, c10::DeviceType device) {
+  check_layer_norm_params(x, w, device);
+  check_tensor(dy, "grad", 2, device);
+  check_same(dy, x, "layer_norm backward");
+  for (const auto* t : {&mean, &rstd}) {
+    check_tensor(*t, "mean/rstd", 1, device);
+    TORCH_CHECK(t->size(0) == x.size(0) && t->scalar_type() == at::kFloat,
+                "mean/rstd must be float32 [", x.size(0), "], got ", t->sizes());
+  }
+}
+
 inline const uint8_t* mask_data(const at::Tensor& mask) {
   return static_cast<const uint8_t*>(mask.data_ptr());
 }

@@ -21,10 +21,7 @@ void dispatch_float_types(at::ScalarType st, Fn&& fn) {
 }
 
 at::Tensor upper_triang_forward(const at::Tensor& input, double scale) {
-  check_tensor(input, "input", 3, kCPU);
-  check_float_type(input, "input");
-  TORCH_CHECK(input.size(1) == input.size(2), "input must be [batches, sq, sq], got ",
-              input.sizes());
+  check_upper_triang_input(input, kCPU);
   at::Tensor out = new_output(input.sizes(), input.options());
   dispatch_float_types(input.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -36,10 +33,7 @@ at::Tensor upper_triang_forward(const at::Tensor& input, double scale) {
 
 at::Tensor upper_triang_backward(const at::Tensor& grad, const at::Tensor& out,
                                     double scale) {
-  check_tensor(grad, "grad", 3, kCPU);
-  check_tensor(out, "softmax output", 3, kCPU);
-  check_same(grad, out, "upper_triang backward");
-  check_float_type(out, "softmax output");
+  check_softmax_backward(grad, out, 3, "upper_triang backward", kCPU);
   at::Tensor dx = new_output(out.sizes(), out.options());
   dispatch_float_types(out.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -52,9 +46,7 @@ at::Tensor upper_triang_backward(const at::Tensor& grad, const at::Tensor& out,
 
 at::Tensor masked_forward(const at::Tensor& input, const at::Tensor& mask,
                              double scale) {
-  check_tensor(input, "input", 4, kCPU);
-  check_float_type(input, "input");
-  const int64_t mb = check_mask(mask, input, kCPU);
+  const int64_t mb = check_masked_input(input, mask, kCPU);
   at::Tensor out = new_output(input.sizes(), input.options());
   dispatch_float_types(input.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -67,10 +59,7 @@ at::Tensor masked_forward(const at::Tensor& input, const at::Tensor& mask,
 
 at::Tensor masked_backward(const at::Tensor& grad, const at::Tensor& out,
                               const at::Tensor& mask, double scale) {
-  check_tensor(grad, "grad", 4, kCPU);
-  check_tensor(out, "softmax output", 4, kCPU);
-  check_same(grad, out, "masked softmax backward");
-  check_float_type(out, "softmax output");
+  check_softmax_backward(grad, out, 4, "masked softmax backward", kCPU);
   const int64_t mb = check_mask(mask, out, kCPU);
   at::Tensor dx = new_output(out.sizes(), out.options());
   dispatch_float_types(out.scalar_type(), [&](auto tag) {
@@ -82,20 +71,9 @@ at::Tensor masked_backward(const at::Tensor& grad, const at::Tensor& out,
   return dx;
 }
 
-void check_layer_norm_params(const at::Tensor& x, const at::Tensor& w) {
-  check_tensor(x, "input", 2, kCPU);
-  check_float_type(x, "input");
-  check_tensor(w, "weight", 1, kCPU);
-  TORCH_CHECK(w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
-              "weight must be [", x.size(1), "] of ", x.scalar_type(), ", got ", w.sizes(),
-              " of ", w.scalar_type());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
     const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
-  check_layer_norm_params(x, w);
-  check_tensor(b, "bias", 1, kCPU);
-  check_same(w, b, "layer_norm weight and bias");
+  check_layer_norm_forward(x, w, b, kCPU);
   at::Tensor y = new_output(x.sizes(), x.options());
   at::Tensor mean = new_output({x.size(0)}, x.options().dtype(at::kFloat));
   at::Tensor rstd = new_output({x.size(0)}, x.options().dtype(at::kFloat));
@@ -111,14 +89,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
     const at::Tensor& rstd, const at::Tensor& w) {
-  check_layer_norm_params(x, w);
-  check_tensor(dy, "grad", 2, kCPU);
-  check_same(dy, x, "layer_norm backward");
-  for (const auto* t : {&mean, &rstd}) {
-    check_tensor(*t, "mean/rstd", 1, kCPU);
-    TORCH_CHECK(t->size(0) == x.size(0) && t->scalar_type() == at::kFloat,
-                "mean/rstd must be float32 [", x.size(0), "], got ", t->sizes());
-  }
+  check_layer_norm_backward(dy, x, mean, rstd, w, kCPU);
   at::Tensor dx = new_output(x.sizes(), x.options());
   at::Tensor dw = new_output(w.sizes(), w.options());
   at::Tensor db = new_output(w.sizes(), w.options());

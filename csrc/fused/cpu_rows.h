@@ -4,11 +4,20 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_math.h"
 
 namespace megatron_fused {
 namespace cpu {
+
+// A per-thread conversion buffer of n floats for 16-bit types (empty for float,
+// whose rows are used in place).
+template <typename T>
+std::vector<float> scratch(int64_t n) {
+  return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
+}
 
 // A float view of `src[0:n]`: src itself for float, else `buf` filled by conversion.
 inline const float* load_row(const float* src, float* /*buf*/, int64_t /*n*/) { return src; }

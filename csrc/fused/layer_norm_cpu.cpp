@@ -21,11 +21,6 @@ namespace megatron_fused {
 namespace cpu {
 namespace {
 
-template <typename T>
-std::vector<float> scratch(int64_t n) {
-  return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
-}
-
 // Number of row blocks for the weight/bias gradient partials: at most 128, at least
 // 8 rows each. Depends only on the shape.
 inline int64_t num_row_blocks(int64_t rows) {

@@ -18,11 +18,6 @@ namespace megatron_fused {
 namespace cpu {
 namespace {
 
-template <typename T>
-std::vector<float> scratch(int64_t n) {
-  return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
-}
-
 // softmax of x[0:valid] * scale into y[0:valid]; y[valid:len] = 0.
 inline void causal_row_forward(const float* x, float* y, int64_t valid, int64_t len,
                                float scale) {
