@@ -13,42 +13,51 @@ from typing import Iterable, Iterator
 import torch
 
 
-def _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
-    if total_samples <= 0:
-        raise ValueError(f"sampler: no samples to draw from (total_samples={total_samples})")
-    if consumed_samples < 0:
-        raise ValueError(f"sampler: consumed_samples must be >= 0, got {consumed_samples}")
-    if micro_batch_size <= 0:
-        raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
-    if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data-parallel rank {data_parallel_rank} is not in [0, {data_parallel_size})")
-
-
-class MegatronPretrainingSampler:
-    """Samples consumed_samples, consumed_samples + 1, ... in order ('single' pass)."""
+class _ChunkedSampler:
+    """What both samplers share: the checked arguments and the global chunk."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        if consumed_samples >= total_samples:
-            raise ValueError(f"sampler: all {total_samples} samples are already consumed "
-                             f"(consumed_samples={consumed_samples}); build the dataset with more samples")
+                 data_parallel_rank: int, data_parallel_size: int):
+        if total_samples <= 0:
+            raise ValueError(f"sampler: no samples to draw from (total_samples={total_samples})")
+        if consumed_samples < 0:
+            raise ValueError(f"sampler: consumed_samples must be >= 0, got {consumed_samples}")
+        if micro_batch_size <= 0:
+            raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
+        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in [0, {data_parallel_size})")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
         self.global_chunk = micro_batch_size * data_parallel_size
+
+    @property
+    def rank_offset(self) -> int:
+        """Where this rank's micro batch starts inside a global chunk."""
+        return self.data_parallel_rank * self.micro_batch_size
+
+
+class MegatronPretrainingSampler(_ChunkedSampler):
+    """Samples consumed_samples, consumed_samples + 1, ... in order ('single' pass)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+                         data_parallel_size)
+        if consumed_samples >= total_samples:
+            raise ValueError(f"sampler: all {total_samples} samples are already consumed "
+                             f"(consumed_samples={consumed_samples}); build the dataset with more samples")
         self.drop_last = drop_last
 
     def __len__(self) -> int:
         """Micro batches this rank will yield."""
         remaining = self.total_samples - self.consumed_samples
         full, rest = divmod(remaining, self.global_chunk)
-        start = self.data_parallel_rank * self.micro_batch_size
-        return full + (0 if self.drop_last or rest <= start else 1)
+        return full + (0 if self.drop_last or rest <= self.rank_offset else 1)
 
     def __iter__(self) -> Iterator[list[int]]:
-        start = self.data_parallel_rank * self.micro_batch_size
+        start = self.rank_offset
         for chunk_start in range(self.consumed_samples, self.total_samples, self.global_chunk):
             chunk_end = min(chunk_start + self.global_chunk, self.total_samples)
             if chunk_end - chunk_start < self.global_chunk and self.drop_last:
@@ -58,7 +67,7 @@ class MegatronPretrainingSampler:
                 yield batch
 
 
-class MegatronPretrainingRandomSampler:
+class MegatronPretrainingRandomSampler(_ChunkedSampler):
     """Epochs of freshly shuffled samples ('cyclic'); each `iter()` runs to the end of an epoch.
 
     Epoch e uses a permutation of all samples seeded with seed + e and serves its
@@ -69,8 +78,8 @@ class MegatronPretrainingRandomSampler:
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, seed: int = 1234):
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        self.global_chunk = micro_batch_size * data_parallel_size
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+                         data_parallel_size)
         self.samples_per_epoch = total_samples - total_samples % self.global_chunk
         if self.samples_per_epoch == 0:
             raise ValueError(f"sampler: {total_samples} samples are fewer than one global chunk of "
@@ -78,10 +87,6 @@ class MegatronPretrainingRandomSampler:
         if consumed_samples % self.global_chunk:
             raise ValueError(f"sampler: consumed_samples={consumed_samples} is not a multiple of "
                              f"micro_batch_size * data_parallel_size = {self.global_chunk}")
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
         self.seed = seed
 
     def __len__(self) -> int:
@@ -97,7 +102,7 @@ class MegatronPretrainingRandomSampler:
     def __iter__(self) -> Iterator[list[int]]:
         epoch, offset = divmod(self.consumed_samples, self.samples_per_epoch)
         order = self.epoch_order(epoch)
-        start = self.data_parallel_rank * self.micro_batch_size
+        start = self.rank_offset
         for chunk_start in range(offset, self.samples_per_epoch, self.global_chunk):
             batch = order[chunk_start + start: chunk_start + start + self.micro_batch_size].tolist()
             self.consumed_samples += self.global_chunk
