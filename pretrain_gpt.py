@@ -12,13 +12,14 @@ from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
-from megatron.text_generation.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
+from megatron.training.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
 from megatron.training.checkpointing import CheckpointError, read_tracker  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import pretrain  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
 
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings")
+REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+            "--max-position-embeddings")
 
 
 def model_provider(config, tp_group, **chunk):
@@ -69,10 +70,7 @@ def data_provider(config, pstate, consumed_train, consumed_valid):
 
 def setup(argv=None):
     """Parse flags and build the tokenizer; every problem here is one line and exit 2."""
-    config, _ = parse_args(argv)
-    missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if _flag_missing(argv, name)]
-    if missing:
-        fail(f"missing required flags: {' '.join(missing)}")
+    config, _ = parse_args(argv, required=REQUIRED)
     # Resuming: the embedding has the checkpoint's padded vocabulary (it may come
     # from a re-sharded checkpoint padded for another TP size).
     stored = {}
@@ -81,12 +79,6 @@ def setup(argv=None):
     tokenizer = build_tokenizer_and_vocab(config, stored)
     config.model.sequence_parallel = config.parallel.sequence_parallel
     return config, tokenizer
-
-
-def _flag_missing(argv, name):
-    args = sys.argv[1:] if argv is None else argv
-    flag = f"--{name.replace('_', '-')}"
-    return not any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def main(argv=None):

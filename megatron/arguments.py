@@ -7,16 +7,10 @@ Entry points turn that into one line on stderr and exit status 2.
 import argparse
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from megatron.arguments_help import HELP
-from megatron.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
-                             ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
-
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
-             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-             "logging": LoggingConfig}
-
+from megatron.config import SECTIONS, Config, ConfigError
 
 def _flag(group, name, section, field=None, **kwargs):
     field = field or name.lstrip("-").replace("-", "_")
@@ -159,12 +153,12 @@ def build_parser(description: str = "Megatron-style GPT pretraining") -> argpars
 
 def config_from_namespace(ns: argparse.Namespace) -> Config:
     """Build (and validate each section of) the Config from parsed flags."""
-    values = {name: {} for name in _SECTIONS}
+    values = {name: {} for name in SECTIONS}
     for dest, value in vars(ns).items():
         section, _, field = dest.partition(".")
         if section in values and value is not None:
             values[section][field] = value
-    return Config(**{name: cls(**values[name]) for name, cls in _SECTIONS.items()})
+    return Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()})
 
 
 def world_size_from_env() -> int:
@@ -179,13 +173,18 @@ def fail(message: str, prog: Optional[str] = None) -> None:
 
 
 def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.ArgumentParser] = None,
-               world_size: Optional[int] = None):
+               world_size: Optional[int] = None, required: Sequence[str] = ()):
     """Parse flags into a validated Config; bad values exit 2 with one line.
 
+    `required`: flags (e.g. "--num-layers") that must be given explicitly.
     Returns (config, namespace): the namespace keeps extra flags an entry point added.
     """
     parser = parser or build_parser()
     ns = parser.parse_args(argv)
+    dests = {o: a.dest for a in parser._actions for o in a.option_strings}  # no public map
+    missing = [flag for flag in required if getattr(ns, dests[flag]) is None]
+    if missing:
+        fail(f"missing required flags: {' '.join(missing)}")
     if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(ns.local_rank)
     try:

@@ -11,8 +11,8 @@ from megatron.config.model import ModelConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainingConfig",
-           "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
+__all__ = ["Config", "SECTIONS", "ConfigError", "ModelConfig", "ParallelConfig",
+           "TrainingConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
 
 
 @dataclass
@@ -89,12 +89,12 @@ class Config:
         """Rebuild from `to_dict()` output, ignoring fields this version does not know."""
         kwargs = {}
         for f in fields(cls):
-            section = _SECTIONS[f.name]
+            section = SECTIONS[f.name]
             known = {sf.name for sf in fields(section)}
             kwargs[f.name] = section(**{k: v for k, v in values.get(f.name, {}).items() if k in known})
         return cls(**kwargs)
 
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
              "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
              "logging": LoggingConfig}

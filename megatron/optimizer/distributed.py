@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megatron.distributed.grads import clip_grads, counts_for_norm
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
-from megatron.optimizer.optimizer import torch_optimizer, unscale_and_find_nonfinite
+from megatron.optimizer.optimizer import (OptimizerBase, torch_optimizer,
+                                          unscale_and_find_nonfinite)
 
 
 @dataclass
@@ -60,15 +61,13 @@ def _bucket_pieces(reducer, bucket, index_of) -> List[Piece]:
     return pieces
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(OptimizerBase):
     """Same interface as MegatronOptimizer; state_dict() is this DP rank's shard."""
 
     is_distributed = True
 
     def __init__(self, cfg, models, pstate, reducers, grad_scaler=None):
-        self.cfg = cfg
-        self.pstate = pstate
-        self.grad_scaler = grad_scaler
+        super().__init__(cfg, pstate, grad_scaler)
         self.dp_group = pstate.dp_group
         self.model_params = [p for m in models for p in m.parameters() if p.requires_grad]
         index_of = {p: i for i, p in enumerate(self.model_params)}
@@ -85,14 +84,6 @@ class DistributedOptimizer:
         self.optimizer = torch_optimizer(cfg, [
             {"params": [p.main for p in self.pieces if p.decays], "weight_decay": cfg.weight_decay},
             {"params": [p.main for p in self.pieces if not p.decays], "weight_decay": 0.0}])
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> Optional[torch.Tensor]:
-        return None if self.grad_scaler is None else self.grad_scaler.scale
 
     # -- the step ---------------------------------------------------------------------
     def _reduce_over_replica(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

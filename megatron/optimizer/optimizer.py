@@ -49,15 +49,32 @@ def torch_optimizer(cfg, groups) -> torch.optim.Optimizer:
                            weight_decay=cfg.weight_decay)
 
 
-class MegatronOptimizer:
-    """Every DP rank holds the full optimizer state (see DistributedOptimizer for ZeRO-1)."""
+class OptimizerBase:
+    """What the regular and the distributed optimizer share: the flags, the
+    parallel state, the loss scaler and the wrapped torch optimizer."""
 
     is_distributed = False
 
-    def __init__(self, cfg, models, pstate, grad_scaler=None):
+    def __init__(self, cfg, pstate, grad_scaler=None):
         self.cfg = cfg
         self.pstate = pstate
         self.grad_scaler = grad_scaler
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        return None if self.grad_scaler is None else self.grad_scaler.scale
+
+
+class MegatronOptimizer(OptimizerBase):
+    """Every DP rank holds the full optimizer state (see DistributedOptimizer for ZeRO-1)."""
+
+    def __init__(self, cfg, models, pstate, grad_scaler=None):
+        super().__init__(cfg, pstate, grad_scaler)
         named = [(n, p) for m in models for n, p in m.named_parameters() if p.requires_grad]
         self.model_params = [p for _, p in named]
         self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
@@ -68,14 +85,6 @@ class MegatronOptimizer:
         self._main_of = {id(mp): main for mp, main in zip(self.model_params, self.main_params)}
         groups = _param_groups([(n, self._main_of[id(p)]) for n, p in named], cfg.weight_decay)
         self.optimizer = torch_optimizer(cfg, groups)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> Optional[torch.Tensor]:
-        return None if self.grad_scaler is None else self.grad_scaler.scale
 
     def _main_grads(self) -> List[torch.Tensor]:
         grads = []

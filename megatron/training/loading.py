@@ -1,4 +1,4 @@
-"""Set-up shared by the inference entry points (sampling, zero-shot tasks).
+"""Set-up shared by the entry points that load a checkpoint (training resume, sampling, tasks).
 
 A checkpoint stores its `Config`; model and tokenizer flags left off the command
 line are taken from it (flags given explicitly win), so

@@ -160,7 +160,7 @@ class Trainer:
             loss_scale=None if scale is None else scale.to(self.device))
 
     def train_step(self, iterators):
-        """One optimizer step over a global batch; returns (losses, grad_norm, overflow, nan)."""
+        """One optimizer step over a global batch; returns (losses, grad_norm, skipped, nan)."""
         num_micro_batches = self.microbatches.num_micro_batches
         for reducer in self.reducers:
             reducer.zero_grad()
@@ -169,12 +169,14 @@ class Trainer:
         losses = self._run_schedule(iterators, num_micro_batches, False)
         self._reduce_grads()
         self.timers.start("optimizer")
-        applied, grad_norm, overflow = self.optimizer.step()
+        applied, grad_norm, overflow = self.optimizer.step()  # applied == not overflow
         self.timers.stop("optimizer")
         if applied:
             self.scheduler.step(self.microbatches.global_batch_size)
-        nan = not applied and not (overflow and self.optimizer.grad_scaler is not None)
-        return average_losses(losses), grad_norm, (not applied) and not nan, nan
+        # Non-finite gradients: with fp16 loss scaling an expected overflow (a skipped
+        # step), otherwise a nan iteration.
+        scaled = self.optimizer.grad_scaler is not None
+        return average_losses(losses), grad_norm, overflow and scaled, overflow and not scaled
 
     def _reduce_grads(self) -> None:
         """Average gradients over DP, sum the tied embedding copies and the
