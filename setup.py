@@ -42,7 +42,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "regex", "tensorboard", "pybind11", "ninja"],
     extras_require={
         "hf": ["tokenizers", "transformers"],
-        "test": ["pytest", "tokenizers"],
+        "test": ["pytest", "tokenizers", "transformers"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,

@@ -2,6 +2,7 @@
 train_tokenizer, inspect_dataset."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,28 @@ def test_reproduces_megatron_files_byte_for_byte(tmp_path, compat_jsonl):
     path, reference = compat_jsonl
     assert preprocess(path, tmp_path / "owt", *gpt2_flags(), "--append-eod") == 0
     assert read_bytes(tmp_path / "owt_text_document") == read_bytes(reference)
+
+
+def test_pretrained_from_hf_reproduces_megatron_files(tmp_path, compat_jsonl):
+    """--tokenizer-type PretrainedFromHF through a real ``transformers`` tokenizer directory."""
+    pytest.importorskip("transformers")
+    vocab_file, merge_file = tiny_vocab()
+    hf_dir = tmp_path / "gpt2-tiny-hf"  # a Hugging Face GPT-2 tokenizer directory
+    hf_dir.mkdir()
+    shutil.copy(vocab_file, hf_dir / "vocab.json")
+    shutil.copy(merge_file, hf_dir / "merges.txt")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>",
+         "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
+    path, reference = compat_jsonl
+    assert preprocess(path, tmp_path / "owt", "--tokenizer-type", "PretrainedFromHF",
+                      "--tokenizer-name-or-path", str(hf_dir), "--append-eod") == 0
+    assert read_bytes(tmp_path / "owt_text_document") == read_bytes(reference)
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file, merge_file)
+    wrapped = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(hf_dir))
+    assert (wrapped.vocab_size, wrapped.eod) == (ours.vocab_size, ours.eod) == (5000, 4999)
+    ids = docs_of(reference)[0][:-1]
+    assert wrapped.detokenize(ids) == ours.detokenize(ids)
 
 
 def test_output_independent_of_workers(tmp_path):
