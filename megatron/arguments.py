@@ -61,6 +61,7 @@ def _add_parallel_args(parser):
     _flag(g, "--DDP-impl", "parallel", field="DDP_impl", choices=["local", "torch"], default="local")
     _flag(g, "--use-distributed-optimizer", "parallel", action="store_true")
     _flag(g, "--overlap-grad-reduce", "parallel", action="store_true")
+    _flag(g, "--ddp-bucket-size", "parallel", type=int, default=40_000_000)
     _flag(g, "--accumulate-allreduce-grads-in-fp32", "parallel", action="store_true")
     # torch.distributed.launch passes --local-rank (or --local_rank); torchrun sets LOCAL_RANK.
     g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,

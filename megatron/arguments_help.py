@@ -35,6 +35,8 @@ HELP = {
     "--DDP-impl": "local (bucketed all-reduce) or torch (DistributedDataParallel)",
     "--use-distributed-optimizer": "shard fp32 main params and optimizer state over DP (ZeRO-1)",
     "--overlap-grad-reduce": "start each gradient bucket's all-reduce during backward",
+    "--ddp-bucket-size": "elements per gradient bucket (default 40M); smaller buckets start "
+                         "reducing sooner under --overlap-grad-reduce",
     "--accumulate-allreduce-grads-in-fp32": "accumulate and reduce gradients in fp32",
     "--local-rank": "set by torch.distributed.launch (torchrun uses LOCAL_RANK)",
     # training

@@ -21,6 +21,8 @@ class ParallelConfig:
     """local (our bucketed all-reduce) | torch (DistributedDataParallel)."""
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    ddp_bucket_size: int = 40_000_000
+    """Elements per gradient bucket of --DDP-impl local (--ddp-bucket-size)."""
     accumulate_allreduce_grads_in_fp32: bool = False
 
     def __post_init__(self):
@@ -31,6 +33,8 @@ class ParallelConfig:
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
+        require(self.ddp_bucket_size >= 1,
+                f"--ddp-bucket-size must be a positive number of elements, got {self.ddp_bucket_size}")
         self._check_reducer_options()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # nothing to split, as in Megatron
@@ -44,10 +48,6 @@ class ParallelConfig:
         require(not (self.DDP_impl == "torch" and self.use_distributed_optimizer),
                 "--use-distributed-optimizer needs --DDP-impl local (its gradient buffer is what "
                 "the optimizer shards); drop --DDP-impl torch")
-        require(not (self.use_distributed_optimizer and self.overlap_grad_reduce and pp > 1),
-                f"--overlap-grad-reduce with --use-distributed-optimizer supports "
-                f"--pipeline-model-parallel-size 1 only (got {pp}): the tied embedding gradients "
-                f"must be summed before the reduce-scatter; drop one flag")
 
     @property
     def model_parallel_size(self) -> int:

@@ -6,7 +6,10 @@ accumulate in full precision). A hook moves each freshly computed `.grad` into
 `main_grad`. Buckets are laid out in reverse parameter order, the order in
 which backward produces gradients; with `overlap_grad_reduce` each bucket's
 reduction starts as soon as its last gradient of the last micro batch is in,
-overlapping with the rest of backward.
+overlapping with the rest of backward. Buckets holding a parameter passed as
+`held` wait for `finish_grad_sync` instead: the tied word embeddings under the
+distributed optimizer, whose copies on the first and last stage must be summed
+before the reduce-scatter (the two stages shard them at different offsets).
 
 With `reduce_scatter` (the distributed optimizer) each bucket is padded to a
 multiple of the DP size and split into DP equal contiguous shards; a DP rank
@@ -17,7 +20,7 @@ reduce-scatter on NCCL, all-reduce (then read the slice) on gloo.
 torch.nn.parallel.DistributedDataParallel; gradients stay in `.grad`.
 """
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,8 @@ class _Bucket:
         """Offset of the bucket in the reducer's buffer."""
         self.shard = shard
         """[start, end) in the buffer of this DP rank's shard (the whole bucket unsharded)."""
+        self.held = False
+        """Not started during backward, only by finish_grad_sync."""
         self.pending = set(params)
         self.handle = None
 
@@ -87,7 +92,7 @@ class GradReducer:
 
     def __init__(self, params: List[torch.nn.Parameter], dp_group, grad_dtype: torch.dtype,
                  bucket_size: int = 40_000_000, overlap: bool = False,
-                 reduce_scatter: bool = False):
+                 reduce_scatter: bool = False, held: Sequence[torch.nn.Parameter] = ()):
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
@@ -108,6 +113,9 @@ class GradReducer:
         self.buckets = self._make_buckets(ordered, spans)
         self._bucket_of: Dict[torch.nn.Parameter, _Bucket] = {
             p: b for b in self.buckets for p in b.params}
+        for p in held:
+            if p in self._bucket_of:
+                self._bucket_of[p].held = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _make_buckets(self, ordered, spans) -> List[_Bucket]:
@@ -130,7 +138,7 @@ class GradReducer:
             raise RuntimeError("a parameter received two gradients in one backward after its "
                                "bucket was reduced; run without --overlap-grad-reduce")
         bucket.pending.discard(param)
-        if not bucket.pending:
+        if not bucket.pending and not bucket.held:
             self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
@@ -211,10 +219,14 @@ class TorchDDPReducer:
 
 
 def build_grad_reducers(models: List[torch.nn.Module], dp_group, parallel_cfg,
-                        grad_dtype: torch.dtype) -> list:
-    """One reducer per model chunk, of the kind --DDP-impl asks for."""
+                        grad_dtype: torch.dtype,
+                        tied_params: Sequence[torch.nn.Parameter] = ()) -> list:
+    """One reducer per model chunk, of the kind --DDP-impl asks for. `tied_params`:
+    parameters whose gradients are summed with another stage's after backward."""
     if parallel_cfg.DDP_impl == "torch":
         return [TorchDDPReducer(m, dp_group) for m in models]
+    sharded = parallel_cfg.use_distributed_optimizer
     return [GradReducer(list(m.parameters()), dp_group, grad_dtype,
-                        overlap=parallel_cfg.overlap_grad_reduce,
-                        reduce_scatter=parallel_cfg.use_distributed_optimizer) for m in models]
+                        bucket_size=parallel_cfg.ddp_bucket_size,
+                        overlap=parallel_cfg.overlap_grad_reduce, reduce_scatter=sharded,
+                        held=tied_params if sharded else ()) for m in models]

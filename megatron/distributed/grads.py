@@ -32,16 +32,23 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
         offset += g.numel()
 
 
-def allreduce_embedding_grads(models, pstate) -> None:
-    """Sum the word-embedding gradients of the first and last pipeline stage."""
+def tied_embedding_params(models, pstate) -> List[torch.nn.Parameter]:
+    """This rank's copies of the word embeddings whose gradients are summed over the
+    embedding group (the first stage's and the last stage's; none without pipelining)."""
     if pstate.pp_size == 1 or not pstate.in_embedding_group():
-        return
-    grads = []
+        return []
+    params = []
     first, last = models[0], models[-1]
     if pstate.is_first_stage() and first.pre_process:
-        grads.append(grad_of(first.head_weight()))
+        params.append(first.head_weight())
     if pstate.is_last_stage() and last.post_process and not last.pre_process:
-        grads.append(grad_of(last.head_weight()))
+        params.append(last.head_weight())
+    return params
+
+
+def allreduce_embedding_grads(models, pstate) -> None:
+    """Sum the word-embedding gradients of the first and last pipeline stage."""
+    grads = [grad_of(p) for p in tied_embedding_params(models, pstate)]
     _all_reduce_coalesced([g for g in grads if g is not None], pstate.embedding_group)
 
 

@@ -178,10 +178,15 @@ class DistributedOptimizer(OptimizerBase):
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
 
-    def _check_shard(self, state: dict) -> None:
+    def fits_shard(self, state: dict) -> bool:
+        """Whether a saved shard covers exactly this rank's pieces (same model, DP size
+        and bucket layout)."""
         mine = [[p.index, p.start, p.end] for p in self.pieces]
         shapes = [list(p.shape) for p in self.model_params]
-        if state["pieces"] != mine or state.get("param_shapes", shapes) != shapes:
+        return state["pieces"] == mine and state.get("param_shapes", shapes) == shapes
+
+    def _check_shard(self, state: dict) -> None:
+        if not self.fits_shard(state):
             raise ValueError(
                 f"the distributed optimizer shard (data-parallel rank {state.get('dp_rank')} of "
                 f"{state.get('dp_size')}) was saved for another model or bucket layout; "

@@ -243,10 +243,13 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
     """Load the regular or sharded optimizer state into either kind of optimizer."""
     iteration = int(state["iteration"])
     if state.get("distributed_optimizer"):
+        saved = None
         if getattr(optimizer, "is_distributed", False) and _saved_dp_size(root, iteration, pstate) \
                 == pstate.dp_size:
             saved = _load_shard(root, iteration, pstate)
-        else:  # another DP size, or a regular optimizer: merge the shards, then re-cut them
+        if saved is None or not optimizer.fits_shard(saved):
+            # a regular optimizer, another DP size or --ddp-bucket-size: merge the shards
+            # (load_state_dict then cuts out this rank's pieces)
             saved = consolidate_distributed_optimizer(root, pstate.tp_rank, pstate.pp_rank,
                                                       pstate.pp_size, iteration)
     elif "optimizer" in state:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.distributed.ddp import build_grad_reducers
-from megatron.distributed.grads import allreduce_embedding_grads, allreduce_sequence_parallel_grads
+from megatron.distributed.grads import (allreduce_embedding_grads,
+                                        allreduce_sequence_parallel_grads, tied_embedding_params)
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
@@ -103,7 +104,8 @@ class Trainer:
         grad_dtype = torch.float32 if (config.training.fp16 or config.training.bf16
                                        or config.parallel.accumulate_allreduce_grads_in_fp32) \
             else params_dtype(config)
-        self.reducers = build_grad_reducers(models, pstate.dp_group, config.parallel, grad_dtype)
+        self.reducers = build_grad_reducers(models, pstate.dp_group, config.parallel, grad_dtype,
+                                            tied_embedding_params(models, pstate))
         self.torch_ddp = config.parallel.DDP_impl == "torch"
         # --DDP-impl torch: the forward goes through the DDP wrapper (the plain
         # module stays in self.models for checkpoints and set_input_tensor).
@@ -183,7 +185,8 @@ class Trainer:
         sequence-parallel partial gradients."""
         # The distributed optimizer's reduce-scatter leaves each DP rank only its
         # shard, at different offsets on the first and last stage: sum the
-        # embedding copies before it.
+        # embedding copies before it (their buckets are held back from an
+        # overlapped reduction until finish_grad_sync).
         embedding_first = self.config.parallel.use_distributed_optimizer
         if embedding_first:
             self._reduce_embedding_grads()

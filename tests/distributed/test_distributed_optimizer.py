@@ -39,10 +39,8 @@ def test_unsupported_reducer_combinations_are_config_errors():
         ParallelConfig(DDP_impl="torch", pipeline_model_parallel_size=2)
     with pytest.raises(ConfigError, match="needs --DDP-impl local"):
         ParallelConfig(DDP_impl="torch", use_distributed_optimizer=True)
-    with pytest.raises(ConfigError, match="tied embedding"):
-        ParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                       pipeline_model_parallel_size=2)
-    ParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    ParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                   pipeline_model_parallel_size=2)  # supported: see test_layouts.py
 
 
 class _Toy(torch.nn.Module):
@@ -175,6 +173,8 @@ def _worker(rank, world_size, tmp, prefix):
     out["first"] = _run(argv("--use-distributed-optimizer", "--save", ckpt,
                              "--save-interval", "100", "--exit-interval", "5"))
     out["resumed"] = _run(argv("--use-distributed-optimizer", "--load", ckpt))
+    out["resumed_other_buckets"] = _run(argv("--use-distributed-optimizer", "--load", ckpt,
+                                             "--ddp-bucket-size", "5000"))
     regular = os.path.join(tmp, "regular")  # a regular optimizer state, resumed sharded
     _run(argv("--save", regular, "--save-interval", "100", "--exit-interval", "5"))
     out["regular_to_dist"] = _run(argv("--use-distributed-optimizer", "--load", regular))
@@ -222,6 +222,8 @@ def test_dp2_distributed_optimizer_and_torch_ddp_match_one_process(tmp_path, sma
     assert all(r["dist"][1] == dist_norms for r in ranks)  # every rank agrees on the norm
     first, resumed = last["first"][0], last["resumed"][0]
     assert first == dist_losses[:5] and resumed == dist_losses[5:]  # exact resume
+    # other buckets cut the shards elsewhere: merged and re-cut on load
+    assert last["resumed_other_buckets"][0] == pytest.approx(dist_losses[5:], rel=1e-5)
     assert last["regular_to_dist"][0] == pytest.approx(dist_losses[5:], rel=1e-5)
     _close(last["torch_ddp"][0], single, 1e-5)
     _close(last["bf16_dist"][0], last["bf16"][0], 1e-3)

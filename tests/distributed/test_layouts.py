@@ -6,8 +6,9 @@ within 1e-5 relative, for every layout below. Micro batch sizes vary so that
 DP x micro batch x micro batches = 8, the global batch. PP = 2 with full
 recomputation, TP = PP = 2 with sequence parallelism and DP = 2 with
 --use-distributed-optimizer are checked the same way. Checkpoints saved at
-iteration 5 with PP = 2, DP = 2 and DP = 2 with the distributed optimizer
-resume to the uninterrupted losses bit for bit. Three spawns: 2, 4 and 8 ranks.
+iteration 5 with PP = 2, DP = 2, DP = 2 with the distributed optimizer and
+PP = DP = 2 with the distributed optimizer and overlapped reduction resume to
+the uninterrupted losses bit for bit. Three spawns: 2, 4 and 8 ranks.
 """
 import os
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ LAYOUTS = {
     "tp2-pp2-sequence-parallel": Layout(2, 2, 1, mbs=2, extra=["--sequence-parallel"]),
     "dp2-distributed-optimizer": Layout(1, 1, 2, mbs=2, extra=["--use-distributed-optimizer"],
                                         resume=True),
+    # many small buckets reduced during backward; the tied embeddings' buckets wait for
+    # the embedding all-reduce
+    "pp2-dp2-distributed-optimizer-overlap": Layout(
+        1, 2, 2, mbs=2, extra=["--use-distributed-optimizer", "--overlap-grad-reduce",
+                               "--ddp-bucket-size", "20000"], resume=True),
 }
 
 

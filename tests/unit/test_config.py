@@ -42,6 +42,7 @@ def test_global_batch_defaults_to_micro_batch_times_dp():
      ["(2)", "world size (6)"]),
     (["--fp16", "--bf16"], 1, ["--fp16", "--bf16"]),
     (["--lr", "1e-3", "--min-lr", "1e-2"], 1, ["--min-lr (0.01)"]),
+    (["--ddp-bucket-size", "0"], 1, ["--ddp-bucket-size", "got 0"]),
 ])
 def test_inconsistent_flags_exit_2_with_one_line(capsys, extra, world, words):
     with pytest.raises(SystemExit) as exc:
