@@ -1,0 +1,53 @@
+"""The launch scripts in examples/ pass flags that parse and fit their world size.
+
+Each script runs with `python` and `torchrun` replaced by stubs that record their
+arguments; the recorded pretrain_gpt.py flags then go through pretrain_gpt's own
+parsing and layout checks, with the world size the launcher would create.
+"""
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import pretrain_gpt
+from megatron.arguments import parse_args
+from tests.conftest import ROOT
+
+SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B.sh",
+           "megatron_11b.sh"]
+STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
+
+
+def recorded_launch(tmp_path: Path, script: str) -> list:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "torchrun"):
+        (bin_dir / name).write_text(STUB)
+        (bin_dir / name).chmod(0o755)
+    record = tmp_path / "argv"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record),
+               DATA="data/prefix", VOCAB="vocab.json", MERGE="merges.txt",
+               MASTER_ADDR="node0")
+    subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, check=True, timeout=60)
+    return record.read_text().splitlines()
+
+
+def _value(args: list, flag: str, default: int) -> int:
+    return int(args[args.index(flag) + 1]) if flag in args else default
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_flags_parse_for_their_world_size(tmp_path, script):
+    args = recorded_launch(tmp_path, script)
+    assert "pretrain_gpt.py" in args, args
+    launcher, flags = args[:args.index("pretrain_gpt.py")], args[args.index("pretrain_gpt.py") + 1:]
+    world = _value(launcher, "--nproc_per_node", 1) * _value(launcher, "--nnodes", 1)
+    config, _ = parse_args(flags, world_size=world, required=pretrain_gpt.REQUIRED)
+    assert config.data.data_path
+
+
+def test_every_example_script_is_checked():
+    launchers = {p.name for p in (ROOT / "examples").glob("*.sh")
+                 if "pretrain_gpt.py" in p.read_text()}
+    assert launchers - {"quickstart.sh"} == set(SCRIPTS)  # quickstart: README command 1
