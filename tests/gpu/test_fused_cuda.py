@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from megatron.model import fused, fused_kernels
+from tests.fused_checks import DTYPES, outputs_and_grads, rel_err, TOLERANCE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LIMIT = fused.MAX_ROW_LENGTH["cuda"]
 
 
@@ -24,18 +22,11 @@ def kernels():
     fused_kernels.set_poison_outputs(False)
 
 
-def rel_err(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-
-
 def run(fn, tensors, grad):
-    inputs = [t.detach().clone().requires_grad_() for t in tensors]
-    out = fn(*inputs)
-    out.backward(grad)
+    """outputs_and_grads, then a device sync so that a kernel fault surfaces here."""
+    result = outputs_and_grads(fn, tensors, grad)
     torch.cuda.synchronize()
-    return out.detach(), [t.grad for t in inputs]
+    return result
 
 
 def reference_softmax(x, scale, causal, mask, grad):

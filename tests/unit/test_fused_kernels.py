@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from megatron.model import fused, fused_kernels
+from tests.fused_checks import DTYPES, outputs_and_grads, rel_err, TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,29 +32,12 @@ def kernels():
     fused_kernels.set_poison_outputs(False)
 
 
-def rel_err(actual, expected):
-    """max |actual - expected| / max |expected|, in float64."""
-    actual, expected = actual.double(), expected.double()
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-
-
 def reference_softmax(x, scale, causal, mask, grad):
     """Plain path in float32 on the same input values: (probs, d probs / d x)."""
     xr = x.detach().float().requires_grad_()
     y = fused.attention_softmax(xr, scale=scale, causal=causal, mask=mask, fusion=False)
     y.backward(grad.float())
     return y.detach(), xr.grad
-
-
-def fused_grads(fn, tensors, grad):
-    inputs = [t.detach().clone().requires_grad_() for t in tensors]
-    out = fn(*inputs)
-    out.backward(grad)
-    return out.detach(), [t.grad for t in inputs]
-
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # ------------------------------------------------------------------------ softmax
@@ -65,7 +48,7 @@ def test_upper_triang_softmax(dtype, batches, sq):
     torch.manual_seed(sq)
     x = (torch.randn(batches, sq, sq) * 4).to(dtype)
     g = torch.randn(batches, sq, sq).to(dtype)
-    y, (dx,) = fused_grads(
+    y, (dx,) = outputs_and_grads(
         lambda t: fused.ScaledUpperTriangMaskedSoftmax.apply(t, 0.37), [x], g)
     y_ref, dx_ref = reference_softmax(x.view(batches, 1, sq, sq), 0.37, True, None, g.view(
         batches, 1, sq, sq))
@@ -91,7 +74,7 @@ def test_masked_softmax(dtype, shape, mask_b, mask_dtype):
     g = torch.randn(shape).to(dtype)
     mask = torch.rand(mask_b, 1, sq, sk) < 0.4
     mask[0, 0, 0] = True  # one fully masked row: uniform output, zero gradient
-    y, (dx,) = fused_grads(
+    y, (dx,) = outputs_and_grads(
         lambda t: fused.ScaledMaskedSoftmax.apply(t, mask.to(mask_dtype), 0.5), [x], g)
     y_ref, dx_ref = reference_softmax(x, 0.5, False, mask, g)
     assert rel_err(y, y_ref) < TOLERANCE[dtype]
@@ -105,9 +88,9 @@ def test_float32_matches_plain_path_exactly_enough():
     torch.manual_seed(0)
     x, g = torch.randn(2, 4, 48, 48) * 3, torch.randn(2, 4, 48, 48)
     for causal, mask in [(True, None), (False, torch.rand(2, 1, 48, 48) < 0.2)]:
-        y, (dx,) = fused_grads(
+        y, (dx,) = outputs_and_grads(
             lambda t: fused.attention_softmax(t, scale=0.3, causal=causal, mask=mask), [x], g)
-        y_ref, (dx_ref,) = fused_grads(lambda t: fused.attention_softmax(
+        y_ref, (dx_ref,) = outputs_and_grads(lambda t: fused.attention_softmax(
             t, scale=0.3, causal=causal, mask=mask, fusion=False), [x], g)
         assert rel_err(y, y_ref) < 1e-6 and rel_err(dx, dx_ref) < 1e-6
 
@@ -139,7 +122,7 @@ def test_attention_softmax_dispatch(shape, dtype, causal, mask_shape, mask_dtype
     if mask is not None and mask.dtype == torch.float32:
         return  # not a valid mask for the plain path either
     g = torch.randn(shape).to(dtype)
-    y, (dx,) = fused_grads(
+    y, (dx,) = outputs_and_grads(
         lambda t: fused.attention_softmax(t, scale=0.5, causal=causal, mask=mask), [x], g)
     if x.numel() == 0:
         return
@@ -172,8 +155,8 @@ def test_layer_norm(dtype, shape):
     w = (torch.rand(hidden) + 0.5).to(dtype)
     b = torch.randn(hidden).to(dtype)
     g = torch.randn(shape).to(dtype)
-    y, grads = fused_grads(lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], g)
-    y_ref, grads_ref = fused_grads(
+    y, grads = outputs_and_grads(lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], g)
+    y_ref, grads_ref = outputs_and_grads(
         lambda *t: torch.nn.functional.layer_norm(t[0], (hidden,), t[1], t[2], 1e-5),
         [x.float(), w.float(), b.float()], g.float())
     assert y.dtype == dtype and y.shape == x.shape
@@ -185,7 +168,7 @@ def test_layer_norm(dtype, shape):
 def test_layer_norm_hidden_one():
     """hidden == 1: x - mean is 0, so y == bias and dx == 0 (up to rounding)."""
     x, w, b = torch.randn(5, 1) * 3, torch.full((1,), 2.0), torch.full((1,), 0.25)
-    y, (dx, dw, db) = fused_grads(
+    y, (dx, dw, db) = outputs_and_grads(
         lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], torch.ones(5, 1))
     assert torch.equal(y, torch.full((5, 1), 0.25))
     assert dx.abs().max() < 1e-4 and dw.abs().max() < 1e-4 and db.item() == 5.0
@@ -218,7 +201,7 @@ def test_layer_norm_grads_independent_of_thread_count():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            results.append(fused_grads(
+            results.append(outputs_and_grads(
                 lambda *t: fused.FusedLayerNormAffine.apply(*t, 1e-5), [x, w, b], g)[1])
     finally:
         torch.set_num_threads(threads)
