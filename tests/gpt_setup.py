@@ -1,11 +1,26 @@
 """A tiny GPT run on the WikiText validation corpus, shared by the training tests."""
+import contextlib
 import os
 import sys
+
+import torch
 
 from tests.conftest import ROOT, SHARED_DATA
 
 BPE = SHARED_DATA / "bpe-8k"
 WIKI = SHARED_DATA / "wikitext" / "wiki.valid.jsonl"
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one torch thread, like each spawned rank: the tiny model runs
+    several times faster that way on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def have_reference_data() -> bool:

@@ -22,7 +22,7 @@ from megatron.distributed.ddp import GradReducer, plan_buckets, shard_range
 from megatron.mpu import single_process_state
 from megatron.optimizer import DistributedOptimizer, MegatronOptimizer, merge_optimizer_shards
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 
 # -- single process ----------------------------------------------------------------------
@@ -120,16 +120,10 @@ def recording_grad_norms():
 
 
 def _run(argv):
-    """(losses, grad norms) of one pretrain_gpt run in this process (on one thread:
-    the tiny model runs several times faster that way on busy cores)."""
+    """(losses, grad norms) of one pretrain_gpt run in this process, on one thread."""
     import pretrain_gpt
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with recording_grad_norms() as norms:
-            state = pretrain_gpt.main(argv)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), recording_grad_norms() as norms:
+        state = pretrain_gpt.main(argv)
     return losses(state), norms
 
 

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import List
 
 import pytest
-import torch
 
 from megatron.mpu.topology import ParallelDims
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -114,13 +113,9 @@ def reference(workdir):
     """(TP, PP, DP) = (1, 1, 1) in the pytest process (one thread, like each rank)."""
     import pretrain_gpt
     prefix, out = workdir
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         state = pretrain_gpt.main(tiny_gpt_argv(prefix, out / "cache-ref", mbs=2, gbs=GLOBAL_BATCH,
                                                 iters=ITERS))
-    finally:
-        torch.set_num_threads(threads)
     return losses(state)
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tests.conftest import ROOT
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 LAYER_TOL = 1e-6      # relative error of one layer, float32
 BLOCK_TOL = 1e-5      # a whole transformer layer (several reductions in another order)
@@ -387,12 +387,8 @@ def reference_losses(wiki):
     """TP = 1 in the pytest process (one thread, like each rank: faster on busy cores)."""
     import pretrain_gpt
     prefix, out = wiki
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return losses(pretrain_gpt.main(tiny_gpt_argv(prefix, out / "cache-ref", iters=ITERS)))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def assert_small(errors, tol, where):

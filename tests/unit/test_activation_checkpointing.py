@@ -4,7 +4,6 @@ Recomputation in backward must replay the forward's dropout masks (CPU, device
 and model-parallel tracker generators) and leave the RNG streams where an
 uncheckpointed run leaves them, so losses and gradients are bit-identical.
 """
-import contextlib
 
 import pytest
 import torch
@@ -13,20 +12,10 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu import checkpoint, get_rng_tracker, model_parallel_seed
-from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 SEED = 1234
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- the checkpoint function itself ------------------------------------------------

@@ -4,10 +4,9 @@ resumed run continues the ramp where it stopped."""
 import re
 
 import pytest
-import torch
 
 import pretrain_gpt
-from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, one_thread, preprocess_wiki, tiny_gpt_argv
 
 # START 2, INCR 2, SAMPLES 24 towards --global-batch-size 8: (8 - 2) / 2 = 3 increments,
 # one every 24 / 3 = 8 consumed samples (micro batch 2, one rank).
@@ -39,14 +38,10 @@ def small_corpus(tmp_path_factory):
 def _train(corpus, capsys, *extra):
     """Run pretrain_gpt in this process; returns (state, parsed log lines)."""
     prefix, cache = corpus
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is faster on busy cores
     capsys.readouterr()
-    try:
+    with one_thread():
         state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--eval-iters", "0", *RAMPUP,
                                                 *extra, layers=1, hidden=32, iters=10))
-    finally:
-        torch.set_num_threads(threads)
     lines = [LOG.search(line) for line in capsys.readouterr().out.splitlines()]
     return state, [(int(m[1]), int(m[3]), float(m[4]), int(m[5])) for m in lines if m]
 
