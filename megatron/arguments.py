@@ -14,7 +14,7 @@ from megatron.config import SECTIONS, Config, ConfigError
 
 def _flag(group, name, section, field=None, **kwargs):
     field = field or name.lstrip("-").replace("-", "_")
-    if kwargs.get("action") not in ("store_true", "store_false") and "choices" not in kwargs:
+    if kwargs.get("action") not in ("store_true", "store_false", "store_const") and "choices" not in kwargs:
         kwargs.setdefault("metavar", field.upper())
     kwargs.setdefault("help", HELP.get(name))
     group.add_argument(name, dest=f"{section}.{field}", **kwargs)
@@ -49,6 +49,32 @@ def _add_model_args(parser):
     _off(g, "--no-bias-dropout-fusion", "model", "bias_dropout_fusion")
     _off(g, "--no-persist-layer-norm", "model", "layer_norm_fusion")
     _off(g, "--no-layer-norm-fusion", "model", "layer_norm_fusion")
+
+
+def _add_architecture_args(parser):
+    """The declarative model spec: positions, norms, MLP, attention groups, bias, tying."""
+    g = parser.add_argument_group("architecture")
+    _flag(g, "--position-embedding-type", "model", default=None,
+          choices=["learned_absolute", "rope", "alibi", "none"])
+    _flag(g, "--use-rotary-position-embeddings", "model", "position_embedding_type",
+          action="store_const", const="rope")
+    _flag(g, "--rotary-percent", "model", type=float, default=None)
+    _flag(g, "--rotary-base", "model", type=int, default=None)
+    _flag(g, "--rotary-seq-len-interpolation-factor", "model", type=float, default=None)
+    _flag(g, "--normalization", "model", choices=["LayerNorm", "RMSNorm"], default=None)
+    _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
+    for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm",
+                 "--group-query-attention", "--add-qkv-bias",
+                 "--untie-embeddings-and-output-weights"):
+        _flag(g, name, "model", action="store_true")
+    _flag(g, "--glu-activation", "model", "activation", default=None,
+          choices=["geglu", "liglu", "reglu", "swiglu"])
+    for name, activation in (("--swiglu", "swiglu"), ("--openai-gelu", "openai_gelu"),
+                             ("--squared-relu", "squared_relu")):
+        _flag(g, name, "model", "activation", action="store_const", const=activation)
+    for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
+        _flag(g, name, "model", type=int, default=None)
+    _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 
 def _add_parallel_args(parser):
@@ -146,7 +172,7 @@ def _add_logging_args(parser):
 
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_optimizer_args,
+    for add in (_add_model_args, _add_architecture_args, _add_parallel_args, _add_training_args, _add_optimizer_args,
                 _add_data_args, _add_checkpoint_args, _add_logging_args):
         add(parser)
     return parser

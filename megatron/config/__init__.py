@@ -35,6 +35,10 @@ class Config:
         require(m.num_attention_heads % tp == 0,
                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})")
+        groups = m.num_query_groups
+        require(groups % tp == 0 or tp % groups == 0,
+                f"--num-query-groups ({groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp}), or divide it")
         require(m.num_layers % pp == 0,
                 f"--num-layers ({m.num_layers}) must be divisible by "
                 f"--pipeline-model-parallel-size ({pp})")

@@ -5,6 +5,10 @@ from typing import Optional
 from megatron.config.errors import require
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "reglu", "liglu")
+ACTIVATIONS = ("gelu", "openai_gelu", "squared_relu") + GLU_ACTIVATIONS
 
 
 @dataclass
@@ -26,6 +30,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """The padded vocabulary is a multiple of this times TP."""
     layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm (--norm-epsilon, alias --layernorm-epsilon)."""
     init_method_std: float = 0.02
     """Std of the normal init; output projections use std / sqrt(2 x layers)."""
     hidden_dropout: float = 0.1
@@ -49,6 +54,42 @@ class ModelConfig:
     fp16_lm_cross_entropy: bool = False
     sequence_parallel: bool = False
 
+    # -- architecture (the declarative model spec) ---------------------------
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute | rope | alibi | none (--position-embedding-type)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates, in (0, 1] (--rotary-percent)."""
+    rotary_base: int = 10000
+    """RoPE frequency base (--rotary-base)."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Positions are divided by this before RoPE (linear interpolation), >= 1."""
+    normalization: str = "LayerNorm"
+    """LayerNorm | RMSNorm (--normalization)."""
+    apply_layernorm_1p: bool = False
+    """Norm weights are stored zero-centred and applied as (1 + w) (--apply-layernorm-1p)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head before attention (--qk-layernorm)."""
+    embed_layernorm: bool = False
+    """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
+    activation: str = "gelu"
+    """MLP activation: gelu | openai_gelu | squared_relu, or a gated one: swiglu | geglu |
+    reglu | liglu (--swiglu, --glu-activation, --openai-gelu, --squared-relu). A gated MLP's
+    first weight holds [gate; up] rows (each TP shard its own [gate_r; up_r])."""
+    group_query_attention: bool = False
+    """Grouped-query attention (--group-query-attention): --num-query-groups K/V heads."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads; one per query head unless --group-query-attention (1: multi-query)."""
+    kv_channels: Optional[int] = None
+    """Channels per attention head (--kv-channels); hidden-size / heads when unset."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (off with --disable-bias-linear)."""
+    add_qkv_bias: bool = False
+    """A QKV bias even with --disable-bias-linear (--add-qkv-bias)."""
+    untie_embeddings_and_output_weights: bool = False
+    """A separate, vocab-parallel output layer instead of the tied word embeddings."""
+    pad_vocab_size_to: Optional[int] = None
+    """Pad the vocabulary to exactly this many rows (--pad-vocab-size-to)."""
+
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
@@ -58,9 +99,9 @@ class ModelConfig:
                      "max_position_embeddings", "ffn_hidden_size", "checkpoint_num_layers"):
             require(getattr(self, name) > 0,
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        require(self.hidden_size % self.num_attention_heads == 0,
+        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                f"({self.num_attention_heads})")
+                f"({self.num_attention_heads}), or give --kv-channels")
         require(self.seq_length <= self.max_position_embeddings,
                 f"--seq-length ({self.seq_length}) must be <= --max-position-embeddings "
                 f"({self.max_position_embeddings})")
@@ -71,7 +112,42 @@ class ModelConfig:
                 f"--attention-impl {self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
         require(self.recompute_granularity in (None, "full", "selective"),
                 f"--recompute-granularity {self.recompute_granularity!r} is not full or selective")
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None or not self.group_query_attention:
+            self.num_query_groups = self.num_attention_heads
+        self._check_architecture()
+
+    def _check_architecture(self):
+        for name, value, allowed in (
+                ("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDING_TYPES),
+                ("--normalization", self.normalization, NORMALIZATIONS),
+                ("activation", self.activation, ACTIVATIONS)):
+            require(value in allowed, f"{name} {value!r} is not one of {allowed}")
+        require(0.0 < self.rotary_percent <= 1.0,
+                f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        require(self.rotary_base > 0, f"--rotary-base must be positive, got {self.rotary_base}")
+        factor = self.rotary_seq_len_interpolation_factor
+        require(factor is None or factor >= 1.0,
+                f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+        require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
+        groups = self.num_query_groups
+        require(groups > 0 and self.num_attention_heads % groups == 0,
+                f"--num-query-groups ({groups}) must divide --num-attention-heads "
+                f"({self.num_attention_heads})")
+        require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
+                f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
 
     @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def gated_mlp(self) -> bool:
+        """True for the GLU activations: the first MLP weight holds gate and up rows."""
+        return self.activation in GLU_ACTIVATIONS
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that RoPE rotates (even)."""
+        return int(self.kv_channels * self.rotary_percent) // 2 * 2
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
