@@ -102,17 +102,35 @@ inline void check_layer_norm_forward(const at::Tensor& x, const at::Tensor& w,
   check_same(w, b, "layer_norm weight and bias");
 }
 
+// A saved per-row statistic (mean, rstd) of input x: float32 [rows].
+inline void check_row_stat(const at::Tensor& t, const at::Tensor& x, const char* name,
+                           c10::DeviceType device) {
+  check_tensor(t, name, 1, device);
+  TORCH_CHECK(t.size(0) == x.size(0) && t.scalar_type() == at::kFloat, name,
+              " must be float32 [", x.size(0), "], got ", t.sizes(), " of ", t.scalar_type());
+}
+
+// Norm backward (layer norm or RMSNorm): grad and input [rows, cols], weight [cols].
+inline void check_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                const char* what, c10::DeviceType device) {
+  check_layer_norm_params(x, w, device);
+  check_tensor(dy, "grad", 2, device);
+  check_same(dy, x, what);
+}
+
 inline void check_layer_norm_backward(const at::Tensor& dy, const at::Tensor& x,
                                       const at::Tensor& mean, const at::Tensor& rstd,
                                       const at::Tensor& w, c10::DeviceType device) {
-  check_layer_norm_params(x, w, device);
-  check_tensor(dy, "grad", 2, device);
-  check_same(dy, x, "layer_norm backward");
-  for (const auto* t : {&mean, &rstd}) {
-    check_tensor(*t, "mean/rstd", 1, device);
-    TORCH_CHECK(t->size(0) == x.size(0) && t->scalar_type() == at::kFloat,
-                "mean/rstd must be float32 [", x.size(0), "], got ", t->sizes());
-  }
+  check_norm_backward(dy, x, w, "layer_norm backward", device);
+  check_row_stat(mean, x, "mean", device);
+  check_row_stat(rstd, x, "rstd", device);
+}
+
+inline void check_rms_norm_backward(const at::Tensor& dy, const at::Tensor& x,
+                                    const at::Tensor& rstd, const at::Tensor& w,
+                                    c10::DeviceType device) {
+  check_norm_backward(dy, x, w, "rms_norm backward", device);
+  check_row_stat(rstd, x, "rstd", device);
 }
 
 inline const uint8_t* mask_data(const at::Tensor& mask) {

@@ -102,12 +102,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   return {dx, dw, db};
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& w,
+                                                    double eps) {
+  check_layer_norm_params(x, w, kCPU);
+  at::Tensor y = new_output(x.sizes(), x.options());
+  at::Tensor rstd = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::rms_norm_forward<T>(x.data_ptr<T>(), w.data_ptr<T>(), y.data_ptr<T>(),
+                             rstd.data_ptr<float>(), x.size(0), x.size(1),
+                             static_cast<float>(eps));
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x,
+                                                     const at::Tensor& rstd,
+                                                     const at::Tensor& w) {
+  check_rms_norm_backward(dy, x, rstd, w, kCPU);
+  at::Tensor dx = new_output(x.sizes(), x.options());
+  at::Tensor dw = new_output(w.sizes(), w.options());
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::rms_norm_backward<T>(dy.data_ptr<T>(), x.data_ptr<T>(), rstd.data_ptr<float>(),
+                              w.data_ptr<T>(), dx.data_ptr<T>(), dw.data_ptr<T>(), x.size(0),
+                              x.size(1));
+  });
+  return {dx, dw};
+}
+
 }  // namespace
 }  // namespace megatron_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace mf = megatron_fused;
-  m.doc() = "Megatron fused softmax and layer-norm kernels (CPU)";
+  m.doc() = "Megatron fused softmax, layer-norm and RMSNorm kernels (CPU)";
   m.def("scaled_upper_triang_masked_softmax_forward", &mf::upper_triang_forward,
         "causal softmax(scale * x) of [batches, sq, sq]");
   m.def("scaled_upper_triang_masked_softmax_backward", &mf::upper_triang_backward,
@@ -119,6 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &mf::layer_norm_forward,
         "layer norm of [rows, cols] -> (y, mean, rstd)");
   m.def("layer_norm_backward", &mf::layer_norm_backward, "layer norm gradients -> (dx, dw, db)");
+  m.def("rms_norm_forward", &mf::rms_norm_forward, "RMSNorm of [rows, cols] -> (y, rstd)");
+  m.def("rms_norm_backward", &mf::rms_norm_backward, "RMSNorm gradients -> (dx, dw)");
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; },
         "fill outputs with NaN before kernels run (tests)");
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });

@@ -117,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   at::Tensor dx = new_output(x.sizes(), x.options());
   at::Tensor dw = new_output(w.sizes(), w.options());
   at::Tensor db = new_output(w.sizes(), w.options());
-  const int splits = cuda::layer_norm_backward_splits(x.size(0));
+  const int splits = cuda::norm_backward_splits(x.size(0));
   at::Tensor workspace = at::empty({2LL * splits * cols}, x.options().dtype(at::kFloat));
   check_launch(cuda::layer_norm_backward(storage_type(x), dy.data_ptr(), x.data_ptr(),
                                          mean.data_ptr<float>(), rstd.data_ptr<float>(),
@@ -128,18 +128,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   return {dx, dw, db};
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& w,
+                                                    double eps) {
+  check_layer_norm_params(x, w, kCUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = new_output(x.sizes(), x.options());
+  at::Tensor rstd = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  check_launch(cuda::rms_norm_forward(storage_type(x), x.data_ptr(), w.data_ptr(), y.data_ptr(),
+                                      rstd.data_ptr<float>(), x.size(0),
+                                      checked_int(x.size(1), "hidden size"),
+                                      static_cast<float>(eps), stream_of(x)),
+               "rms_norm_forward");
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x,
+                                                     const at::Tensor& rstd,
+                                                     const at::Tensor& w) {
+  check_rms_norm_backward(dy, x, rstd, w, kCUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int cols = checked_int(x.size(1), "hidden size");
+  at::Tensor dx = new_output(x.sizes(), x.options());
+  at::Tensor dw = new_output(w.sizes(), w.options());
+  const int splits = cuda::norm_backward_splits(x.size(0));
+  at::Tensor workspace = at::empty({1LL * splits * cols}, x.options().dtype(at::kFloat));
+  check_launch(cuda::rms_norm_backward(storage_type(x), dy.data_ptr(), x.data_ptr(),
+                                       rstd.data_ptr<float>(), w.data_ptr(), dx.data_ptr(),
+                                       dw.data_ptr(), workspace.data_ptr<float>(), x.size(0),
+                                       cols, stream_of(x)),
+               "rms_norm_backward");
+  return {dx, dw};
+}
+
 }  // namespace
 }  // namespace megatron_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace mf = megatron_fused;
-  m.doc() = "Megatron fused softmax and layer-norm kernels (CUDA)";
+  m.doc() = "Megatron fused softmax, layer-norm and RMSNorm kernels (CUDA)";
   m.def("scaled_upper_triang_masked_softmax_forward", &mf::upper_triang_forward);
   m.def("scaled_upper_triang_masked_softmax_backward", &mf::upper_triang_backward);
   m.def("scaled_masked_softmax_forward", &mf::masked_forward);
   m.def("scaled_masked_softmax_backward", &mf::masked_backward);
   m.def("layer_norm_forward", &mf::layer_norm_forward);
   m.def("layer_norm_backward", &mf::layer_norm_backward);
+  m.def("rms_norm_forward", &mf::rms_norm_forward);
+  m.def("rms_norm_backward", &mf::rms_norm_backward);
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; });
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });
   m.attr("max_row_length") = mf::cuda::kMaxRowLength;

@@ -39,5 +39,17 @@ template <typename T>
 void layer_norm_backward(const T* dy, const T* x, const float* mean, const float* rstd,
                          const T* w, T* dx, T* dw, T* db, int64_t rows, int64_t cols);
 
+// y = w * (x * rstd) per row of x [rows, cols], rstd = 1/sqrt(mean(x^2) + eps) saved as
+// float [rows]. For 16-bit T, x * rstd is rounded to T before the weight multiplies it
+// (as Hugging Face's LlamaRMSNorm does).
+template <typename T>
+void rms_norm_forward(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t cols,
+                      float eps);
+
+// Gradients of rms_norm_forward: dx [rows, cols] and dw [cols], dw summed in a fixed order.
+template <typename T>
+void rms_norm_backward(const T* dy, const T* x, const float* rstd, const T* w, T* dx, T* dw,
+                       int64_t rows, int64_t cols);
+
 }  // namespace cpu
 }  // namespace megatron_fused

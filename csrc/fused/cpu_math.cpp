@@ -286,6 +286,34 @@ MF_CLONES void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const
   for (; i < n; ++i) dx[i] = rstd * (dy[i] * w[i] - c1 - (x[i] - mean) * rstd * c2);
 }
 
+MF_CLONES void scaled_product(float* y, const float* x, const float* w, int64_t n, float s) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, load(x + i) * s * load(w + i));
+  for (; i < n; ++i) y[i] = x[i] * s * w[i];
+}
+
+MF_CLONES void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, const float* x,
+                                 const float* w, int64_t n, float rstd) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec d = load(dy + i);
+    const LaneVec xhat = load(x + i) * rstd;
+    acc += d * load(w + i) * xhat;
+    store(dgamma + i, load(dgamma + i) + d * xhat);
+  }
+  float s = hsum(acc);
+  for (int64_t j = i; j < n; ++j) {
+    const float xhat = x[j] * rstd;
+    s += dy[j] * w[j] * xhat;
+    dgamma[j] += dy[j] * xhat;
+  }
+  const float c = s / static_cast<float>(n);
+  for (i = 0; i + kLanes <= n; i += kLanes)
+    store(dx + i, rstd * (load(dy + i) * load(w + i) - load(x + i) * rstd * c));
+  for (; i < n; ++i) dx[i] = rstd * (dy[i] * w[i] - x[i] * rstd * c);
+}
+
 MF_CLONES void add_inplace(float* acc, const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(acc + i, load(acc + i) + load(x + i));

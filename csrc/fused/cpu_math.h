@@ -51,6 +51,12 @@ void layer_norm_affine(float* y, const float* x, const float* w, const float* b,
 // dbeta += dy. dx may alias dy.
 void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const float* dy,
                          const float* x, const float* w, int64_t n, float mean, float rstd);
+// y[j] = x[j] * s * w[j] (RMSNorm forward). y may alias x.
+void scaled_product(float* y, const float* x, const float* w, int64_t n, float s);
+// One row of the RMSNorm backward. With xhat = x*rstd computes c = sum(dy*w*xhat)/n,
+// then dx = rstd * (dy*w - xhat*c), and accumulates dgamma += dy*xhat. dx may alias dy.
+void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, const float* x,
+                       const float* w, int64_t n, float rstd);
 // acc[j] += x[j].
 void add_inplace(float* acc, const float* x, int64_t n);
 

@@ -3,9 +3,13 @@
 // they convert through a per-thread scratch buffer.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
+
+#include <ATen/Parallel.h>
 
 #include "cpu_math.h"
 
@@ -45,6 +49,37 @@ void store_row(T* dst, const float* buf, int64_t n) {
 inline int64_t grain_rows(int64_t row_len, int64_t work = 32768) {
   int64_t g = row_len > 0 ? work / row_len : work;
   return g > 0 ? g : 1;
+}
+
+// Parameter gradients of the norm backwards (summed over rows), independent of the
+// thread count: the rows are cut into fixed blocks (at most 128, at least 8 rows each;
+// a function of the shape only), block_fn(row_begin, row_end, partials) adds its rows'
+// contributions to its own zeroed float partials [outs.size(), cols], and the blocks'
+// partials are then added column-wise in block order and stored into `outs` ([cols] each).
+template <typename T, typename BlockFn>
+void sum_rows_by_blocks(int64_t rows, int64_t cols, std::initializer_list<T*> outs,
+                        BlockFn&& block_fn) {
+  const int64_t nout = static_cast<int64_t>(outs.size());
+  const int64_t blocks = std::min<int64_t>((rows + 7) / 8, 128);
+  const int64_t rows_per_block = blocks > 0 ? (rows + blocks - 1) / blocks : 0;
+  std::vector<float> part(blocks * nout * cols, 0.0f);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk)
+      block_fn(blk * rows_per_block, std::min(rows, (blk + 1) * rows_per_block),
+               part.data() + blk * nout * cols);
+  });
+  at::parallel_for(0, cols, 256, [&](int64_t begin, int64_t end) {
+    const int64_t n = end - begin;
+    std::vector<float> acc(nout * n, 0.0f);
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t k = 0; k < nout; ++k)
+        add_inplace(acc.data() + k * n, part.data() + (blk * nout + k) * cols + begin, n);
+    int64_t k = 0;
+    for (T* out : outs) {
+      for (int64_t j = 0; j < n; ++j) out[begin + j] = static_cast<T>(acc[k * n + j]);
+      ++k;
+    }
+  });
 }
 
 }  // namespace cpu

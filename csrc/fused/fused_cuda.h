@@ -15,7 +15,7 @@ namespace cuda {
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // Rows are staged in shared memory as float: the softmax row (sk) and the
-// layer-norm row (cols) may be at most this long.
+// layer-norm / RMSNorm row (cols) may be at most this long.
 constexpr int kMaxRowLength = 8192;
 
 // softmax(scale * x) of [batches, sq, sq] with j > i masked out (zeros there).
@@ -43,15 +43,26 @@ cudaError_t layer_norm_forward(DType dtype, const void* x, const void* w, const 
                                float* mean, float* rstd, long long rows, int cols, float eps,
                                cudaStream_t stream);
 
-// Number of row splits of the weight/bias gradient; the caller passes a float
-// workspace of 2 * layer_norm_backward_splits(rows) * cols elements.
-int layer_norm_backward_splits(long long rows);
+// Number of row splits of the norms' weight/bias gradients; the caller passes a float
+// workspace of 2 * norm_backward_splits(rows) * cols elements to layer_norm_backward,
+// norm_backward_splits(rows) * cols to rms_norm_backward.
+int norm_backward_splits(long long rows);
 
 // dx [rows, cols], dw and db [cols] (storage dtype) from dy, x, mean, rstd and w.
 cudaError_t layer_norm_backward(DType dtype, const void* dy, const void* x, const float* mean,
                                 const float* rstd, const void* w, void* dx, void* dw, void* db,
                                 float* workspace, long long rows, int cols,
                                 cudaStream_t stream);
+
+// y = w * (x * rstd) per row of x [rows, cols], rstd = 1/sqrt(mean(x^2) + eps) saved as
+// float [rows]; for 16-bit storage x * rstd is rounded before the weight multiplies it.
+cudaError_t rms_norm_forward(DType dtype, const void* x, const void* w, void* y, float* rstd,
+                             long long rows, int cols, float eps, cudaStream_t stream);
+
+// dx [rows, cols] and dw [cols] (storage dtype) from dy, x, rstd and w.
+cudaError_t rms_norm_backward(DType dtype, const void* dy, const void* x, const float* rstd,
+                              const void* w, void* dx, void* dw, float* workspace,
+                              long long rows, int cols, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace megatron_fused

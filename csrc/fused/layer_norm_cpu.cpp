@@ -2,8 +2,7 @@
 //
 // Forward: per row, mean and variance in two passes over the cached row, then the
 // affine output. Backward: per row, dx in two passes; the weight and bias
-// gradients are summed per fixed block of rows into float partials, which are
-// then added up column-wise. The fixed blocks make the result independent of the
+// gradients are summed by sum_rows_by_blocks (cpu_rows.h), independent of the
 // number of threads.
 #include <cmath>
 #include <type_traits>
@@ -19,36 +18,6 @@
 
 namespace megatron_fused {
 namespace cpu {
-namespace {
-
-// Number of row blocks for the weight/bias gradient partials: at most 128, at least
-// 8 rows each. Depends only on the shape.
-inline int64_t num_row_blocks(int64_t rows) {
-  const int64_t blocks = (rows + 7) / 8;
-  return blocks < 128 ? blocks : 128;
-}
-
-// Sums partials [blocks, 2, cols] over blocks into dw and db.
-template <typename T>
-void reduce_partials(const std::vector<float>& part, int64_t blocks, int64_t cols, T* dw,
-                     T* db) {
-  at::parallel_for(0, cols, 256, [&](int64_t begin, int64_t end) {
-    const int64_t n = end - begin;
-    std::vector<float> acc(2 * n, 0.0f);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const float* p = part.data() + blk * 2 * cols;
-      add_inplace(acc.data(), p + begin, n);
-      add_inplace(acc.data() + n, p + cols + begin, n);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      dw[begin + j] = static_cast<T>(acc[j]);
-      db[begin + j] = static_cast<T>(acc[n + j]);
-    }
-  });
-}
-
-}  // namespace
-
 template <typename T>
 void layer_norm_forward(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd,
                         int64_t rows, int64_t cols, float eps) {
@@ -78,25 +47,17 @@ void layer_norm_backward(const T* dy, const T* x, const float* mean, const float
                          const T* w, T* dx, T* dw, T* db, int64_t rows, int64_t cols) {
   std::vector<float> wbuf = scratch<T>(cols);
   const float* wf = load_row(w, wbuf.data(), cols);
-  const int64_t blocks = num_row_blocks(rows);
-  const int64_t rows_per_block = blocks > 0 ? (rows + blocks - 1) / blocks : 0;
-  std::vector<float> part(blocks * 2 * cols, 0.0f);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  sum_rows_by_blocks(rows, cols, {dw, db}, [&](int64_t r_begin, int64_t r_end, float* part) {
     std::vector<float> xbuf = scratch<T>(cols);
     std::vector<float> gbuf = scratch<T>(cols);
-    for (int64_t blk = begin; blk < end; ++blk) {
-      float* dgamma = part.data() + blk * 2 * cols;
-      const int64_t r_end = std::min(rows, (blk + 1) * rows_per_block);
-      for (int64_t r = blk * rows_per_block; r < r_end; ++r) {
-        const float* xr = load_row(x + r * cols, xbuf.data(), cols);
-        const float* gr = load_row(dy + r * cols, gbuf.data(), cols);
-        float* dxr = result_row(dx + r * cols, gbuf.data());
-        layer_norm_grad_row(dxr, dgamma, dgamma + cols, gr, xr, wf, cols, mean[r], rstd[r]);
-        store_row(dx + r * cols, dxr, cols);
-      }
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      const float* xr = load_row(x + r * cols, xbuf.data(), cols);
+      const float* gr = load_row(dy + r * cols, gbuf.data(), cols);
+      float* dxr = result_row(dx + r * cols, gbuf.data());
+      layer_norm_grad_row(dxr, part, part + cols, gr, xr, wf, cols, mean[r], rstd[r]);
+      store_row(dx + r * cols, dxr, cols);
     }
   });
-  reduce_partials(part, blocks, cols, dw, db);
 }
 
 #define MF_INSTANTIATE_LAYER_NORM(T)                                                        \

@@ -2,22 +2,18 @@
 //
 // Forward: one block per row; the row is staged in shared memory as float, mean
 // and variance come from two block reductions over it. Backward: one block per
-// row for dx; the weight and bias gradients are summed per (column, row split)
-// into a float workspace by 32x8 thread tiles (coalesced over columns) and then
-// over splits, in a fixed order (deterministic).
+// row for dx; the weight and bias gradients as in norm_cuda.cuh (deterministic).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "cuda_common.cuh"
 #include "fused_cuda.h"
+#include "norm_cuda.cuh"
 
 namespace megatron_fused {
 namespace cuda {
 namespace {
-
-constexpr int kTileCols = 32;
-constexpr int kTileRows = 8;
 
 template <typename T>
 __global__ void layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
@@ -85,69 +81,12 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ dy, const T* __restri
   }
 }
 
-// workspace [splits, 2, cols]: per split, sum of dy * xhat and of dy over its rows.
-template <typename T>
-__global__ void layer_norm_param_partials_kernel(const T* __restrict__ dy,
-                                                 const T* __restrict__ x,
-                                                 const float* __restrict__ mean,
-                                                 const float* __restrict__ rstd,
-                                                 float* __restrict__ workspace, long long rows,
-                                                 int cols, long long rows_per_split) {
-  __shared__ float tile_w[kTileRows][kTileCols + 1];
-  __shared__ float tile_b[kTileRows][kTileCols + 1];
-  const int col = blockIdx.x * kTileCols + threadIdx.x;
-  const long long r0 = blockIdx.y * rows_per_split;
-  const long long r1 = r0 + rows_per_split < rows ? r0 + rows_per_split : rows;
-  float acc_w = 0.0f;
-  float acc_b = 0.0f;
-  if (col < cols) {
-    for (long long r = r0 + threadIdx.y; r < r1; r += kTileRows) {
-      const float g = to_float(dy[r * cols + col]);
-      acc_w += g * (to_float(x[r * cols + col]) - mean[r]) * rstd[r];
-      acc_b += g;
-    }
-  }
-  tile_w[threadIdx.y][threadIdx.x] = acc_w;
-  tile_b[threadIdx.y][threadIdx.x] = acc_b;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float sw = 0.0f;
-    float sb = 0.0f;
-    for (int k = 0; k < kTileRows; ++k) {
-      sw += tile_w[k][threadIdx.x];
-      sb += tile_b[k][threadIdx.x];
-    }
-    float* part = workspace + 2LL * blockIdx.y * cols;
-    part[col] = sw;
-    part[cols + col] = sb;
-  }
-}
-
-template <typename T>
-__global__ void layer_norm_param_final_kernel(const float* __restrict__ workspace, int splits,
-                                              int cols, T* __restrict__ dw, T* __restrict__ db) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= cols) return;
-  float sw = 0.0f;
-  float sb = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    sw += workspace[2LL * s * cols + col];
-    sb += workspace[2LL * s * cols + cols + col];
-  }
-  dw[col] = from_float<T>(sw);
-  db[col] = from_float<T>(sb);
-}
-
-bool bad_shape(long long rows, int cols) {
-  return rows <= 0 || rows > 0x7fffffffLL || cols <= 0 || cols > kMaxRowLength;
-}
-
 }  // namespace
 
 cudaError_t layer_norm_forward(DType dtype, const void* x, const void* w, const void* b, void* y,
                                float* mean, float* rstd, long long rows, int cols, float eps,
                                cudaStream_t stream) {
-  if (bad_shape(rows, cols)) return cudaErrorInvalidValue;
+  if (norm::bad_shape(rows, cols)) return cudaErrorInvalidValue;
   const int threads = threads_for_row(cols);
   const size_t smem = sizeof(float) * cols;
   return dispatch_dtype(dtype, [&](auto tag) {
@@ -158,7 +97,7 @@ cudaError_t layer_norm_forward(DType dtype, const void* x, const void* w, const 
   });
 }
 
-int layer_norm_backward_splits(long long rows) {
+int norm_backward_splits(long long rows) {
   const long long splits = (rows + 63) / 64;
   return static_cast<int>(splits < 1 ? 1 : (splits > 128 ? 128 : splits));
 }
@@ -167,23 +106,16 @@ cudaError_t layer_norm_backward(DType dtype, const void* dy, const void* x, cons
                                 const float* rstd, const void* w, void* dx, void* dw, void* db,
                                 float* workspace, long long rows, int cols,
                                 cudaStream_t stream) {
-  if (bad_shape(rows, cols)) return cudaErrorInvalidValue;
+  if (norm::bad_shape(rows, cols)) return cudaErrorInvalidValue;
   const int threads = threads_for_row(cols);
-  const int splits = layer_norm_backward_splits(rows);
-  const long long rows_per_split = (rows + splits - 1) / splits;
-  const dim3 tile_grid((cols + kTileCols - 1) / kTileCols, splits);
-  const dim3 tile_block(kTileCols, kTileRows);
-  const int final_blocks = (cols + 255) / 256;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* dy_t = static_cast<const T*>(dy);
     const T* x_t = static_cast<const T*>(x);
     layer_norm_dx_kernel<T><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
         dy_t, x_t, mean, rstd, static_cast<const T*>(w), static_cast<T*>(dx), cols);
-    layer_norm_param_partials_kernel<T><<<tile_grid, tile_block, 0, stream>>>(
-        dy_t, x_t, mean, rstd, workspace, rows, cols, rows_per_split);
-    layer_norm_param_final_kernel<T><<<final_blocks, 256, 0, stream>>>(
-        workspace, splits, cols, static_cast<T*>(dw), static_cast<T*>(db));
+    norm::launch_param_grads<T, true>(dy_t, x_t, mean, rstd, workspace, static_cast<T*>(dw),
+                                      static_cast<T*>(db), rows, cols, stream);
   });
 }
 

@@ -1,6 +1,6 @@
 """Fused operations used by the transformer, each with a plain-PyTorch path.
 
-The softmax and layer-norm kernels live in `csrc/fused` (C++ for CPU, CUDA for
+The softmax, layer-norm and RMSNorm kernels live in `csrc/fused` (C++ for CPU, CUDA for
 GPUs) and are built on first use by `fused_kernels`. Each call picks the fused
 kernel when it is built and the inputs meet its constraints, else the plain
 PyTorch path below (also the reference the kernels are tested against).
@@ -16,11 +16,14 @@ attention_softmax, scores [b, np, sq, sk]:
   - otherwise `scaled_masked_softmax`: the mask must be bool/uint8 and
     broadcastable to [b, 1, sq, sk] (no per-head masks); it is expanded to
     [b or 1, 1, sq, sk] and combined with the causal mask when `causal`.
-layer_norm:
-  - normalises the last dim only, weight and bias given, both [hidden] of the
-    input's dtype (float32, bfloat16 or float16);
+layer_norm, rms_norm:
+  - normalises the last dim only, weight (and for layer_norm bias) given, [hidden]
+    of the input's dtype (float32, bfloat16 or float16);
   - CUDA: hidden <= 8192.
-Both: fewer than 2**31 rows (one CUDA block per row).
+All: fewer than 2**31 rows (one CUDA block per row).
+
+rms_norm's kernels round x * rsqrt(mean(x^2) + eps) to the input's dtype before
+multiplying by the weight, as the plain path (and Hugging Face's LlamaRMSNorm) do.
 
 Masked scores take -10000.0 before the softmax (Megatron's convention), so a
 fully masked row comes out uniform, as in the plain path.
@@ -129,6 +132,27 @@ class FusedLayerNormAffine(torch.autograd.Function):
         return dx.view(ctx.shape), dw, db, None
 
 
+class FusedRMSNormAffine(torch.autograd.Function):
+    """RMSNorm over the last dim with a weight; saves 1/rms per row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden).contiguous()
+        y, rstd = _ext(x).rms_norm_forward(x2, weight.contiguous(), float(eps))
+        ctx.shape = x.shape
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x2, weight, rstd = ctx.saved_tensors
+        dy = grad.reshape(x2.shape).contiguous()
+        dx, dw = _ext(x2).rms_norm_backward(dy, x2, rstd, weight.contiguous())
+        return dx.view(ctx.shape), (dw if ctx.needs_input_grad[1] else None), None
+
+
 # ----------------------------------------------------------------------------------
 # Attention softmax
 # ----------------------------------------------------------------------------------
@@ -222,16 +246,20 @@ def attention_softmax(scores, *, scale, causal, mask=None, softmax_in_fp32=True,
 # Layer norm
 # ----------------------------------------------------------------------------------
 
-def layer_norm_fusable(x, weight, bias) -> bool:
-    """Whether the fused kernel accepts these inputs (see the module docstring)."""
-    if weight is None or bias is None or x.dim() == 0 or x.numel() == 0:
+def _norm_fusable(x, params) -> bool:
+    """Whether a fused norm kernel accepts input x with these [hidden] parameters."""
+    if any(p is None for p in params) or x.dim() == 0 or x.numel() == 0:
         return False
     hidden = x.shape[-1]
     return (x.dtype in KERNEL_DTYPES and _row_fits(x.device, hidden)
             and x.numel() // hidden < 2**31
-            and weight.shape == (hidden,) and bias.shape == (hidden,)
-            and weight.dtype == x.dtype and bias.dtype == x.dtype
-            and weight.device == x.device and bias.device == x.device)
+            and all(p.shape == (hidden,) and p.dtype == x.dtype and p.device == x.device
+                    for p in params))
+
+
+def layer_norm_fusable(x, weight, bias) -> bool:
+    """Whether the fused layer-norm kernel accepts these inputs (see the module docstring)."""
+    return _norm_fusable(x, (weight, bias))
 
 
 def layer_norm(x, weight, bias, eps, fusion=True):
@@ -270,12 +298,20 @@ def _plain_rms_norm(x, weight, eps):
     return weight * normed.to(x.dtype)
 
 
+def rms_norm_fusable(x, weight) -> bool:
+    """Whether the fused RMSNorm kernel accepts these inputs (see the module docstring)."""
+    return _norm_fusable(x, (weight,))
+
+
 def rms_norm(x, weight, eps, fusion=True):
     """RMS norm of x over its last dim, times `weight`.
 
     Normalised in float32 and cast back to x's dtype before the weight is
     applied, as Hugging Face's LlamaRMSNorm does.
     """
+    if (fusion and rms_norm_fusable(x, weight)
+            and fused_kernels.get_extension(x.device.type) is not None):
+        return FusedRMSNormAffine.apply(x, weight, eps)
     return _plain_rms_norm(x, weight, eps)
 
 

@@ -42,10 +42,11 @@ import torch
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused"
 CPU_EXTENSION = "megatron_fused_cpu"
 CUDA_EXTENSION = "megatron_fused_cuda"
-CPU_SOURCES = ("cpu_math.cpp", "softmax_cpu.cpp", "layer_norm_cpu.cpp", "bindings_cpu.cpp")
-CUDA_SOURCES = ("bindings_cuda.cpp", "softmax_cuda.cu", "layer_norm_cuda.cu")
+CPU_SOURCES = ("cpu_math.cpp", "softmax_cpu.cpp", "layer_norm_cpu.cpp", "rms_norm_cpu.cpp",
+               "bindings_cpu.cpp")
+CUDA_SOURCES = ("bindings_cuda.cpp", "softmax_cuda.cu", "layer_norm_cuda.cu", "rms_norm_cuda.cu")
 HEADERS = ("cpu_math.h", "cpu_kernels.h", "cpu_rows.h", "bindings_common.h",
-           "fused_cuda.h", "cuda_common.cuh")
+           "fused_cuda.h", "cuda_common.cuh", "norm_cuda.cuh")
 # -fopenmp: at::parallel_for is an inline template over torch's OpenMP pool; compiled
 # without it the kernels would run on one thread.
 CPU_CFLAGS = ("-O3", "-fopenmp")
@@ -55,7 +56,8 @@ DISABLE_ENV = "MEGATRON_DISABLE_FUSED_BUILD"
 BUILD_DIR_ENV = "MEGATRON_FUSED_BUILD_DIR"
 _STAMP = "BUILD_OK"
 _API = ("scaled_upper_triang_masked_softmax_forward", "scaled_masked_softmax_forward",
-        "layer_norm_forward", "layer_norm_backward", "set_poison_outputs")
+        "layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
+        "set_poison_outputs")
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}  # name -> module, or None after a failure

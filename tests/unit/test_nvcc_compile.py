@@ -34,7 +34,7 @@ def includes(path: Path):
 
 def test_cuda_sources_exist():
     names = {p.name for p in CUDA_FILES}
-    assert {"softmax_cuda.cu", "layer_norm_cuda.cu"} <= names
+    assert {"softmax_cuda.cu", "layer_norm_cuda.cu", "rms_norm_cuda.cu"} <= names
 
 
 def test_cuda_sources_include_only_cuda_headers():
