@@ -1,15 +1,18 @@
-"""Speed of the fused softmax / layer-norm kernels against plain PyTorch, same run.
+"""Speed of the fused softmax / layer-norm / RMSNorm kernels against plain PyTorch, same run.
 
-    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
+    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile] [--only rms_norm]
 
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
     scale + masked_fill + softmax (target: >= 1.5x);
   - layer norm forward+backward on [8192, 1024]: fused vs F.layer_norm (target: >= 1x);
+  - RMSNorm forward+backward on [8192, 1024], float32 and bfloat16: fused vs the
+    plain path (float32 arithmetic, as Hugging Face's LlamaRMSNorm; target: >= 1x);
   - bias_gelu forward+backward on [2048, 4096]: plain vs TorchScript (and
     torch.compile with --compile), to decide whether fusing it pays on CPU.
-CUDA (when available): fp16/bf16 causal softmax and layer norm vs PyTorch, with the
-achieved bandwidth against a device-to-device copy.
+CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
+with the achieved bandwidth against a device-to-device copy.
+Timings interleave the two sides and take medians, so both see the same load.
 """
 from __future__ import annotations
 
@@ -66,6 +69,14 @@ def layer_norm_step(x, w, b, grad, fusion: bool):
     return run
 
 
+def rms_norm_step(x, w, grad, fusion: bool):
+    def run():
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+        y = fused.rms_norm(xr, wr, 1e-5, fusion=fusion)
+        y.backward(grad)
+    return run
+
+
 def report(name: str, times: list[float], target: float | None = None) -> None:
     t_plain, t_fused = times
     ratio = t_plain / t_fused
@@ -74,17 +85,25 @@ def report(name: str, times: list[float], target: float | None = None) -> None:
           f"speed-up {ratio:5.2f}x{goal}")
 
 
-def bench_cpu(repeat: int) -> None:
+def bench_cpu(repeat: int, only: str | None) -> None:
     torch.manual_seed(0)
-    x = torch.randn(32, 1, 512, 512)
-    g = torch.randn_like(x)
-    report("CPU causal softmax fwd+bwd [32,512,512] f32",
-           compare([softmax_step(x, g, False), softmax_step(x, g, True)], repeat), 1.5)
+    if only in (None, "softmax"):
+        x = torch.randn(32, 1, 512, 512)
+        g = torch.randn_like(x)
+        report("CPU causal softmax fwd+bwd [32,512,512] f32",
+               compare([softmax_step(x, g, False), softmax_step(x, g, True)], repeat), 1.5)
     x = torch.randn(8192, 1024)
     w, b, g = torch.randn(1024), torch.randn(1024), torch.randn(8192, 1024)
-    report("CPU layer norm fwd+bwd [8192,1024] f32",
-           compare([layer_norm_step(x, w, b, g, False), layer_norm_step(x, w, b, g, True)],
-                   repeat), 1.0)
+    if only in (None, "layer_norm"):
+        report("CPU layer norm fwd+bwd [8192,1024] f32",
+               compare([layer_norm_step(x, w, b, g, False), layer_norm_step(x, w, b, g, True)],
+                       repeat), 1.0)
+    if only in (None, "rms_norm"):
+        for dtype in (torch.float32, torch.bfloat16):
+            xs, ws, gs = x.to(dtype), w.to(dtype), g.to(dtype)
+            report(f"CPU RMSNorm fwd+bwd [8192,1024] {str(dtype)[6:]}",
+                   compare([rms_norm_step(xs, ws, gs, False), rms_norm_step(xs, ws, gs, True)],
+                           repeat), 1.0)
 
 
 def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -134,6 +153,9 @@ def bench_cuda(repeat: int) -> None:
         report(f"CUDA layer norm fwd+bwd [32768,4096] {dtype}",
                compare([layer_norm_step(xl, w, b, gl, False), layer_norm_step(xl, w, b, gl, True)],
                        repeat, sync=sync))
+        report(f"CUDA RMSNorm fwd+bwd [32768,4096] {dtype}",
+               compare([rms_norm_step(xl, w, gl, False), rms_norm_step(xl, w, gl, True)],
+                       repeat, sync=sync))
 
 
 def main() -> None:
@@ -141,14 +163,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu"),
+                        help="time one CPU benchmark only (CUDA ones run in full)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     if not fused_kernels.load_fused_kernels(verbose=False):
         print("fused kernels unavailable; nothing to compare")
     print(f"kernels loaded in {time.perf_counter() - start:.2f} s, threads={args.threads}")
-    bench_cpu(args.repeat)
-    bench_bias_gelu(args.repeat, args.compile)
+    bench_cpu(args.repeat, args.only)
+    if args.only in (None, "bias_gelu"):
+        bench_bias_gelu(args.repeat, args.compile)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
 

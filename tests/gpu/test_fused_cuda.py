@@ -1,4 +1,4 @@
-"""Fused softmax / layer-norm CUDA kernels against the plain PyTorch reference.
+"""Fused softmax / layer-norm / RMSNorm CUDA kernels against the plain PyTorch reference.
 
 Skipped without a GPU. Builds megatron_fused_cuda on first use (needs CUDA_HOME).
 Outputs are poisoned with NaN before each kernel call to catch unwritten elements.
@@ -81,6 +81,9 @@ def test_rows_over_the_limit_take_the_plain_path():
     xl = torch.randn(4, LIMIT + 1, device="cuda")
     w, b = torch.ones(LIMIT + 1, device="cuda"), torch.zeros(LIMIT + 1, device="cuda")
     assert not fused.layer_norm_fusable(xl, w, b)
+    assert not fused.rms_norm_fusable(xl, w)
+    y = fused.rms_norm(xl.detach().requires_grad_(), w, 1e-5)
+    assert "FusedRMSNorm" not in type(y.grad_fn).__name__
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,6 +117,41 @@ def test_layer_norm_grads_deterministic_and_stream_aware():
     torch.cuda.synchronize()
     for a, b_ in zip(first, second):
         assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (300, 1024), (4, 5000), (16, LIMIT)])
+def test_rms_norm(dtype, shape):
+    torch.manual_seed(shape[-1])
+    hidden = shape[-1]
+    x = (torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    g = torch.randn(shape, device="cuda").to(dtype)
+    assert fused.rms_norm_fusable(x, w)
+    assert "FusedRMSNorm" in type(
+        fused.rms_norm(x.detach().requires_grad_(), w, 1e-5).grad_fn).__name__
+    y, grads = run(lambda *t: fused.rms_norm(*t, 1e-5), [x, w], g)
+    y_ref, grads_ref = run(lambda *t: fused.rms_norm(*t, 1e-5, fusion=False),
+                           [x.float(), w.float()], g.float())
+    assert y.dtype == dtype and rel_err(y, y_ref) < TOLERANCE[dtype]
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
+    if dtype != torch.float32:  # rounded before the weight, as the plain path
+        assert (y != fused.rms_norm(x.detach(), w, 1e-5, fusion=False)).float().mean() < 0.01
+
+
+def test_rms_norm_grads_deterministic_and_stream_aware():
+    torch.manual_seed(0)
+    x, g = torch.randn(1000, 768, device="cuda"), torch.randn(1000, 768, device="cuda")
+    w = torch.rand(768, device="cuda")
+    first = run(lambda *t: fused.rms_norm(*t, 1e-5), [x, w], g)[1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        second = run(lambda *t: fused.rms_norm(*t, 1e-5), [x, w], g)[1]
+    torch.cuda.synchronize()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 def test_softmax_on_a_side_stream():

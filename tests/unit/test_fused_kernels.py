@@ -1,4 +1,4 @@
-"""Fused softmax / layer-norm CPU kernels against the plain PyTorch reference.
+"""Fused softmax / layer-norm / RMSNorm CPU kernels against the plain PyTorch reference.
 
 The first run compiles the CPU extension (a minute or two, cached afterwards in
 ~/.cache/megatron_fused or $MEGATRON_FUSED_BUILD_DIR). Outputs are poisoned with
@@ -209,6 +209,110 @@ def test_layer_norm_grads_independent_of_thread_count():
         assert torch.equal(a, b_)
 
 
+# ------------------------------------------------------------------------ RMSNorm
+
+def rms_norm_kernel(x, w):
+    return fused.FusedRMSNormAffine.apply(x, w, 1e-5)
+
+
+def rms_norm_plain(x, w):
+    return fused.rms_norm(x, w, 1e-5, fusion=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17)])
+def test_rms_norm(dtype, shape):
+    """Outputs and grads against the plain path in float32; for 16-bit inputs the
+    output also equals the plain path's in that dtype (same two roundings)."""
+    torch.manual_seed(shape[-1])
+    hidden = shape[-1]
+    x = (torch.randn(shape) * 2 + 0.5).to(dtype)
+    w = (torch.rand(hidden) + 0.5).to(dtype)
+    g = torch.randn(shape).to(dtype)
+    y, grads = outputs_and_grads(rms_norm_kernel, [x, w], g)
+    y_ref, grads_ref = outputs_and_grads(rms_norm_plain, [x.float(), w.float()], g.float())
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel_err(y, y_ref) < TOLERANCE[dtype]
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert rel_err(got, want) < TOLERANCE[dtype]
+    if dtype != torch.float32:
+        # x * rstd is rounded to dtype before the weight, as in the plain path: the outputs
+        # agree but where rstd's last bit differs (one rounding instead of two would
+        # differ in about a quarter of the elements).
+        assert (y != rms_norm_plain(x, w)).float().mean() < 0.01
+
+
+def test_rms_norm_matches_hugging_face_formula():
+    """weight * (x * rsqrt(mean(x^2) + eps)) computed in float32, cast before the weight."""
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 40).bfloat16(), (torch.rand(40) + 0.5).bfloat16()
+    xf = x.float()
+    expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    for fusion in (True, False):
+        out = fused.rms_norm(x, w, 1e-6, fusion=fusion)
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - expected.float()).abs().max() <= 2**-7 * expected.abs().max()
+
+
+def test_rms_norm_hidden_one():
+    """hidden == 1: y = w * x / sqrt(x^2 + eps) ~ w * sign(x), so dx ~ 0 and dw = sum(sign(x))."""
+    x, w = torch.tensor([[3.0], [-2.0], [5.0]]), torch.full((1,), 2.0)
+    y, (dx, dw) = outputs_and_grads(rms_norm_kernel, [x, w], torch.ones(3, 1))
+    assert torch.allclose(y, torch.tensor([[2.0], [-2.0], [2.0]]), atol=1e-5)
+    assert dx.abs().max() < 1e-5 and abs(dw.item() - 1.0) < 1e-5
+
+
+def test_rms_norm_fallbacks_and_module():
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    assert not fused.rms_norm_fusable(x, w)  # float64
+    assert not fused.rms_norm_fusable(x.float(), None)
+    assert not fused.rms_norm_fusable(x.bfloat16(), w.float())  # mixed dtypes
+    assert not fused.rms_norm_fusable(x.float(), w[:4].float())
+    assert fused.rms_norm_fusable(x.float(), w.float())
+    out = fused.rms_norm(x, w, 1e-5)  # float64 takes the plain path
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    for sequence_parallel in (False, True):
+        norm = fused.RMSNorm(16, eps=1e-6, sequence_parallel=sequence_parallel)
+        assert [name for name, _ in norm.named_parameters()] == ["weight"]
+        assert norm.weight.sequence_parallel is sequence_parallel
+        assert torch.equal(norm.weight.detach(), torch.ones(16)) and norm.eps == 1e-6
+    out = norm(torch.randn(3, 2, 16))
+    assert "FusedRMSNorm" in type(out.grad_fn).__name__
+    out.sum().backward()
+    assert norm.weight.grad.shape == (16,) and torch.isfinite(norm.weight.grad).all()
+    plain = fused.RMSNorm(16, fusion=False)(torch.randn(3, 16))
+    assert "FusedRMSNorm" not in type(plain.grad_fn).__name__
+
+
+def test_rms_norm_drops_in_for_layer_norm_init():
+    """layer_norm_init_attributes (what the transformer calls on its norms) accepts RMSNorm."""
+    from megatron.mpu.layers import layer_norm_init_attributes
+    norm = fused.RMSNorm(8)
+    layer_norm_init_attributes(norm)
+    assert norm.weight.tensor_model_parallel is False
+    torch.nn.init.zeros_(norm.weight)
+    norm.weight.init_method(norm.weight.data)
+    assert torch.equal(norm.weight.detach(), torch.ones(8))
+
+
+def test_rms_norm_grads_independent_of_thread_count():
+    torch.manual_seed(0)
+    x, g, w = torch.randn(300, 96), torch.randn(300, 96), torch.rand(96)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(outputs_and_grads(rms_norm_kernel, [x, w], g)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------ build and loading
 
 def test_poison_mode_is_on(kernels):
@@ -224,6 +328,11 @@ def test_bad_arguments_give_clear_errors(kernels):
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         kernels.layer_norm_forward(torch.randn(2, 3).double(), torch.ones(3).double(),
                                    torch.zeros(3).double(), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm_forward(torch.randn(2, 3), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="rstd must be float32"):
+        kernels.rms_norm_backward(torch.randn(2, 3), torch.randn(2, 3), torch.ones(3),
+                                  torch.ones(3))
 
 
 def test_cached_load_is_cheap():
