@@ -47,7 +47,7 @@ __global__ void param_partials_kernel(const T* __restrict__ dy, const T* __restr
     }
   }
   tile[0][threadIdx.y][threadIdx.x] = acc_w;
-  if (kLayerNorm) tile[kOut - 1][threadIdx.y][threadIdx.x] = acc_b;
+  if constexpr (kLayerNorm) tile[1][threadIdx.y][threadIdx.x] = acc_b;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
     float* part = workspace + kOut * static_cast<long long>(blockIdx.y) * cols;
@@ -69,11 +69,12 @@ __global__ void param_final_kernel(const float* __restrict__ workspace, int spli
   float sw = 0.0f;
   float sb = 0.0f;
   for (int s = 0; s < splits; ++s) {
-    sw += workspace[kOut * static_cast<long long>(s) * cols + col];
-    if (kLayerNorm) sb += workspace[kOut * static_cast<long long>(s) * cols + cols + col];
+    const float* part = workspace + kOut * static_cast<long long>(s) * cols;
+    sw += part[col];
+    if constexpr (kLayerNorm) sb += part[cols + col];
   }
   dw[col] = from_float<T>(sw);
-  if (kLayerNorm) db[col] = from_float<T>(sb);
+  if constexpr (kLayerNorm) db[col] = from_float<T>(sb);
 }
 
 // Enqueues both kernels; workspace holds (kLayerNorm ? 2 : 1) * norm_backward_splits(rows)
