@@ -42,7 +42,8 @@ setup(
     install_requires=["torch>=2.1", "numpy", "regex", "tensorboard", "pybind11", "ninja"],
     extras_require={
         "hf": ["tokenizers", "transformers"],
-        "test": ["pytest", "tokenizers", "transformers"],
+        "serve": ["flask", "waitress"],
+        "test": ["pytest", "tokenizers", "transformers", "flask", "waitress", "requests"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,
