@@ -1,4 +1,5 @@
-"""Install the framework: `pip install -e .` (add `[hf]` for Hugging Face tokenizers).
+"""Install the framework: `pip install -e .` (add `[hf]` for Hugging Face tokenizers, `[serve]`
+for tools/run_text_generation_server.py, `[harness]` for tasks/eval_harness.py).
 
 C++ kernels (fused softmax / layer norm, dataset index helpers) compile on first
 use and are cached. To build the fused CPU kernels ahead of time instead:
@@ -43,7 +44,9 @@ setup(
     extras_require={
         "hf": ["tokenizers", "transformers"],
         "serve": ["flask", "waitress"],
-        "test": ["pytest", "tokenizers", "transformers", "flask", "waitress", "requests"],
+        "harness": ["lm_eval>=0.4,<0.5"],
+        "test": ["pytest", "tokenizers", "transformers", "flask", "waitress", "requests",
+                 "lm_eval>=0.4,<0.5"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,

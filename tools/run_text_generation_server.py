@@ -13,7 +13,8 @@ default 1), "top_k" (0..1000; 1 is greedy), "top_p" (0..1), "logprobs" (bool),
 "no_log" (bool). It answers {"text": [...], "segments": [[...]], "logprobs": ...}:
 each prompt followed by its continuation, the same split into tokens, and
 (with "logprobs") the log-probability of every token after the first under the
-model (temperature 1, over the real vocabulary), else null. A bad request gets
+model (temperature 1, normalized over the whole padded vocabulary as the
+model's loss is), else null. A bad request gets
 HTTP 400 and a one-line reason; the server goes on serving.
 
 Rank 0 serves (Flask on waitress); the other ranks wait for each request,
@@ -126,14 +127,14 @@ def _prompt_ids(req: Request, tokenizer) -> List[List[int]]:
     return [bos + tokenizer.tokenize(p) for p in req.prompts]
 
 
-def _log_probs(model, rows: List[List[int]], vocab_size: int, eod: int) -> List[List[float]]:
+def _log_probs(model, rows: List[List[int]], eod: int) -> List[List[float]]:
     """Log-probability of each token after the first of every row, under the model."""
     longest = max(len(r) for r in rows)
     tokens = torch.full((len(rows), longest), eod, dtype=torch.long,
                         device=model.head_weight().device)
     for i, row in enumerate(rows):
         tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-    logits = forward_full(model, tokens)[..., :vocab_size].float()
+    logits = forward_full(model, tokens).float()
     chosen = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
     return [chosen[i, :len(row) - 1].tolist() for i, row in enumerate(rows)]
 
@@ -147,8 +148,7 @@ def run_request(model, tokenizer, req: Request) -> Dict:
                    temperature=req.temperature,
                    seed=None if req.random_seed < 0 else req.random_seed)
     rows = [p + n for p, n in zip(prompts, new)]
-    logprobs = _log_probs(model, rows, tokenizer.vocab_size, tokenizer.eod) \
-        if req.logprobs else None
+    logprobs = _log_probs(model, rows, tokenizer.eod) if req.logprobs else None
     return {"text": [tokenizer.detokenize(r) for r in rows],
             "segments": [[tokenizer.detokenize([t]) for t in r] for r in rows],
             "logprobs": logprobs}

@@ -153,6 +153,6 @@ def test_server_at_tp2_matches_the_sampling_tool(checkpoint, tmp_path, capsys):
             _stop(proc)
     ids = torch.tensor([tok.tokenize(PROMPTS[0]) + greedy[0]])
     with torch.no_grad():
-        logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0))[0, :-1, :tok.vocab_size]
+        logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0))[0, :-1]
     want = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(scored["logprobs"][0]), want, rtol=1e-4, atol=1e-4)
