@@ -10,9 +10,10 @@ win); --seq-length is the evaluation window. Run under torchrun with the
 checkpoint's --tensor-model-parallel-size / --pipeline-model-parallel-size;
 extra processes evaluate data-parallel. Prints what Megatron prints: the data
 set's size, a progress line every --log-interval batches, then one result line
-` validation results on WIKITEXT103 | avg loss: ... | ppl: ... | adjusted ppl: ... | token ratio: ... |`
-or ` validation results on LAMBADA | number correct: ... | total examples: ... | avg accuracy: ...`
-between dashed rules, and `done :-)`. --results-json writes the values at full precision.
+` validation results on WIKITEXT103 | avg loss: ... | ppl: ... | adjusted ppl: ... |
+token ratio: ... |` or ` validation results on LAMBADA | number correct: ... | total examples:
+... | avg accuracy: ...` (each on one line) between dashed rules, and `done :-)`.
+--results-json writes the values at full precision.
 """
 import argparse
 import json

@@ -210,8 +210,6 @@ class Server:
             req = parse_request(body)
         except BadRequest as err:
             return 400, str(err)
-        except TypeError:
-            return 400, "the body must be a JSON object with a \"prompts\" list"
         with self.lock:
             if self.stopped.is_set():
                 return 503, "the server is shutting down"

@@ -115,7 +115,7 @@ def _check_bad_requests(url):
                                   headers={"Content-Type": "application/json"}),
                      _put(url, {"prompts": "a"}),
                      _put(url, {"prompts": ["a"], "top_k": 3, "top_p": 0.5}),
-                     _put(url, {"prompts": ["x" * 60], "tokens_to_generate": 10})):  # > 64 positions
+                     _put(url, {"prompts": ["x" * 60], "tokens_to_generate": 10})):  # > 64 places
         assert response.status_code == 400, response.text
         assert response.text.strip() and len(response.text.strip().splitlines()) == 1
 
@@ -127,7 +127,8 @@ def test_server_at_tp2_matches_the_sampling_tool(checkpoint, tmp_path, capsys):
                                      "--target-tensor-model-parallel-size", "2"]) == 0
     greedy, sampled = run_ranks(_reference, 2, root, timeout=240)[0]
     tok = ByteLevelTokenizer()
-    expected = [tok.detokenize(tok.tokenize(p) + ids) for p, ids in zip(PROMPTS * 2, greedy + sampled)]
+    expected = [tok.detokenize(tok.tokenize(p) + ids)
+                for p, ids in zip(PROMPTS * 2, greedy + sampled)]
     assert greedy != sampled
 
     port, log_path = _free_port(), tmp_path / "server.log"

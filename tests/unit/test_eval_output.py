@@ -47,7 +47,8 @@ def test_wikitext_output_parses_like_megatron(checkpoint, tmp_path, capsys):
     out = capsys.readouterr().out
     loss, ppl, adjusted, ratio = (float(v) for v in WIKI_LINE.search(out).groups())
     assert loss == float(f"{metrics['avg loss']:.4E}") and ratio == metrics["token ratio"]
-    assert ppl == float(f"{metrics['ppl']:.4E}") and adjusted == float(f"{metrics['adjusted ppl']:.4E}")
+    assert ppl == float(f"{metrics['ppl']:.4E}")
+    assert adjusted == float(f"{metrics['adjusted ppl']:.4E}")
     _rules_around(out, WIKI_LINE)
     original, detokenized = (int(v) for v in TOKENS_LINE.search(out).groups())
     assert original == len(WIKI_RAW.strip().split(" "))
@@ -94,10 +95,9 @@ def test_lambada_argmax_skips_vocabulary_padding():
     assert score("LAMBADA", batch, logits, vocab_size=6)[0].item() == 1.0
 
 
-@pytest.mark.parametrize("path, name", [("/d/ptb.test.txt", "ptb"), ("wiki.test.tokens", "wikitext"),
-                                        ("/wikitext/ptb.txt", "ptb"), ("lambada_test.jsonl",
-                                                                        "lambada"),
-                                        ("test.txt", None)])
+@pytest.mark.parametrize("path, name", [
+    ("/d/ptb.test.txt", "ptb"), ("wiki.test.tokens", "wikitext"), ("/wikitext/ptb.txt", "ptb"),
+    ("lambada_test.jsonl", "lambada"), ("test.txt", None)])
 def test_detokenizer_from_path(path, name):
     assert detokenizer_for_path(path) == name
 
