@@ -1,4 +1,5 @@
-"""Install the framework: `pip install -e .` (add `[hf]` for Hugging Face tokenizers).
+"""Install the framework: `pip install -e .` (add `[hf]` for Hugging Face tokenizers, `[serve]`
+for tools/run_text_generation_server.py, `[harness]` for tasks/eval_harness.py).
 
 C++ kernels (fused softmax / layer norm, dataset index helpers) compile on first
 use and are cached. To build the fused CPU kernels ahead of time instead:
@@ -42,7 +43,10 @@ setup(
     install_requires=["torch>=2.1", "numpy", "regex", "tensorboard", "pybind11", "ninja"],
     extras_require={
         "hf": ["tokenizers", "transformers"],
-        "test": ["pytest", "tokenizers", "transformers"],
+        "serve": ["flask", "waitress"],
+        "harness": ["lm_eval>=0.4,<0.5"],
+        "test": ["pytest", "tokenizers", "transformers", "flask", "waitress", "requests",
+                 "lm_eval>=0.4,<0.5"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,

@@ -2,16 +2,21 @@
 
     python tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens --load CKPT \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
-        --micro-batch-size 8 --overlapping-eval 32
+        --batch-size 8 --overlapping-eval 32 --log-interval 10
     python tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl --strict-lambada ...
 
 Model and tokenizer flags default to the checkpoint's stored config (flags given
 win); --seq-length is the evaluation window. Run under torchrun with the
 checkpoint's --tensor-model-parallel-size / --pipeline-model-parallel-size;
-extra processes evaluate data-parallel. Prints
-` avg loss: X | ppl: Y | adjusted ppl: Z | token ratio: R |` (WIKITEXT103) or
-` number correct: N | total examples: M | avg accuracy: A |` (LAMBADA).
+extra processes evaluate data-parallel. Prints what Megatron prints: the data
+set's size, a progress line every --log-interval batches, then one result line
+` validation results on WIKITEXT103 | avg loss: ... | ppl: ... | adjusted ppl: ... |
+token ratio: ... |` or ` validation results on LAMBADA | number correct: ... | total examples:
+... | avg accuracy: ...` (each on one line) between dashed rules, and `done :-)`.
+--results-json writes the values at full precision.
 """
+import argparse
+import json
 import os
 import sys
 from typing import Dict
@@ -25,8 +30,9 @@ from megatron.training.loading import (build_tokenizer_and_vocab,  # noqa: E402
                                               load_inference_models, parse_inference_args)
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.trainer import print_rank_last  # noqa: E402
+from megatron.training.trainer import is_last_rank, print_rank_0, print_rank_last  # noqa: E402
 from tasks.zeroshot_gpt.datasets import TaskDataError, read_lambada, read_wikitext  # noqa: E402
+from tasks.zeroshot_gpt.detokenizer import DETOKENIZERS, detokenizer_for_path  # noqa: E402
 from tasks.zeroshot_gpt.evaluate import (TASKS, WIKITEXT, evaluate,  # noqa: E402
                                          format_metrics, lambada_metrics, wikitext_metrics)
 
@@ -35,13 +41,20 @@ def get_parser():
     parser = build_parser("Zero-shot evaluation of a GPT checkpoint")
     g = parser.add_argument_group("tasks")
     g.add_argument("--task", required=True, choices=TASKS)
-    g.add_argument("--valid-data", nargs="+", default=None,
-                   help="evaluation file (the first one is used)")
+    g.add_argument("--valid-data", nargs="+", default=None, help="the evaluation file (one)")
+    g.add_argument("--batch-size", dest="training.micro_batch_size", type=int,
+                   default=argparse.SUPPRESS, help="alias of --micro-batch-size (Megatron's name)")
     g.add_argument("--overlapping-eval", type=int, default=None,
                    help="WIKITEXT103: window stride; only the last N labels of a window count "
                         "(default 32, or --seq-length when shorter)")
     g.add_argument("--strict-lambada", action="store_true",
                    help="LAMBADA: the target is the last whitespace word, not the last BPE token")
+    g.add_argument("--detokenizer", choices=DETOKENIZERS, default=None,
+                   help="undo the file's word tokenization with these rules; by default, as in "
+                        "Megatron, WIKITEXT103 picks them from the file name (ptb, wiki, "
+                        "lambada; none when no name matches) and LAMBADA uses none")
+    g.add_argument("--results-json", default=None,
+                   help="also write the results at full precision to this JSON file")
     return parser
 
 
@@ -50,11 +63,28 @@ def window_stride(ns, seq_length: int) -> int:
     return min(32, seq_length) if ns.overlapping_eval is None else ns.overlapping_eval
 
 
+def detokenizer_of(ns) -> str:
+    """--detokenizer, else Megatron's choice: by file name for WIKITEXT103, none for LAMBADA."""
+    if ns.detokenizer is not None:
+        return ns.detokenizer
+    if ns.task != WIKITEXT:
+        return "none"
+    return detokenizer_for_path(ns.valid_data[0]) or "none"
+
+
 def build_dataset(ns, tokenizer, seq_length: int):
-    path = ns.valid_data[0]
+    path, detokenizer = ns.valid_data[0], detokenizer_of(ns)
     if ns.task == WIKITEXT:
-        return read_wikitext(path, tokenizer, seq_length, window_stride(ns, seq_length))
-    return read_lambada(path, tokenizer, seq_length, ns.strict_lambada)
+        dataset = read_wikitext(path, tokenizer, seq_length, window_stride(ns, seq_length),
+                                detokenizer)
+        print_rank_0(f" > number of original tokens: {dataset.num_original_tokens}, number of "
+                     f"detokenized tokens: {dataset.num_tokenized_tokens}")
+        return dataset
+    dataset = read_lambada(path, tokenizer, seq_length, ns.strict_lambada, detokenizer)
+    print_rank_0(f" > found {len(dataset)} samples.")
+    print_rank_0(f" > {dataset.num_truncated} of {len(dataset)} contexts truncated from the left "
+                 f"(longer than --seq-length {seq_length})")
+    return dataset
 
 
 def metrics_of(task: str, dataset, total: float) -> Dict[str, float]:
@@ -65,19 +95,43 @@ def metrics_of(task: str, dataset, total: float) -> Dict[str, float]:
 
 def report(task: str, metrics: Dict[str, float]) -> None:
     line = format_metrics(task, metrics)
-    rule = "-" * len(line)
-    print_rank_last(f"{rule}\n validation results on {task}\n{line}\n{rule}")
+    rule = "-" * (len(line) + 1)
+    print_rank_last(f"{rule}\n{line}\n{rule}")
+
+
+def write_results(path: str, task: str, metrics: Dict[str, float], dataset) -> None:
+    """The metrics and the data set's counts as JSON, written atomically."""
+    record = {"task": task, **metrics}
+    if task == WIKITEXT:
+        record.update({"num original tokens": dataset.num_original_tokens,
+                       "num tokenized tokens": dataset.num_tokenized_tokens})
+    else:
+        record["num truncated contexts"] = dataset.num_truncated
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def check_flags(ns, seq_length: int) -> None:
+    if not ns.valid_data:
+        fail("--valid-data is required: the evaluation file")
+    if len(ns.valid_data) > 1:
+        fail(f"--valid-data takes exactly one file, got {len(ns.valid_data)}: "
+             f"{' '.join(ns.valid_data)}")
+    stride = window_stride(ns, seq_length)
+    if ns.task == WIKITEXT and not 1 <= stride <= seq_length:
+        fail(f"--overlapping-eval ({stride}) must be in 1..{seq_length} (--seq-length)")
 
 
 def main(argv=None) -> Dict[str, float]:
     """Evaluate; returns the metrics (also printed on the last rank)."""
     config, ns, stored = parse_inference_args(get_parser(), argv)
-    if not ns.valid_data:
-        fail("--valid-data is required: the evaluation file")
     seq_length = config.model.seq_length
-    stride = window_stride(ns, seq_length)
-    if ns.task == WIKITEXT and not 1 <= stride <= seq_length:
-        fail(f"--overlapping-eval ({stride}) must be in 1..{seq_length} (--seq-length)")
+    check_flags(ns, seq_length)
     tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     try:
@@ -87,9 +141,12 @@ def main(argv=None) -> Dict[str, float]:
         print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
         sys.exit(1)
     total = evaluate(ns.task, dataset, models, config, pstate, device, tokenizer.eod,
-                     tokenizer.vocab_size)
+                     vocab_size=tokenizer.vocab_size, log_interval=config.logging.log_interval)
     metrics = metrics_of(ns.task, dataset, total)
     report(ns.task, metrics)
+    if ns.results_json and is_last_rank():
+        write_results(ns.results_json, ns.task, metrics, dataset)
+    print_rank_0("done :-)")
     return metrics
 
 

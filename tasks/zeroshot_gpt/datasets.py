@@ -9,7 +9,9 @@ all its labels, later ones only their last `stride` labels (the earlier ones
 serve as context), so every label of the stream is scored exactly once.
 
 LAMBADA: one sample per passage; only the tokens of the last word are scored,
-and a passage counts as correct when all of them are predicted greedily.
+and a passage counts as correct when all of them are predicted greedily. A
+passage longer than the window keeps its last seq_length + 1 tokens (its
+context is cut from the left); `LambadaExamples.num_truncated` counts them.
 """
 import json
 import math
@@ -18,7 +20,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
+from tasks.zeroshot_gpt.detokenizer import detokenize
 
 
 class TaskDataError(ValueError):
@@ -67,15 +69,16 @@ class WikitextWindows:
         return tokens, mask
 
 
-def read_wikitext(path: str, tokenizer, seq_length: int, stride: int) -> WikitextWindows:
-    """Windows over the detokenized WikiText file; counts its original (word) tokens."""
+def read_wikitext(path: str, tokenizer, seq_length: int, stride: int,
+                  detokenizer: str = "wikitext") -> WikitextWindows:
+    """Windows over the detokenized text file; counts its original (word) tokens."""
     try:
         with open(path, "rb") as f:
             raw = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise TaskDataError(f"cannot read --valid-data {path}: {err}") from None
     num_original = len(raw.strip().split(" "))
-    tokens = tokenizer.tokenize(wikitext_detokenize(raw))
+    tokens = tokenizer.tokenize(detokenize(detokenizer, raw))
     return WikitextWindows(tokens, seq_length, stride, tokenizer.eod, num_original)
 
 
@@ -89,6 +92,11 @@ class LambadaExamples:
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    @property
+    def num_truncated(self) -> int:
+        """Passages whose context loses tokens on the left to fit the window."""
+        return sum(len(c) + len(t) > self.seq_length + 1 for c, t in self.examples)
 
     def __getitem__(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
         context, target = self.examples[idx]
@@ -108,15 +116,16 @@ def split_last_word(text: str, tokenizer, strict: bool) -> Tuple[List[int], List
     return tokenizer.tokenize(text[:start].strip()), tokenizer.tokenize(" " + last_word)
 
 
-def read_lambada(path: str, tokenizer, seq_length: int, strict: bool) -> LambadaExamples:
-    """Passages from a JSON-lines file of {"text": ...}."""
+def read_lambada(path: str, tokenizer, seq_length: int, strict: bool,
+                 detokenizer: str = "none") -> LambadaExamples:
+    """Passages from a JSON-lines file of {"text": ...}, each detokenized first."""
     examples = []
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                text = _passage(line, path, number)
+                text = detokenize(detokenizer, _passage(line, path, number))
                 context, target = split_last_word(text, tokenizer, strict)
                 if not target or len(target) > seq_length:
                     raise TaskDataError(f"{path} line {number}: the last word has "

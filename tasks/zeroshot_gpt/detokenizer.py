@@ -1,11 +1,14 @@
-"""Undo WikiText's tokenization before BPE, with the rules of Megatron's zero-shot evaluation.
+"""Undo a corpus' word tokenization before BPE, with the rules of Megatron's zero-shot evaluation.
 
 WikiText's `.tokens` files separate punctuation with spaces and write number
-separators as ` @-@ `, ` @,@ `, ` @.@ `. Perplexities are only comparable with
-published numbers when the same rules, in the same order, rebuild the text.
+separators as ` @-@ `, ` @,@ `, ` @.@ `; the Penn Treebank files split
+contractions (` n't`, ` 's`) and write numbers as `N`. Perplexities are only
+comparable with published numbers when the same rules, in the same order,
+rebuild the text. As in Megatron, the detokenizer is picked from the data
+file's path (`ptb`, then `wiki`, then `lambada`); `--detokenizer` forces one.
 """
 import re
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 _Rule = Tuple[str, Callable[[str], str]]
 
@@ -54,8 +57,44 @@ WIKITEXT_RULES: List[_Rule] = [
 ]
 
 
-def wikitext_detokenize(text: str) -> str:
-    """Apply every rule of `WIKITEXT_RULES` in order."""
-    for _, apply in WIKITEXT_RULES:
+PTB_RULES: List[_Rule] = [
+    _literal(" '", "'"),
+    _literal(" \n", "\n"),
+    _literal("\n ", "\n"),
+    _literal(" n't", "n't"),
+    _literal(" N ", "1 "),
+    _literal("$ 1", "$1"),
+    _literal("# 1", "#1"),
+]
+
+LAMBADA_RULES: List[_Rule] = [
+    # typographic double quotes become plain ones; the passage loses outer whitespace
+    _literal("\u201c", '"'),
+    _literal("\u201d", '"'),
+    ("strip", str.strip),
+]
+
+RULES: Dict[str, List[_Rule]] = {"ptb": PTB_RULES, "wikitext": WIKITEXT_RULES,
+                                 "lambada": LAMBADA_RULES, "none": []}
+DETOKENIZERS = tuple(RULES)
+# the path keys Megatron looks for, in its order, and the detokenizer each selects
+_PATH_KEYS = (("ptb", "ptb"), ("wiki", "wikitext"), ("lambada", "lambada"))
+
+
+def detokenize(name: str, text: str) -> str:
+    """Apply every rule of detokenizer `name` (one of DETOKENIZERS) in order."""
+    for _, apply in RULES[name]:
         text = apply(text)
     return text
+
+
+def wikitext_detokenize(text: str) -> str:
+    return detokenize("wikitext", text)
+
+
+def detokenizer_for_path(path: str) -> Optional[str]:
+    """The detokenizer Megatron picks for a data file: the first key found in its path."""
+    for key, name in _PATH_KEYS:
+        if key in path:
+            return name
+    return None

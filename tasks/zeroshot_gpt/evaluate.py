@@ -10,7 +10,7 @@ broadcast over the pipeline, so every rank returns the same result.
 """
 import math
 from functools import partial
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 import numpy as np
 import torch
@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from megatron.data.batch import ltor_masks_and_position_ids
 from megatron.mpu.mappings import all_reduce, group_size
-from megatron.text_generation.sampling import mask_padded_vocab
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
 from megatron.training.trainer import ReplayIterators, params_dtype
+from tasks.zeroshot_gpt.progress import Progress
 
 WIKITEXT = "WIKITEXT103"
 LAMBADA = "LAMBADA"
@@ -60,23 +60,31 @@ def _to_batch(text, loss_mask, valid, eod, data_cfg) -> dict:
             "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def score(task: str, batch: dict, output: torch.Tensor, vocab_size=None):
-    """(score tensor, report) of one micro batch from the last stage's output; LAMBADA's
-    predictions never take a padding id >= vocab_size."""
+def score(task: str, batch: dict, output: torch.Tensor, vocab_size: Optional[int] = None,
+          progress: Optional[Progress] = None):
+    """(score tensor, report) of one micro batch from the last stage's output.
+
+    LAMBADA's greedy prediction never picks a vocabulary-padding id (>= vocab_size).
+    """
     if task == WIKITEXT:
         total = (output.float() * batch["loss_mask"]).sum()
+        count = batch["loss_mask"].sum()
     else:
-        predicted = mask_padded_vocab(output, vocab_size).argmax(dim=-1)
+        predicted = output[..., :vocab_size].argmax(dim=-1)
         correct = (predicted == batch["labels"]) | (batch["loss_mask"] == 0)
         total = (correct.all(dim=-1).float() * batch["valid"]).sum()
+        count = batch["valid"].sum()
+    if progress is not None:
+        progress.update(batch["tokens"].numel(), total, count)
     return total, {"score": total.detach().double()}
 
 
-def forward_step(task: str, data_iterator, model, vocab_size=None):
+def forward_step(task: str, vocab_size: Optional[int], progress: Optional[Progress],
+                 data_iterator, model):
     batch = next(data_iterator)
     labels = batch["labels"] if task == WIKITEXT else None
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=labels)
-    return output, partial(score, task, batch, vocab_size=vocab_size)
+    return output, partial(score, task, batch, vocab_size=vocab_size, progress=progress)
 
 
 def _communicator(config, pstate, device, num_chunks: int):
@@ -92,9 +100,12 @@ def _communicator(config, pstate, device, num_chunks: int):
 
 @torch.no_grad()
 def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
-             vocab_size=None) -> float:
-    """Summed score of the task over the whole dataset (identical on every rank);
-    `vocab_size`: the tokenizer's, so that padding ids are never predicted."""
+             vocab_size: Optional[int] = None, log_interval: Optional[int] = None) -> float:
+    """Summed score of the task over the whole dataset (identical on every rank).
+
+    `vocab_size`: the tokenizer's (LAMBADA ignores padding ids above it);
+    `log_interval`: print a progress line every that many micro batches.
+    """
     micro = config.training.micro_batch_size
     interleaved = len(models) > 1
     count = num_micro_batches(len(dataset), micro, pstate.dp_size,
@@ -104,8 +115,10 @@ def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
     schedule = "none" if pstate.pp_size == 1 else ("interleaved" if interleaved else "1f1b")
     for model in models:
         model.eval()
+    progress = None if log_interval is None else Progress(
+        count, log_interval, pstate.dp_size, "avg loss" if task == WIKITEXT else "avg accuracy")
     reports = forward_backward(
-        schedule, forward_step=partial(forward_step, task, vocab_size=vocab_size),
+        schedule, forward_step=partial(forward_step, task, vocab_size, progress),
         data_iterators=ReplayIterators(batches, len(models)).all(), model_chunks=models,
         num_microbatches=count, comm=_communicator(config, pstate, device, len(models)),
         pp_rank=pstate.pp_rank, pp_size=pstate.pp_size, forward_only=True)
@@ -132,10 +145,12 @@ def lambada_metrics(correct: float, total: int) -> Dict[str, float]:
 
 
 def format_metrics(task: str, metrics: Dict[str, float]) -> str:
+    """Megatron's result line, character for character (its LAMBADA line has no closing bar)."""
+    line = f" validation results on {task} | "
     if task == WIKITEXT:
-        return (f" avg loss: {metrics['avg loss']:.4E} | ppl: {metrics['ppl']:.4E} | "
-                f"adjusted ppl: {metrics['adjusted ppl']:.4E} | "
-                f"token ratio: {metrics['token ratio']} |")
-    return (f" number correct: {metrics['number correct']:.4E} | "
-            f"total examples: {metrics['total examples']:.4E} | "
-            f"avg accuracy: {metrics['avg accuracy']:.4E} |")
+        return line + (f"avg loss: {metrics['avg loss']:.4E} | ppl: {metrics['ppl']:.4E} | "
+                       f"adjusted ppl: {metrics['adjusted ppl']:.4E} | "
+                       f"token ratio: {metrics['token ratio']} |")
+    return line + (f"number correct: {metrics['number correct']:.4E} | "
+                   f"total examples: {metrics['total examples']:.4E} | "
+                   f"avg accuracy: {metrics['avg accuracy']:.4E}")

@@ -123,9 +123,10 @@ def test_wikitext_metrics_and_line():
     assert metrics["avg loss"] == 2.0 and metrics["token ratio"] == 99 / 50
     assert math.isclose(metrics["adjusted ppl"], math.exp(2.0 * 99 / 50))
     line = format_metrics("WIKITEXT103", metrics)
-    assert re.fullmatch(r" avg loss: \S+ \| ppl: \S+ \| adjusted ppl: \S+ \| token ratio: \S+ \|",
-                        line)
-    assert line.startswith(" avg loss: 2.0000E+00 | ppl: 7.3891E+00 |")
+    assert re.fullmatch(r" validation results on WIKITEXT103 \| avg loss: \S+ \| ppl: \S+ \| "
+                        r"adjusted ppl: \S+ \| token ratio: \S+ \|", line)
+    assert line.startswith(" validation results on WIKITEXT103 | avg loss: 2.0000E+00 | "
+                           "ppl: 7.3891E+00 |")
 
 
 # -- tasks/main.py end to end -----------------------------------------------------------
