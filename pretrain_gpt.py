@@ -83,18 +83,23 @@ def setup(argv=None):
 
 
 def main(argv=None):
+    """Train; a bad checkpoint, dataset or setting ends the run with one line and exit 2."""
+    try:
+        return _run(argv)
+    except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+def _run(argv):
     config, tokenizer = setup(argv)
     pstate, device = initialize_distributed(config)
     print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
                  f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
                  f"(new size: {config.model.padded_vocab_size})")
-    try:
-        return pretrain(config, pstate, device,
-                        partial(model_provider, config, pstate.tp_group),
-                        partial(data_provider, config, pstate, tokenizer.vocab_size),
-                        partial(forward_step, config, tokenizer.eod, pstate, device))
-    except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError) as err:
-        fail(str(err))
+    return pretrain(config, pstate, device,
+                    partial(model_provider, config, pstate.tp_group),
+                    partial(data_provider, config, pstate, tokenizer.vocab_size),
+                    partial(forward_step, config, tokenizer.eod, pstate, device))
 
 
 if __name__ == "__main__":

@@ -163,13 +163,15 @@ def _build_prefix_datasets(prefix, splits_string, num_samples, seq_length, seed,
 
 
 def _check_empty_split_unused(prefix, splits_string, split, num_samples, bounds):
-    """A split with no documents is fine when --split gives it no weight (valid/test
-    are then skipped) but not when it has weight, or when training needs samples."""
-    weight = parse_split_weights(splits_string)[split]
-    if num_samples > 0 and (weight > 0 or split == 0):
-        raise DatasetError(f"--split {splits_string} leaves the {SPLIT_NAMES[split]} split of {prefix} "
-                           f"without documents ({bounds[-1]} in all, boundaries {bounds}) but it needs "
+    """An empty valid or test split is skipped (as in Megatron); an empty train split
+    when training needs samples is an error naming --split."""
+    if split == 0 and num_samples > 0:
+        raise DatasetError(f"--split {splits_string} leaves the train split of {prefix} without "
+                           f"documents ({bounds[-1]} in all, boundaries {bounds}) but training needs "
                            f"{num_samples} samples; give it more weight or use a larger dataset")
+    if num_samples > 0:
+        logger.warning("--split %s leaves the %s split of %s without documents; it is skipped",
+                       splits_string, SPLIT_NAMES[split], prefix)
 
 
 # ----------------------------------------------------------------------------

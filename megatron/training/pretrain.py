@@ -4,6 +4,7 @@ import time
 from typing import Callable, Optional
 
 
+from megatron.training.checkpoint_io import check_writable
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
@@ -18,6 +19,8 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     data_provider(consumed_train, consumed_valid) -> (train_iter, valid_iter, test_iter)
     forward_step(data_iterator, model) -> (output, loss_func)
     """
+    if config.checkpoint.save:
+        check_writable(config.checkpoint.save)
     models = build_model_chunks(config, pstate, device, model_provider)
     trainer = Trainer(config, pstate, device, models, forward_step)
     state = trainer.state
