@@ -8,6 +8,7 @@ is verified at load when present. A full disk (ENOSPC) becomes one CheckpointErr
 naming the directory and the bytes needed; the partial file is removed. Temporary
 files left by killed saves are removed at the next save.
 """
+import contextlib
 import errno
 import hashlib
 import os
@@ -150,7 +151,8 @@ def check_writable(directory: str, flag: str = "--save") -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as err:
-        _remove(probe)
+        with contextlib.suppress(OSError):
+            os.remove(probe)
         raise CheckpointError(f"{flag} {directory} is not writable: {err.strerror or err}") from None
 
 
@@ -180,6 +182,8 @@ def load_file(path: str, verify: bool = True, mmap: bool = False):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, hostile pickle, garbage: all unusable
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if not verify:
+            verify_checksum(path)  # a corrupted file says so, rather than how torch failed
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first}); it is "
                               f"truncated, corrupt or not a torch checkpoint") from None
