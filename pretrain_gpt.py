@@ -17,6 +17,7 @@ from megatron.training.loading import build_tokenizer_and_vocab, read_stored_con
 from megatron.training.checkpointing import CheckpointError, read_tracker  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import pretrain  # noqa: E402
+from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
@@ -88,6 +89,8 @@ def main(argv=None):
         return _run(argv)
     except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError) as err:
         fail(str(err))
+    except RUN_FAILURES as err:
+        exit_on_run_failure(err)
 
 
 def _run(argv):

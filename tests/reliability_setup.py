@@ -4,6 +4,7 @@ import os
 import numpy as np
 
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from tests.conftest import ROOT
 
 
 def byte_dataset(directory, docs=40, seed=0) -> str:
@@ -27,4 +28,9 @@ def tiny_argv(prefix, cache, *extra, iters=4, layers=2, hidden=32, heads=4, seq=
             "--tokenizer-type", "ByteLevelTokenizer", "--make-vocab-size-divisible-by", "16",
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
             "--num-workers", "0", "--data-cache-path", str(cache), "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--use-cpu-initialization", "--seed", "1234", *extra]
+            "--attention-dropout", "0", "--use-cpu-initialization", "--seed", "1234", *map(str, extra)]
+
+
+def one_thread_env():
+    """Environment of a subprocess run on one thread (much faster on busy cores)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -17,16 +17,21 @@ class Timers:
         self.log_level = log_level
         self.elapsed = defaultdict(float)
         self._start: Dict[str, float] = {}
+        self.current: Optional[str] = None
+        """The phase running now (any level): what a timeout message names."""
 
     def enabled(self, name: str) -> bool:
         return self.LEVELS.get(name, 0) <= self.log_level
 
     def start(self, name: str) -> None:
+        self.current = name
         if self.enabled(name):
             _sync()
             self._start[name] = time.perf_counter()
 
     def stop(self, name: str) -> None:
+        if self.current == name:
+            self.current = None
         if name in self._start:
             _sync()
             self.elapsed[name] += time.perf_counter() - self._start.pop(name)

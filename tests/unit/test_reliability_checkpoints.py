@@ -13,7 +13,14 @@ import torch
 import pretrain_gpt
 from megatron.training import checkpoint_io
 from megatron.training.checkpoint_io import CheckpointError
-from tests.reliability_setup import byte_dataset, tiny_argv
+from tests.gpt_setup import one_thread
+from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
 
 ITER = "iter_0000002"
 
