@@ -39,6 +39,8 @@ class HangGuard:
     def watch(self, iteration: int, operation=None):
         """Run a block that communicates; a timeout in it becomes DistributedTimeoutError."""
         self.microbatch, self.operation = 0, operation
+        if self.timers is not None:
+            self.timers.current = None
         try:
             yield
         except RuntimeError as err:

@@ -18,7 +18,8 @@ class Timers:
         self.elapsed = defaultdict(float)
         self._start: Dict[str, float] = {}
         self.current: Optional[str] = None
-        """The phase running now (any level): what a timeout message names."""
+        """The phase started last (at any level; kept after it stops, also when it
+        stops by an exception): what a timeout message names."""
 
     def enabled(self, name: str) -> bool:
         return self.LEVELS.get(name, 0) <= self.log_level
@@ -30,8 +31,6 @@ class Timers:
             self._start[name] = time.perf_counter()
 
     def stop(self, name: str) -> None:
-        if self.current == name:
-            self.current = None
         if name in self._start:
             _sync()
             self.elapsed[name] += time.perf_counter() - self._start.pop(name)
