@@ -126,3 +126,21 @@ def test_kill_switch_and_time_limit_stop_cleanly(data, tmp_path, capsys):
 def test_exit_interval_without_save_warns(data, capsys):
     pretrain_gpt.main(tiny_argv(*data, "--exit-interval", "1", iters=5))
     assert "WARNING: --exit-interval 1 without --save" in capsys.readouterr().out
+
+
+def test_stale_build_lock_of_a_killed_build_is_cleared(tmp_path, monkeypatch):
+    """torch's `lock` file outlives a killed build and would make the next one wait forever."""
+    from megatron.model import fused_kernels as fk
+    monkeypatch.setenv("MEGATRON_FUSED_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("MEGATRON_DISABLE_FUSED_BUILD", raising=False)
+    name, spec = next(iter(fk._extension_specs().items()))
+    if fk.importlib.util.find_spec(name) is not None:
+        pytest.skip("a setup.py build of the kernels is installed; nothing is compiled")
+    build_dir = tmp_path / f"{name}-{fk._build_key(name, spec)}"
+    build_dir.mkdir()
+    (build_dir / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(fk, "_compile", lambda n, s, d, v: seen.append((d / "lock").exists()) or "built")
+    with pytest.warns(RuntimeWarning, match="removed a stale build lock"):
+        assert fk._load_or_build(name, spec, False) == "built"
+    assert seen == [False]
