@@ -27,7 +27,8 @@ class DataConfig:
         require(self.dataloader_type in ("single", "cyclic"),
                 f"--dataloader-type {self.dataloader_type!r} is not single or cyclic")
         require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
-        require(self.vocab_size is None or self.vocab_size > 0, f"--vocab-size must be positive, got {self.vocab_size}")
+        require(self.vocab_size is None or self.vocab_size > 0,
+                f"--vocab-size must be positive, got {self.vocab_size}")
         self._check_split_and_paths()
 
     def _check_split_and_paths(self):

@@ -113,6 +113,7 @@ def _default_global_batch(ns) -> None:
     setattr(ns, "training.global_batch_size", getattr(ns, "training.micro_batch_size") * dp * pp)
 
 
+MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond this is assumed
 MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                         "max_position_embeddings")
 
@@ -153,6 +154,11 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
         if saved < tokenizer.vocab_size:
             fail(f"the checkpoint's vocabulary has {saved} rows but the tokenizer has "
                  f"{tokenizer.vocab_size} ids; use the tokenizer the model was trained with")
+        unit = stored["model"].get("make_vocab_size_divisible_by") or config.model.make_vocab_size_divisible_by
+        if saved - tokenizer.vocab_size >= unit * MAX_PADDING_TP:
+            fail(f"the checkpoint's vocabulary has {saved} rows, far more than the tokenizer's "
+                 f"{tokenizer.vocab_size} ids (padding adds fewer than --make-vocab-size-divisible-by "
+                 f"{unit} x TP); use the tokenizer the model was trained with")
         if saved % tp:
             fail(f"the checkpoint's padded vocabulary ({saved}) is not divisible by "
                  f"--tensor-model-parallel-size {tp}")

@@ -253,3 +253,19 @@ def test_merge_mp_partitions_checks_every_shape(saved, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "layers.1.mlp.dense_h_to_4h.weight: the merged checkpoint " \
         "has shape (100, 32)" in err and "needs (128, 32)" in err, err
+
+
+def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
+    """A GPT-2-sized checkpoint with a byte-level tokenizer (same tokenizer type stored)."""
+    from megatron.arguments import parse_args
+    from megatron.training.loading import build_tokenizer_and_vocab
+    config, _ = parse_args(tiny_argv("x", "c"), world_size=1)
+    stored = {"model": {"padded_vocab_size": 50304, "make_vocab_size_divisible_by": 128},
+              "data": {"tokenizer_type": "ByteLevelTokenizer"}}
+    with pytest.raises(SystemExit) as exc:
+        build_tokenizer_and_vocab(config, stored)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "has 50304 rows, far more than the tokenizer's 257 ids" in err, err
+    stored["model"]["padded_vocab_size"] = 1024  # padded for TP 8: accepted
+    build_tokenizer_and_vocab(config, stored)
+    assert config.model.padded_vocab_size == 1024

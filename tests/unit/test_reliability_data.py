@@ -120,7 +120,8 @@ def test_empty_split_is_refused_naming_split(tmp_path):
     build(tmp_path / "d", [[[1, 2, 3, 4, 5]]] * 3)
     train, valid, _ = gd.build_train_valid_test_datasets([str(tmp_path / "d")], "100,1,0", (4, 4, 0), 4, 1)
     assert train is not None and valid is None  # an empty valid split is skipped, as in Megatron
-    with pytest.raises(gd.DatasetError, match=r"--split 0,1,0 leaves the train split .* without documents .* needs 4 samples"):
+    with pytest.raises(gd.DatasetError,
+                       match=r"--split 0,1,0 leaves the train split .* without documents .* needs 4 samples"):
         gd.build_train_valid_test_datasets([str(tmp_path / "d")], "0,1,0", (4, 4, 0), 4, 1)
     train, valid, test = gd.build_train_valid_test_datasets([str(tmp_path / "d")], "1,0,0", (4, 4, 4), 4, 1)
     assert train is not None and valid is None and test is None
@@ -193,6 +194,7 @@ def test_deeply_nested_line_is_a_named_bad_line(tmp_path, capsys, workers):
             "ByteLevelTokenizer", "--workers", workers, "--log-interval", "0"]
     assert preprocess_data.main(argv) == 1
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {source}:2: invalid JSON (nested too deeply) (use --skip-bad-lines to skip such lines)"
+    assert err == (f"error: {source}:2: invalid JSON (nested too deeply) "
+                   "(use --skip-bad-lines to skip such lines)")
     assert preprocess_data.main(argv + ["--skip-bad-lines"]) == 0
     assert "Skipped 1 malformed lines" in capsys.readouterr().err
