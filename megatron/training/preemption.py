@@ -15,7 +15,10 @@ class StopRequests:
         self.start = time.monotonic()
         self.signalled = False
         self._previous = None
-        if training_config.exit_signal_handler:
+
+    def listen(self) -> None:
+        """Catch SIGTERM from now on (with --exit-signal-handler); `close` undoes it."""
+        if self.cfg.exit_signal_handler and self._previous is None:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:

@@ -41,6 +41,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
     valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
+    guard.stops.listen()
     try:
         if _train_loop(trainer, train_iters, valid_iters, guard):
             trainer.tensorboard.close()
