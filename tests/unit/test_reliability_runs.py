@@ -75,10 +75,10 @@ def test_inf_grad_norm_is_a_nan_iteration(data):
 
 
 def _train_until(argv, iteration):
-    """Start pretrain_gpt.py; return the process once it has logged `iteration`."""
+    """Start pretrain_gpt.py in its own process group; return it once it has logged `iteration`."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, argv)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=one_thread_env())
+                            cwd=ROOT, env=one_thread_env(), start_new_session=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -94,11 +94,13 @@ def _stopped_at(lines):
 
 
 def test_sigterm_saves_the_current_iteration_and_resumes_exactly(data, tmp_path):
-    """--exit-signal-handler: SIGTERM mid-run finishes the iteration, saves it, exits 0;
-    resuming gives the losses of an uninterrupted run."""
+    """--exit-signal-handler: SIGTERM to the process group (as SLURM sends it; the data
+    loader worker gets it too) finishes the iteration, saves it, exits 0; resuming gives
+    the losses of an uninterrupted run."""
     save = tmp_path / "ckpt"
-    proc, lines = _train_until(tiny_argv(*data, "--exit-signal-handler", "--save", save, iters=60), 2)
-    proc.send_signal(signal.SIGTERM)
+    argv = tiny_argv(*data, "--exit-signal-handler", "--save", save, "--num-workers", "1", iters=60)
+    proc, lines = _train_until(argv, 2)
+    os.killpg(proc.pid, signal.SIGTERM)
     lines += proc.stdout.readlines()
     assert proc.wait(timeout=120) == 0, "".join(lines[-20:])
     stopped = _stopped_at(lines)
