@@ -9,6 +9,7 @@ from megatron.arguments import fail, parse_args  # noqa: E402
 from megatron.config import ConfigError  # noqa: E402
 from megatron.data.batch import gpt_batch  # noqa: E402
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
+from megatron.data.indexed_dataset import IndexedDatasetError  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
@@ -16,6 +17,7 @@ from megatron.training.loading import build_tokenizer_and_vocab, read_stored_con
 from megatron.training.checkpointing import CheckpointError, read_tracker  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import pretrain  # noqa: E402
+from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
 
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
@@ -49,12 +51,12 @@ def split_sample_counts(config):
     return train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size
 
 
-def data_provider(config, pstate, consumed_train, consumed_valid):
+def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
     if not config.data.data_path:
         fail("--data-path is required: a preprocessed prefix (see tools/preprocess_data.py)")
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         config.data.data_path, config.data.split, split_sample_counts(config),
-        config.model.seq_length, config.training.seed, config.data.data_cache_path)
+        config.model.seq_length, config.training.seed, config.data.data_cache_path, vocab_size)
     loader = partial(build_pretraining_data_loader, micro_batch_size=config.training.micro_batch_size,
                      data_parallel_rank=pstate.dp_rank, data_parallel_size=pstate.dp_size,
                      dataloader_type=config.data.dataloader_type, num_workers=config.data.num_workers,
@@ -82,19 +84,25 @@ def setup(argv=None):
 
 
 def main(argv=None):
+    """Train; a bad checkpoint, dataset or setting ends the run with one line and exit 2."""
+    try:
+        return _run(argv)
+    except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError) as err:
+        fail(str(err))
+    except RUN_FAILURES as err:
+        exit_on_run_failure(err)
+
+
+def _run(argv):
     config, tokenizer = setup(argv)
     pstate, device = initialize_distributed(config)
     print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
                  f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
                  f"(new size: {config.model.padded_vocab_size})")
-    try:
-        return pretrain(config, pstate, device,
-                        partial(model_provider, config, pstate.tp_group),
-                        partial(data_provider, config, pstate),
-                        partial(forward_step, config, tokenizer.eod, pstate, device))
-    except (CheckpointError, ConfigError, FileNotFoundError) as err:
-        print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
-        sys.exit(1)
+    return pretrain(config, pstate, device,
+                    partial(model_provider, config, pstate.tp_group),
+                    partial(data_provider, config, pstate, tokenizer.vocab_size),
+                    partial(forward_step, config, tokenizer.eod, pstate, device))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,24 @@ Entry points turn that into one line on stderr and exit status 2.
 """
 import argparse
 import os
+import re
 import sys
 from typing import List, Optional, Sequence
 
 from megatron.arguments_help import HELP
 from megatron.config import SECTIONS, Config, ConfigError
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with two fixes: an error is one line (no usage dump) and exit 2,
+    and negative numbers in any notation (`--lr -1e-3`) are values, not flags."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$")
+
+    def error(self, message):
+        fail(message, self.prog)
+
 
 def _flag(group, name, section, field=None, **kwargs):
     field = field or name.lstrip("-").replace("-", "_")
@@ -170,10 +183,22 @@ def _add_logging_args(parser):
         _flag(g, name, "logging", action="store_true")
 
 
+def _add_reliability_args(parser):
+    g = parser.add_argument_group("reliability")
+    _flag(g, "--exit-signal-handler", "training", action="store_true")
+    _flag(g, "--exit-duration-in-mins", "training", type=float, default=None)
+    _flag(g, "--kill-switch-path", "training", default=None)
+    _flag(g, "--check-for-nan-in-loss-and-grad", "training", action="store_true")
+    _flag(g, "--max-consecutive-nan-iterations", "training", type=int, default=10)
+    _flag(g, "--distributed-timeout-minutes", "parallel", type=float, default=10.0)
+    _off(g, "--no-verify-checkpoint", "checkpoint", "verify_checkpoint")
+
+
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    for add in (_add_model_args, _add_architecture_args, _add_parallel_args, _add_training_args, _add_optimizer_args,
-                _add_data_args, _add_checkpoint_args, _add_logging_args):
+    parser = OneLineParser(description=description, allow_abbrev=False)
+    for add in (_add_model_args, _add_architecture_args, _add_parallel_args, _add_training_args,
+                _add_optimizer_args, _add_data_args, _add_checkpoint_args, _add_logging_args,
+                _add_reliability_args):
         add(parser)
     return parser
 

@@ -125,4 +125,13 @@ HELP = {
     "--log-batch-size-to-tensorboard": "also log the global batch size",
     "--log-validation-ppl-to-tensorboard": "also log the validation perplexity",
     "--log-timers-to-tensorboard": "also log the per-phase timers",
+    # reliability
+    "--exit-signal-handler": "on SIGTERM, finish the iteration, save (with --save) and exit 0",
+    "--exit-duration-in-mins": "save and stop once the run has lasted this many minutes",
+    "--kill-switch-path": "save and stop when this file appears",
+    "--check-for-nan-in-loss-and-grad": "stop at the first non-finite loss or gradient, naming it",
+    "--max-consecutive-nan-iterations": "stop (exit 1) after this many nan/inf iterations in a row "
+                                        "(default 10; 0: never)",
+    "--distributed-timeout-minutes": "collective timeout; a silent peer ends the run (default 10)",
+    "--no-verify-checkpoint": "do not check the checksums of a checkpoint at --load",
 }

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +41,10 @@ import torch  # noqa: E402
 
 from megatron.model.sharding import (check_shardable, merge_shards,  # noqa: E402
                                      shard_tensor)
+from megatron.config import ModelConfig  # noqa: E402
+from megatron.model import GPTModel  # noqa: E402
+from megatron.training.checkpoint_io import load_file, save_file, write_text  # noqa: E402
+
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER,  # noqa: E402
                                              from_megatron_layout, read_tracker,
                                              to_megatron_layout)
@@ -141,8 +145,7 @@ def read_source(root: str) -> Source:
     files = find_rank_dirs(directory) if os.path.isdir(directory) else {}
     if not files:
         raise ReshardError(f"no mp_rank_*/model_optim_rng.pt under {directory}")
-    states = {key: torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-              for key, path in files.items()}
+    states = {key: load_file(path, mmap=True) for key, path in files.items()}
     saved = states[min(states)].get("parallel", {})
     tp = max(saved.get("tensor_model_parallel_size", 1), max(t for t, _ in files) + 1)
     pp = max(saved.get("pipeline_model_parallel_size", 1), max(p for _, p in files) + 1)
@@ -210,6 +213,27 @@ def merge_tensor_parallel(shards: List[Flat], sharding: Sharding) -> Flat:
 
 
 # -- writing the target -------------------------------------------------------------
+def check_shapes(full: Flat, config: dict) -> None:
+    """Every merged tensor has the shape of the model the stored config describes
+    (built on the meta device); a checkpoint without a stored model config is not checked."""
+    model = config.get("model") or {}
+    if not model.get("padded_vocab_size"):
+        return
+    known = {f.name for f in fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
+    expected = {name: tuple(t.shape) for name, t in GPTModel(cfg, device="meta").state_dict().items()}
+    if HEAD in full:
+        expected[HEAD] = expected[WORD]
+    names = set(full) | set(expected)
+    for name in sorted(names):
+        got = tuple(full[name].shape) if name in full else None
+        if got != expected.get(name):
+            raise ReshardError(f"{name}: the merged checkpoint has shape {got}, the model of its "
+                               f"config (hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab "
+                               f"{cfg.padded_vocab_size}) needs {expected.get(name)}; the checkpoint "
+                               f"is inconsistent")
+
+
 def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int,
                  sharding: Sharding) -> None:
     if tp < 1 or pp < 1:
@@ -295,16 +319,13 @@ def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Fl
         for (t, p), flat in shards.items():
             rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             os.makedirs(os.path.join(tmp, rank_dir))
-            torch.save(target_state(first, flat, tp, pp, source.sharding),
-                       os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
+            save_file(target_state(first, flat, tp, pp, source.sharding),
+                      os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tracker = os.path.join(save, TRACKER)
-    with open(tracker + ".tmp", "w") as f:
-        f.write("release" if source.release else str(source.iteration))
-    os.replace(tracker + ".tmp", tracker)
+    write_text(os.path.join(save, TRACKER), "release" if source.release else str(source.iteration))
     return final
 
 
@@ -321,6 +342,7 @@ def reshard(load: str, save: str, tp: int, pp: int) -> str:
     sharding = source.sharding
     full = merge_tensor_parallel(shards, sharding)
     config = source.states[(0, 0)].get("config") or {}
+    check_shapes(full, config)
     check_target(full, config, num_layers, tp, pp, sharding)
     return write_checkpoint(save, source, split_for_target(full, num_layers, tp, pp, sharding),
                             tp, pp)

@@ -102,6 +102,10 @@ class Encoder:
             raise BadLine("not valid UTF-8") from None
         except json.JSONDecodeError as exc:
             raise BadLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+            raise BadLine(f"invalid JSON ({exc})") from None
+        except RecursionError:
+            raise BadLine("invalid JSON (nested too deeply)") from None
         if not isinstance(obj, dict):
             raise BadLine(f"expected a JSON object, got {type(obj).__name__}")
         texts = []

@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron.config.errors import require
+from megatron.config.errors import ConfigError, require
 
 
 @dataclass
@@ -27,6 +27,20 @@ class DataConfig:
         require(self.dataloader_type in ("single", "cyclic"),
                 f"--dataloader-type {self.dataloader_type!r} is not single or cyclic")
         require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        require(self.vocab_size is None or self.vocab_size > 0,
+                f"--vocab-size must be positive, got {self.vocab_size}")
+        self._check_split_and_paths()
+
+    def _check_split_and_paths(self):
+        """--split and --data-path parse as the datasets will parse them."""
+        from megatron.data.gpt_dataset import parse_data_prefix, parse_split_weights
+
+        try:
+            parse_split_weights(self.split)
+            if self.data_path:
+                parse_data_prefix(list(self.data_path))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclass
@@ -39,6 +53,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    verify_checkpoint: bool = True
+    """Check each file's checksum at --load (--no-verify-checkpoint skips)."""
 
     def __post_init__(self):
         require(self.save_interval is None or self.save_interval > 0,

@@ -106,6 +106,10 @@ class ModelConfig:
                      "max_position_embeddings", "ffn_hidden_size", "checkpoint_num_layers"):
             require(getattr(self, name) > 0,
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        require(self.make_vocab_size_divisible_by > 0,
+                f"--make-vocab-size-divisible-by must be positive, got {self.make_vocab_size_divisible_by}")
+        require(self.layernorm_epsilon > 0, f"--layernorm-epsilon must be positive, got {self.layernorm_epsilon}")
+        require(self.init_method_std >= 0, f"--init-method-std must be >= 0, got {self.init_method_std}")
         require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                 f"({self.num_attention_heads}), or give --kv-channels")

@@ -24,6 +24,8 @@ class ParallelConfig:
     ddp_bucket_size: int = 40_000_000
     """Elements per gradient bucket of --DDP-impl local (--ddp-bucket-size)."""
     accumulate_allreduce_grads_in_fp32: bool = False
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every collective; a silent peer ends the run with one line."""
 
     def __post_init__(self):
         require(self.tensor_model_parallel_size >= 1,
@@ -35,6 +37,8 @@ class ParallelConfig:
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
         require(self.ddp_bucket_size >= 1,
                 f"--ddp-bucket-size must be a positive number of elements, got {self.ddp_bucket_size}")
+        require(self.distributed_timeout_minutes > 0,
+                f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         self._check_reducer_options()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # nothing to split, as in Megatron

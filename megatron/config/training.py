@@ -24,9 +24,20 @@ class TrainingConfig:
     """Stop (after saving) when the iteration is a multiple of this."""
     fp16: bool = False
     bf16: bool = False
+    exit_signal_handler: bool = False
+    """On SIGTERM finish the iteration, save and exit 0 (all ranks agree on the iteration)."""
+    exit_duration_in_mins: Optional[float] = None
+    """Save and stop after this many minutes of wall-clock time."""
+    kill_switch_path: Optional[str] = None
+    """Save and stop when this file exists."""
+    check_for_nan_in_loss_and_grad: bool = False
+    """Stop at the first non-finite loss or gradient, naming the rank and parameter."""
+    max_consecutive_nan_iterations: int = 10
+    """Stop with a non-zero status after this many nan/inf iterations in a row (0: never)."""
 
     def __post_init__(self):
         require(self.micro_batch_size > 0, f"--micro-batch-size must be positive, got {self.micro_batch_size}")
+        self._check_counts()
         require((self.train_iters is None) != (self.train_samples is None),
                 f"exactly one of --train-iters ({self.train_iters}) and --train-samples "
                 f"({self.train_samples}) must be given")
@@ -36,6 +47,20 @@ class TrainingConfig:
         if self.rampup_batch_size is not None:
             require(len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
                     f"--rampup-batch-size takes START INCR SAMPLES (positive), got {self.rampup_batch_size}")
+
+    def _check_counts(self):
+        require(self.global_batch_size is None or self.global_batch_size > 0,
+                f"--global-batch-size must be positive, got {self.global_batch_size}")
+        for name in ("train_iters", "train_samples"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        require(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        require(self.exit_interval is None or self.exit_interval > 0,
+                f"--exit-interval must be positive, got {self.exit_interval}")
+        require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+                f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
+        require(self.max_consecutive_nan_iterations >= 0,
+                f"--max-consecutive-nan-iterations must be >= 0, got {self.max_consecutive_nan_iterations}")
 
 
 @dataclass
@@ -75,6 +100,33 @@ class OptimizerConfig:
                     "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
         require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
         require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        self._check_schedule_lengths()
+        self._check_optimizer_constants()
+        self._check_loss_scaling()
+
+    def _check_schedule_lengths(self):
+        require(self.min_lr >= 0, f"--min-lr must be >= 0, got {self.min_lr}")
+        for name in ("lr_decay_iters", "lr_decay_samples"):
+            value = getattr(self, name)
+            require(value is None or value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+        for name in ("lr_warmup_iters", "lr_warmup_samples"):
+            value = getattr(self, name)
+            require(value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+    def _check_optimizer_constants(self):
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
+
+    def _check_loss_scaling(self):
+        require(self.loss_scale is None or self.loss_scale > 0,
+                f"--loss-scale must be positive, got {self.loss_scale}")
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, name)
+            require(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+        require(self.loss_scale_window > 0, f"--loss-scale-window must be positive, got {self.loss_scale_window}")
+        require(self.hysteresis > 0, f"--hysteresis must be positive, got {self.hysteresis}")
 
 
 @dataclass
@@ -90,5 +142,7 @@ class LoggingConfig:
 
     def __post_init__(self):
         require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
+        require(self.tensorboard_queue_size > 0,
+                f"--tensorboard-queue-size must be positive, got {self.tensorboard_queue_size}")
         require(self.timing_log_level in (0, 1, 2),
                 f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")

@@ -28,8 +28,22 @@ import torch
 
 from megatron.data import helpers
 from megatron.data.blended_dataset import BlendedDataset
+from megatron.data.indexed_dataset import IndexedDatasetError
 
 logger = logging.getLogger(__name__)
+
+
+class DatasetError(IndexedDatasetError):
+    """Data that cannot serve the run: an empty split, a token id beyond the vocabulary.
+
+    DataLoader workers re-raise a worker's exception with its traceback in the
+    message; only the original one-line message is kept."""
+
+    def __init__(self, message: str):
+        if "Original Traceback" in message:
+            last = message.strip().splitlines()[-1]
+            message = last.split(": ", 1)[-1]
+        super().__init__(message)
 
 SPLIT_NAMES = ("train", "valid", "test")
 _BLEND_SURPLUS = 1.005  # blended per-dataset sample counts get 0.5% extra, as in Megatron
@@ -94,16 +108,19 @@ def blended_num_samples(weights: list[float], num_samples: tuple[int, int, int])
 
 def build_train_valid_test_datasets(data_prefix: list[str], splits_string: str,
                                     train_valid_test_num_samples: tuple[int, int, int],
-                                    seq_length: int, seed: int, data_cache_path: str | None = None):
-    """(train, valid, test) datasets for --data-path; a split with no documents gives None."""
+                                    seq_length: int, seed: int, data_cache_path: str | None = None,
+                                    vocab_size: int | None = None):
+    """(train, valid, test) datasets for --data-path; a split with no documents gives None.
+
+    With `vocab_size`, a sample holding a token id >= vocab_size raises DatasetError."""
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples must hold 3 counts, got {train_valid_test_num_samples}")
     prefixes, weights = parse_data_prefix(list(data_prefix))
     if len(prefixes) == 1:
         return _build_prefix_datasets(prefixes[0], splits_string, train_valid_test_num_samples,
-                                      seq_length, seed, data_cache_path)
+                                      seq_length, seed, data_cache_path, vocab_size)
     per_dataset = [
-        _build_prefix_datasets(prefix, splits_string, counts, seq_length, seed, data_cache_path)
+        _build_prefix_datasets(prefix, splits_string, counts, seq_length, seed, data_cache_path, vocab_size)
         for prefix, counts in zip(prefixes, blended_num_samples(weights, train_valid_test_num_samples))
     ]
     blended = []
@@ -128,19 +145,33 @@ def open_indexed_dataset(prefix: str):
     return MMapIndexedDataset(prefix)
 
 
-def _build_prefix_datasets(prefix, splits_string, num_samples, seq_length, seed, data_cache_path):
+def _build_prefix_datasets(prefix, splits_string, num_samples, seq_length, seed, data_cache_path,
+                           vocab_size=None):
     indexed = open_indexed_dataset(prefix)
     bounds = get_train_valid_test_split_(splits_string, indexed.sizes.shape[0])
     logger.info("dataset %s: %d documents, split %s -> %s", prefix, indexed.sizes.shape[0], splits_string, bounds)
     datasets = []
     for split, name in enumerate(SPLIT_NAMES):
         if bounds[split + 1] <= bounds[split]:
+            _check_empty_split_unused(prefix, splits_string, split, num_samples[split], bounds)
             datasets.append(None)
             continue
         documents = np.arange(bounds[split], bounds[split + 1], dtype=np.int32)
         datasets.append(GPTDataset(name, prefix, documents, indexed, num_samples[split],
-                                   seq_length, seed, data_cache_path))
+                                   seq_length, seed, data_cache_path, vocab_size))
     return tuple(datasets)
+
+
+def _check_empty_split_unused(prefix, splits_string, split, num_samples, bounds):
+    """An empty valid or test split is skipped (as in Megatron); an empty train split
+    when training needs samples is an error naming --split."""
+    if split == 0 and num_samples > 0:
+        raise DatasetError(f"--split {splits_string} leaves the train split of {prefix} without "
+                           f"documents ({bounds[-1]} in all, boundaries {bounds}) but training needs "
+                           f"{num_samples} samples; give it more weight or use a larger dataset")
+    if num_samples > 0:
+        logger.warning("--split %s leaves the %s split of %s without documents; it is skipped",
+                       splits_string, SPLIT_NAMES[split], prefix)
 
 
 # ----------------------------------------------------------------------------
@@ -156,7 +187,8 @@ class GPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, name: str, data_prefix: str, documents, indexed_dataset, num_samples: int,
-                 seq_length: int, seed: int, data_cache_path: str | None = None):
+                 seq_length: int, seed: int, data_cache_path: str | None = None,
+                 vocab_size: int | None = None):
         documents = np.asarray(documents)
         sizes = np.asarray(indexed_dataset.sizes)
         _check_dataset_args(name, documents, sizes, num_samples, seq_length)
@@ -164,6 +196,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
         self.data_prefix = data_prefix
+        self.vocab_size = vocab_size
         self._cache_files = build_index_mappings(name, data_prefix, documents, sizes, num_samples,
                                                  seq_length, seed, data_cache_path)
         self._open()
@@ -195,6 +228,16 @@ class GPTDataset(torch.utils.data.Dataset):
         return self._len
 
     def __getitem__(self, idx: int) -> dict:
+        sample = self._sample(idx)
+        if self.vocab_size is not None and sample["text"].size and (
+                sample["text"].max() >= self.vocab_size or sample["text"].min() < 0):
+            bad = sample["text"][(sample["text"] >= self.vocab_size) | (sample["text"] < 0)][0]
+            raise DatasetError(f"{self.data_prefix}: {self.name} sample {idx} holds token id {bad}, "
+                               f"outside the vocabulary of size {self.vocab_size}; the dataset was "
+                               "made with another tokenizer (check --tokenizer-type / --vocab-file)")
+        return sample
+
+    def _sample(self, idx: int) -> dict:
         if not 0 <= idx < self._len:
             raise IndexError(f"{self.name} GPTDataset index {idx} out of range [0, {self._len})")
         i = int(self.shuffle_idx[idx])

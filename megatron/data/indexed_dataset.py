@@ -52,34 +52,86 @@ def data_file_path(prefix: str) -> str:
     return f"{prefix}.bin"
 
 
+class IndexedDatasetError(ValueError):
+    """A ``.idx``/``.bin`` pair that is not a consistent MMIDIDX dataset; the
+    message names the file and the offending entry, on one line."""
+
+
+_CHUNK = 1 << 22  # entries checked at a time, so huge indexes need no big temporaries
+
+
 class _Index:
-    """The parsed, memory-mapped ``.idx`` file."""
+    """The parsed, memory-mapped ``.idx`` file, checked for consistency entry by entry."""
 
     def __init__(self, path: str):
         self.path = path
         self._mmap = np.memmap(path, mode="r", order="C") if os.path.getsize(path) else b""
         buffer = memoryview(self._mmap)
-        if len(buffer) < _HEADER.size:
-            raise ValueError(f"{path}: truncated index ({len(buffer)} bytes, the header "
-                             f"alone is {_HEADER.size}); regenerate the dataset")
-        magic, version, code, count, doc_count = _HEADER.unpack_from(buffer, 0)
-        if magic != MAGIC:
-            raise ValueError(f"{path}: not an MMIDIDX index (magic {magic!r}, expected "
-                             f"{MAGIC!r}); only Megatron's mmap format is supported")
-        if version != VERSION:
-            raise ValueError(f"{path}: unknown MMIDIDX version {version} (only {VERSION} "
-                             "is supported)")
-        if code not in DTYPES:
-            raise ValueError(f"{path}: unknown dtype code {code} (valid: {sorted(DTYPES)})")
-        expected = _HEADER.size + 12 * count + 8 * doc_count
-        if len(buffer) < expected:
-            raise ValueError(f"{path}: truncated index ({len(buffer)} bytes, {count} sequences "
-                             f"and {doc_count} doc-index entries need {expected})")
-        self.dtype = DTYPES[code]
+        count, doc_count = self._read_header(buffer)
         offset = _HEADER.size
         self.sizes = np.frombuffer(buffer, np.int32, count, offset)
         self.pointers = np.frombuffer(buffer, np.int64, count, offset + 4 * count)
         self.doc_idx = np.frombuffer(buffer, np.int64, doc_count, offset + 12 * count)
+        self._check_sizes_and_pointers()
+        self._check_doc_idx()
+
+    def _fail(self, message: str):
+        raise IndexedDatasetError(f"{self.path}: {message}; regenerate the dataset "
+                                  "(tools/preprocess_data.py)")
+
+    def _read_header(self, buffer):
+        if len(buffer) < _HEADER.size:
+            self._fail(f"truncated index ({len(buffer)} bytes, the header alone is {_HEADER.size})")
+        magic, version, code, count, doc_count = _HEADER.unpack_from(buffer, 0)
+        if magic != MAGIC:
+            self._fail(f"not an MMIDIDX index (magic {magic!r}, expected {MAGIC!r}); only "
+                       "Megatron's mmap format is supported")
+        if version != VERSION:
+            self._fail(f"unknown MMIDIDX version {version} (only {VERSION} is supported)")
+        if code not in DTYPES:
+            self._fail(f"unknown dtype code {code} (valid: {sorted(DTYPES)})")
+        self.dtype = DTYPES[code]
+        expected = _HEADER.size + 12 * count + 8 * doc_count
+        if len(buffer) != expected:
+            state = "truncated index" if len(buffer) < expected else "index with trailing bytes"
+            self._fail(f"{state}: {len(buffer)} bytes, but its header's {count} sequences and "
+                       f"{doc_count} doc-index entries need exactly {expected}")
+        if doc_count < 1:
+            self._fail("the doc index is empty (it starts with 0)")
+        return count, doc_count
+
+    def _check_sizes_and_pointers(self):
+        """sizes >= 0, pointers[0] == 0 and pointers[i + 1] == pointers[i] + sizes[i] * itemsize."""
+        itemsize = np.dtype(self.dtype).itemsize
+        expected_next = 0
+        for start in range(0, len(self.sizes), _CHUNK):
+            sizes = self.sizes[start:start + _CHUNK].astype(np.int64)
+            pointers = self.pointers[start:start + _CHUNK]
+            bad = np.flatnonzero(sizes < 0)
+            if bad.size:
+                i = start + int(bad[0])
+                self._fail(f"sequence {i} has a negative size {int(self.sizes[i])}")
+            expected = expected_next + np.concatenate(([0], np.cumsum(sizes[:-1] * itemsize)))
+            bad = np.flatnonzero(pointers != expected)
+            if bad.size:
+                i = start + int(bad[0])
+                self._fail(f"sequence {i} points at byte {int(self.pointers[i])}, but the sizes "
+                           f"before it put it at byte {int(expected[bad[0]])}")
+            expected_next = int(expected[-1]) + int(sizes[-1]) * itemsize
+
+    def _check_doc_idx(self):
+        """doc_idx starts at 0, never decreases and stays within the sequence count."""
+        count = len(self.sizes)
+        if self.doc_idx[0] != 0:
+            self._fail(f"doc index entry 0 is {int(self.doc_idx[0])}, expected 0")
+        for start in range(0, len(self.doc_idx), _CHUNK):
+            part = self.doc_idx[max(0, start - 1):start + _CHUNK]
+            bad = np.flatnonzero((part[1:] < part[:-1]) | (part[1:] > count))
+            if bad.size:
+                i = max(0, start - 1) + int(bad[0]) + 1
+                self._fail(f"doc index entry {i} is {int(self.doc_idx[i])}, outside "
+                           f"[{int(self.doc_idx[i - 1])}, {count}] (entries never decrease and "
+                           "stay within the sequence count)")
 
     def data_bytes(self) -> int:
         """Bytes of ``.bin`` the index refers to."""
@@ -105,8 +157,8 @@ class MMapIndexedDataset:
     def _map_data(path: str, needed: int):
         size = os.path.getsize(path)
         if size < needed:
-            raise ValueError(f"{path}: data file is {size} bytes but its index refers to "
-                             f"{needed}; the .bin is truncated or belongs to another .idx")
+            raise IndexedDatasetError(f"{path}: data file is {size} bytes but its index refers to "
+                                      f"{needed}; the .bin is truncated or belongs to another .idx")
         return memoryview(np.memmap(path, mode="r", order="C")) if size else b""
 
     def __len__(self) -> int:

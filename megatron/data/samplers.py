@@ -8,6 +8,7 @@ of the chunk) continues exactly where an uninterrupted run would be.
 """
 from __future__ import annotations
 
+import signal
 from typing import Iterable, Iterator
 
 import torch
@@ -140,4 +141,12 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
         raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       worker_init_fn=_leave_sigterm_to_the_trainer)
+
+
+def _leave_sigterm_to_the_trainer(worker_id: int) -> None:
+    """Loader workers ignore SIGTERM. SLURM and torchrun send it to the whole process
+    group; it is the training process's to handle (--exit-signal-handler saves first),
+    and the workers still end with it (the loader shuts them down, or they see it gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

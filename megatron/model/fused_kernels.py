@@ -12,7 +12,9 @@ Cache: `$MEGATRON_FUSED_BUILD_DIR`, else `~/.cache/megatron_fused` (or
 hash of the sources, flags, compiler and torch/Python versions; a finished build
 leaves a `BUILD_OK` stamp, and later processes import the library directly
 (milliseconds, no ninja). One process builds while the others wait on a file
-lock in that folder, so torchrun ranks share one compilation.
+lock in that folder, so torchrun ranks share one compilation. The lock is
+released by the kernel when its holder dies; torch's own lock file, which a
+killed build leaves behind, is removed under it.
 
 Without a cached build, a module of the same name installed by setup.py (built
 from `fused_extension_sources()` with `fused_extension_cflags()`) is used as is.
@@ -160,6 +162,16 @@ def _compile(name: str, spec: dict, build_dir: Path, verbose: bool) -> ModuleTyp
         with_cuda=spec["cuda"], verbose=verbose, **kwargs)
 
 
+def _clear_stale_baton(build_dir: Path) -> None:
+    """torch's own build lock (`lock`, a file whose existence is the lock) outlives a
+    killed build, and the next build would wait for it forever. Our flock is held
+    here, so no other build is running: any such file is stale."""
+    baton = build_dir / "lock"
+    if baton.exists():
+        baton.unlink()
+        _warn(f"removed a stale build lock {baton} left by a killed build")
+
+
 def _load_or_build(name: str, spec: dict, verbose: bool) -> ModuleType:
     """Import the cached library of `name`, building it first if needed."""
     key = _build_key(name, spec)
@@ -175,6 +187,7 @@ def _load_or_build(name: str, spec: dict, verbose: bool) -> ModuleType:
     with _file_lock(build_dir / "build.lock"):
         if (build_dir / _STAMP).is_file() and library.is_file():
             return _import_library(name, library)  # another process built it meanwhile
+        _clear_stale_baton(build_dir)
         module = _compile(name, spec, build_dir, verbose)
         _write_stamp(build_dir, key)
         return module

@@ -79,19 +79,21 @@ def single_process_state() -> ParallelState:
     return ParallelState(dims=ParallelDims(world_size=1))
 
 
-def _my_group(groups, rank, backend):
+def _my_group(groups, rank, backend, timeout=None):
     """Create every group (all ranks must call new_group identically); keep ours."""
     mine, my_ranks = None, None
     for ranks in groups:
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             mine, my_ranks = group, ranks
     return mine, my_ranks
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int] = None,
-                              backend: Optional[str] = None) -> ParallelState:
-    """Build the TP, DP, PP, model-parallel and embedding groups of this rank."""
+                              backend: Optional[str] = None, timeout=None) -> ParallelState:
+    """Build the TP, DP, PP, model-parallel and embedding groups of this rank.
+
+    `timeout` (a timedelta) bounds every operation on them (torch's default otherwise)."""
     global _STATE
     if not dist.is_initialized():
         if tp * pp != 1:
@@ -102,11 +104,11 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
     rank = dist.get_rank()
     dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp)
     pp_rank, dp_rank, tp_rank = dims.coordinates(rank)
-    tp_group, _ = _my_group(dims.tensor_parallel_groups(), rank, backend)
-    dp_group, dp_ranks = _my_group(dims.data_parallel_groups(), rank, backend)
-    pp_group, pp_ranks = _my_group(dims.pipeline_parallel_groups(), rank, backend)
-    mp_group, _ = _my_group(dims.model_parallel_groups(), rank, backend)
-    emb_group, emb_ranks = _my_group(dims.embedding_groups(), rank, backend)
+    tp_group, _ = _my_group(dims.tensor_parallel_groups(), rank, backend, timeout)
+    dp_group, dp_ranks = _my_group(dims.data_parallel_groups(), rank, backend, timeout)
+    pp_group, pp_ranks = _my_group(dims.pipeline_parallel_groups(), rank, backend, timeout)
+    mp_group, _ = _my_group(dims.model_parallel_groups(), rank, backend, timeout)
+    emb_group, emb_ranks = _my_group(dims.embedding_groups(), rank, backend, timeout)
     _STATE = ParallelState(
         dims=dims, rank=rank, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,

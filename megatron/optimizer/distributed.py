@@ -13,6 +13,7 @@ Adam and SGD are element-wise, so the sharded update equals the unsharded one.
 The gradient norm and the fp16 overflow check are computed on the local shard
 and reduced over DP and the model-parallel group.
 """
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -123,6 +124,8 @@ class DistributedOptimizer(OptimizerBase):
             if found_inf:
                 return False, None, True
             norm = self._grad_norm(grads)
+            if not math.isfinite(norm):  # finite grads whose norm overflows: a nan iteration
+                return False, norm, True
             clip_grads(grads, norm, self.cfg.clip_grad)
             self.optimizer.step()
         finally:

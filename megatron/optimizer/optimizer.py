@@ -5,6 +5,7 @@ Model parameters may be fp16/bf16; the optimizer then updates fp32 copies
 data-parallel reducer, and copies the result back into the model. With fp32
 models the main params are the model params themselves.
 """
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -117,6 +118,8 @@ class MegatronOptimizer(OptimizerBase):
                 return False, None, True
             norm = global_grad_norm(self.main_params, grads, self.pstate.tp_group,
                                     self.pstate.mp_group)
+            if not math.isfinite(norm):  # finite grads whose norm overflows: a nan iteration
+                return False, norm, True
             clip_grads(grads, norm, self.cfg.clip_grad)
             self.optimizer.step()
         finally:

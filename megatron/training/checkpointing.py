@@ -31,14 +31,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.optimizer.distributed import merge_optimizer_shards
+from megatron.training import checkpoint_io
+from megatron.training.checkpoint_io import CheckpointError  # noqa: F401 (re-exported)
 from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says why and what to do."""
 
 
 def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
@@ -65,19 +63,11 @@ def _shard_files(directory: str, from_rank: int = 0) -> list:
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    checkpoint_io.write_text(path, text)
 
 
 def _atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    checkpoint_io.save_file(obj, path)
 
 
 # -- model state in Megatron's nested layout -----------------------------------
@@ -177,6 +167,10 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
     if not ckpt.no_save_rng:
         state["rng_state"] = rng_state()
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
+    if pstate.rank == 0:
+        checkpoint_io.remove_stale_temp_files(root)
+    if dist.is_initialized():
+        dist.barrier()
     if pstate.dp_rank == 0:
         _atomic_save(state, path)
         if sharded:  # shards of a larger DP size saved here before would confuse loading
@@ -195,16 +189,20 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
 
 def read_tracker(root: str):
     """(iteration, release) from the tracker file, or None when there is no checkpoint."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--load {root} is a file; pass the checkpoint directory (the one "
+                              f"holding {TRACKER})")
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as f:
+        text = f.read(64).decode("utf-8", "replace").strip()
     if text == "release":
         return 0, True
-    try:
-        return int(text), False
-    except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or remove it")
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {text[:32]!r}, not an iteration number (>= 0); "
+                              f"fix or remove it")
+    return int(text), False
 
 
 def _layout_hint(root: str, iteration: int, release: bool) -> str:
@@ -215,7 +213,7 @@ def _layout_hint(root: str, iteration: int, release: bool) -> str:
             f"--pipeline-model-parallel-size, or re-shard it with tools/merge_mp_partitions.py")
 
 
-def load_checkpoint_file(root: str, pstate) -> Optional[dict]:
+def load_checkpoint_file(root: str, pstate, verify: bool = True) -> Optional[dict]:
     tracked = read_tracker(root)
     if tracked is None:
         return None
@@ -223,7 +221,9 @@ def load_checkpoint_file(root: str, pstate) -> Optional[dict]:
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, release)
     if not os.path.isfile(path):
         raise CheckpointError(f"missing {path}: {_layout_hint(root, iteration, release)}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = checkpoint_io.load_file(path, verify)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
     state["_release"] = release
     return state
 
@@ -234,13 +234,18 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     Returns (iteration, consumed_train_samples, consumed_valid_samples); zeros when
     there is no checkpoint, or with --finetune (weights only, counters reset).
     """
-    state = load_checkpoint_file(root, pstate)
+    state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
     if state is None:
         print(f" no checkpoint found at {root}; starting from scratch", flush=True)
         return 0, 0, 0
     check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
-        model.load_state_dict(from_megatron_layout(state[_model_key(i, len(models))]), strict=True)
+        try:
+            model.load_state_dict(from_megatron_layout(state[_model_key(i, len(models))]), strict=True)
+        except (KeyError, RuntimeError, AttributeError, TypeError) as err:
+            first = (str(err).strip().splitlines() or [repr(err)])[0]
+            raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
+                                  f"({first}); check the model flags") from None
     if optimizer is not None:
         optimizer.reload_model_params()  # fp32 main copies follow; a saved state overrides them
     ckpt = config.checkpoint
@@ -290,7 +295,7 @@ def _load_shard(root: str, iteration: int, pstate) -> dict:
     """This DP rank's distributed-optimizer shard (saved with this run's DP size)."""
     path = distributed_optimizer_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
                                       pstate.pp_size, pstate.dp_rank)
-    shard = torch.load(path, map_location="cpu", weights_only=True)
+    shard = checkpoint_io.load_file(path)
     if shard.get("dp_size") != pstate.dp_size:
         raise CheckpointError(f"{path} was saved with {shard.get('dp_size')} data-parallel ranks, "
                               f"this run has {pstate.dp_size}; its shard files are inconsistent")
@@ -315,7 +320,7 @@ def consolidate_distributed_optimizer(root: str, tp_rank: int = 0, pp_rank: int 
     if not files:
         raise CheckpointError(f"no distributed-optimizer shards (distrib_optim_dp_*.pt) in "
                               f"{directory}; was it saved with --use-distributed-optimizer?")
-    shards = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    shards = [checkpoint_io.load_file(f) for f in files]
     sizes = {s["dp_size"] for s in shards}
     ranks = sorted(s["dp_rank"] for s in shards)
     if sizes != {len(shards)} or ranks != list(range(len(shards))):

@@ -31,11 +31,12 @@ def initialize_distributed(config):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(backend=backend, timeout=timeout)
     pstate = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,
-                                       config.virtual_pipeline_size)
+                                       config.virtual_pipeline_size, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     set_seeds(config.training.seed, pstate)
     return pstate, device

@@ -16,6 +16,7 @@ from megatron.arguments import config_from_namespace, fail, world_size_from_env
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.training.checkpoint_io import load_file
 from megatron.training.checkpointing import (TRACKER, CheckpointError, check_layout,
                                              from_megatron_layout, load_checkpoint_file,
                                              read_tracker)
@@ -47,8 +48,9 @@ def checkpoint_file(root: str) -> str:
 
 def read_stored_config(root: str) -> Dict[str, Any]:
     """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
-    state = torch.load(checkpoint_file(root), map_location="cpu", weights_only=True, mmap=True)
-    config = state.get("config") or {}
+    # verified at the full load; here only the stored config is read
+    state = load_file(checkpoint_file(root), verify=False, mmap=True)
+    config = state.get("config") if isinstance(state, dict) else None
     return config if isinstance(config, dict) else {}
 
 
@@ -111,12 +113,33 @@ def _default_global_batch(ns) -> None:
     setattr(ns, "training.global_batch_size", getattr(ns, "training.micro_batch_size") * dp * pp)
 
 
+MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond this is assumed
+MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                        "max_position_embeddings")
+
+
+def check_model_matches(config, stored: Dict[str, Any]) -> None:
+    """The model and tokenizer the flags describe are the checkpoint's (exit 2 naming both)."""
+    model, data = stored.get("model") or {}, stored.get("data") or {}
+    root = config.checkpoint.load
+    for name in MATCHED_MODEL_FIELDS:
+        saved, given = model.get(name), getattr(config.model, name)
+        if saved is not None and saved != given:
+            fail(f"--{name.replace('_', '-')} {given} does not match the checkpoint in {root}, "
+                 f"which was saved with {saved}; use the checkpoint's model flags")
+    saved, given = data.get("tokenizer_type"), config.data.tokenizer_type
+    if saved is not None and given is not None and saved != given:
+        fail(f"--tokenizer-type {given} does not match the checkpoint in {root}, which was "
+             f"trained with {saved}; use the tokenizer the model was trained with")
+
+
 def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
     """Tokenizer from the (merged) flags; sets config.model.padded_vocab_size.
 
     The checkpoint's padded size wins when it is stored: the embedding has that
     many rows. It must cover the tokenizer and divide by the TP size.
     """
+    check_model_matches(config, stored)
     d, tp = config.data, config.parallel.tensor_model_parallel_size
     if d.tokenizer_type is None:
         fail("--tokenizer-type is required (the checkpoint stores none), e.g. GPT2BPETokenizer "
@@ -131,6 +154,11 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
         if saved < tokenizer.vocab_size:
             fail(f"the checkpoint's vocabulary has {saved} rows but the tokenizer has "
                  f"{tokenizer.vocab_size} ids; use the tokenizer the model was trained with")
+        unit = stored["model"].get("make_vocab_size_divisible_by") or config.model.make_vocab_size_divisible_by
+        if saved - tokenizer.vocab_size >= unit * MAX_PADDING_TP:
+            fail(f"the checkpoint's vocabulary has {saved} rows, far more than the tokenizer's "
+                 f"{tokenizer.vocab_size} ids (padding adds fewer than --make-vocab-size-divisible-by "
+                 f"{unit} x TP); use the tokenizer the model was trained with")
         if saved % tp:
             fail(f"the checkpoint's padded vocabulary ({saved}) is not divisible by "
                  f"--tensor-model-parallel-size {tp}")
@@ -154,7 +182,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True
 
     models = build_model_chunks(config, pstate, device, provider)
     root = config.checkpoint.load
-    state = load_checkpoint_file(root, pstate)
+    state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
     if state is None:
         raise CheckpointError(f"no checkpoint at {root}")
     check_layout(state, pstate, len(models), root)

@@ -23,11 +23,15 @@ class Timers:
         self.log_level = log_level
         self.elapsed = defaultdict(float)
         self._start: Dict[str, float] = {}
+        self.current: Optional[str] = None
+        """The phase started last (at any level; kept after it stops, also when it
+        stops by an exception): what a timeout message names."""
 
     def enabled(self, name: str) -> bool:
         return self.LEVELS.get(name, self.MAX_LEVEL) <= self.log_level
 
     def start(self, name: str) -> None:
+        self.current = name
         if self.enabled(name):
             _sync()
             self._start[name] = time.perf_counter()

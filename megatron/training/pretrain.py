@@ -4,8 +4,10 @@ import time
 from typing import Callable, Optional
 
 
+from megatron.training.checkpoint_io import check_writable
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
+from megatron.training.run_guard import RunGuard
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
                                        print_rank_0, print_rank_last, total_iterations)
 
@@ -18,8 +20,15 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     data_provider(consumed_train, consumed_valid) -> (train_iter, valid_iter, test_iter)
     forward_step(data_iterator, model) -> (output, loss_func)
     """
+    if config.checkpoint.save:
+        check_writable(config.checkpoint.save)
+    elif config.training.exit_interval:
+        print_rank_0(f" WARNING: --exit-interval {config.training.exit_interval} without --save: "
+                     f"the run stops there and nothing is saved")
+    guard = RunGuard(config, pstate, device)
     models = build_model_chunks(config, pstate, device, model_provider)
-    trainer = Trainer(config, pstate, device, models, forward_step)
+    trainer = Trainer(config, pstate, device, models, guard.hangs.counting(forward_step))
+    guard.attach(trainer)
     state = trainer.state
     if config.checkpoint.load:
         state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
@@ -32,7 +41,13 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
     valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
-    _train_loop(trainer, train_iters, valid_iters)
+    guard.stops.listen()
+    try:
+        if _train_loop(trainer, train_iters, valid_iters, guard):
+            trainer.tensorboard.close()
+            return state
+    finally:
+        guard.close()
     if valid_iters is not None and config.training.eval_iters > 0:
         _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
     if test_iter is not None and config.training.eval_iters > 0:
@@ -49,7 +64,8 @@ def _save(trainer: Trainer) -> None:
     print_rank_0(f" saved checkpoint at iteration {state.iteration:7d} to {cfg.checkpoint.save}")
 
 
-def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
+def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard) -> bool:
+    """Train to the last iteration; True when stopped early on request (after saving)."""
     cfg, state = trainer.config, trainer.state
     total = total_iterations(cfg)
     log = _LogWindow()
@@ -57,7 +73,8 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
     while state.iteration < total:
         trainer.microbatches.update(state.consumed_train)
         start = time.perf_counter()
-        losses, grad_norm, skipped, nan = trainer.train_step(train_iters)
+        with guard.hangs.watch(state.iteration + 1):
+            losses, grad_norm, skipped, nan = trainer.train_step(train_iters)
         state.iteration += 1
         state.consumed_train += trainer.microbatches.global_batch_size
         if losses:
@@ -65,6 +82,11 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
         log.add(losses, time.perf_counter() - start, skipped, nan)
         if state.iteration % cfg.logging.log_interval == 0:
             _log(trainer, log, grad_norm, total)
+        if guard.should_stop(state.iteration, losses, grad_norm, nan):
+            if cfg.checkpoint.save:
+                _save(trainer)
+            print_rank_0(f" exiting program at iteration {state.iteration}: {guard.reason}")
+            return True
         saving = cfg.checkpoint.save and cfg.checkpoint.save_interval
         if saving and state.iteration % cfg.checkpoint.save_interval == 0:
             _save(trainer)
@@ -75,10 +97,11 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
             if cfg.checkpoint.save and not (saving and state.iteration % cfg.checkpoint.save_interval == 0):
                 _save(trainer)
             print_rank_0(f" exiting program at iteration {state.iteration}")
-            return
+            return False
     if cfg.checkpoint.save and state.iteration > 0 and not (
             cfg.checkpoint.save_interval and state.iteration % cfg.checkpoint.save_interval == 0):
         _save(trainer)
+    return False
 
 
 class _LogWindow:

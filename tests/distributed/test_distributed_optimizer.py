@@ -238,8 +238,8 @@ def _check_fp16(dist, plain):
 
 def _check_checkpoint_files(ckpt):
     rank_dir = os.path.join(ckpt, "iter_0000005", "mp_rank_00")
-    assert sorted(os.listdir(rank_dir)) == ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt",
-                                            "model_optim_rng.pt"]
+    files = ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt", "model_optim_rng.pt"]
+    assert sorted(os.listdir(rank_dir)) == sorted(files + [f + ".sha256" for f in files])
     state = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), weights_only=True)
     assert state["distributed_optimizer"] is True and "optimizer" not in state
     assert state["opt_param_scheduler"]["num_steps"] == 5 * 8

@@ -1,0 +1,189 @@
+"""Checkpoint files that are what they claim: durable, checksummed, never half-written.
+
+Every file is written under ``<name>.tmp.<pid>``, fsynced, renamed, and its
+directory fsynced, so after a crash or power loss a name holds either the old
+or the new complete file. Each file gets a ``<name>.sha256`` sidecar in
+``sha256sum`` format (``sha256sum -c`` checks it; Megatron-LM ignores it), which
+is verified at load when present. A full disk (ENOSPC) becomes one CheckpointError
+naming the directory and the bytes needed; the partial file is removed. Temporary
+files left by killed saves are removed at the next save.
+"""
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+
+import torch
+
+CHECKSUM_SUFFIX = ".sha256"
+_TEMP_FILE = re.compile(r"\.tmp\.\d+$")
+_READ_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used or written; the message says why and what to do."""
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what passes through and keeps the first OSError
+    (torch.save replaces it with a generic RuntimeError)."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.error = file, hashlib.sha256(), None
+
+    def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+        self.sha256.update(data)
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class _CountingSink:
+    """Counts the bytes torch.save would write."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        self.bytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _no_space(directory: str, needed: int) -> CheckpointError:
+    free = shutil.disk_usage(directory).free
+    return CheckpointError(f"no space left on device in {directory}: the checkpoint file needs "
+                           f"{needed} bytes and {free} are free; the partial file was removed and "
+                           f"the previous checkpoint stays the one to resume from")
+
+
+def _write_durably(path: str, write) -> str:
+    """Run write(file) on ``path.tmp.<pid>``, fsync, rename to ``path``, fsync the directory.
+
+    Returns the sha256 of the bytes written; `write` returns how many bytes it needed
+    when it ran out of space (for the message)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            try:
+                write(writer)
+                f.flush()
+                os.fsync(f.fileno())
+            except Exception as err:
+                full = writer.error if writer.error is not None else err
+                if isinstance(full, OSError) and full.errno == errno.ENOSPC:
+                    raise _no_space(directory, _bytes_needed(write)) from None
+                raise
+    except BaseException:
+        _remove(tmp)
+        raise
+    _remove(path + CHECKSUM_SUFFIX)  # a stale sidecar must never describe the new file
+    os.replace(tmp, path)
+    fsync_dir(directory)
+    return writer.sha256.hexdigest()
+
+
+def _bytes_needed(write) -> int:
+    sink = _CountingSink()
+    write(sink)
+    return sink.bytes
+
+
+def save_file(obj, path: str) -> None:
+    """torch.save `obj` to `path` durably, with its checksum sidecar."""
+    digest = _write_durably(path, lambda f: torch.save(obj, f))
+    line = f"{digest}  {os.path.basename(path)}\n".encode()
+    _write_durably(path + CHECKSUM_SUFFIX, lambda f: f.write(line))
+
+
+def write_text(path: str, text: str) -> None:
+    """Replace the small text file `path` (the tracker) durably."""
+    _write_durably(path, lambda f: f.write(text.encode()))
+
+
+def remove_stale_temp_files(root: str) -> int:
+    """Delete ``*.tmp.<pid>`` files under `root` left by killed saves; returns how many.
+    Call it while no save is in progress (before the save's first barrier)."""
+    removed = 0
+    for directory, _, names in os.walk(root):
+        for name in names:
+            if _TEMP_FILE.search(name):
+                _remove(os.path.join(directory, name))
+                removed += 1
+    return removed
+
+
+def check_writable(directory: str, flag: str = "--save") -> None:
+    """Fail early (not at the first save) when `directory` cannot be written."""
+    probe = os.path.join(directory, f".write_probe.tmp.{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        raise CheckpointError(f"{flag} {directory} is not writable: {err.strerror or err}") from None
+
+
+def verify_checksum(path: str) -> None:
+    """Compare `path` with its sidecar (a file without one, e.g. from Megatron-LM, passes)."""
+    sidecar = path + CHECKSUM_SUFFIX
+    if not os.path.isfile(sidecar):
+        return
+    with open(sidecar, "rb") as f:
+        expected = f.read().split(b" ", 1)[0].decode("ascii", "replace").strip()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_READ_CHUNK), b""):
+            digest.update(block)
+    if digest.hexdigest() != expected:
+        raise CheckpointError(f"{path} does not match its checksum in {sidecar}: the file is "
+                              f"corrupt; restore it or load an earlier iteration "
+                              f"(--no-verify-checkpoint loads it anyway)")
+
+
+def load_file(path: str, verify: bool = True, mmap: bool = False):
+    """torch.load(weights_only=True) of a checkpoint file; any problem is a one-line CheckpointError."""
+    if os.path.isdir(path) or not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+    if verify:
+        verify_checksum(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # truncated zip, hostile pickle, garbage: all unusable
+        if not verify:
+            verify_checksum(path)  # a corrupted file says so, rather than how torch failed
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first}); it is "
+                              f"truncated, corrupt or not a torch checkpoint") from None

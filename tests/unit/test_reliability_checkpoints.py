@@ -1,0 +1,271 @@
+"""Checkpoints that are what they claim: durable, checksummed, every --load problem one line."""
+import errno
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.training import checkpoint_io
+from megatron.training.checkpoint_io import CheckpointError
+from tests.gpt_setup import one_thread
+from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+ITER = "iter_0000002"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny 2-iteration checkpoint (and its data) to copy and corrupt."""
+    out = tmp_path_factory.mktemp("ckpt")
+    prefix = byte_dataset(out)
+    pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--save", str(out / "ckpt"), iters=2))
+    return out, prefix
+
+
+def model_file(root):
+    return os.path.join(str(root), ITER, "mp_rank_00", "model_optim_rng.pt")
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def corrupt_tracker(text):
+    def apply(root):
+        (root / "latest_checkpointed_iteration.txt").write_text(text)
+    return apply
+
+
+def truncate(root):
+    """Half the file, and no checksum sidecar (as in a Megatron-LM checkpoint)."""
+    path = model_file(root)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+    os.remove(path + ".sha256")
+
+
+def flip_bytes(root):
+    path = model_file(root)
+    data = bytearray(open(path, "rb").read())
+    for i in random.Random(1).sample(range(len(data) // 2, len(data) - 100), 64):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def hostile(root):
+    evil = Evil()
+    evil.marker = str(root / "pwned")
+    torch.save({"model": evil, "iteration": 2}, model_file(root))
+    os.remove(model_file(root) + ".sha256")
+
+
+LOAD_CASES = [
+    ("garbage tracker", corrupt_tracker("hello"), [], "not an iteration number"),
+    ("empty tracker", corrupt_tracker(""), [], "not an iteration number"),
+    ("negative tracker", corrupt_tracker("-5"), [], "not an iteration number"),
+    ("tracker beyond any save", corrupt_tracker("7"), [], "incomplete"),
+    ("missing rank dir", lambda r: shutil.rmtree(os.path.dirname(model_file(r))), [], "incomplete"),
+    ("truncated file", truncate, [], "cannot be loaded"),
+    ("empty file", lambda r: open(model_file(r), "wb").close(), ["--no-verify-checkpoint"],
+     "does not match its checksum"),
+    ("flipped bytes", flip_bytes, [], "does not match its checksum"),
+    ("hostile pickle", hostile, [], "cannot be loaded"),
+    ("hidden size", None, ["--hidden-size", "64"], "--hidden-size 64 does not match"),
+    ("heads", None, ["--num-attention-heads", "2"], "--num-attention-heads 2 does not match"),
+    ("layers", None, ["--num-layers", "4"], "--num-layers 4 does not match"),
+    ("tokenizer", None, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
+     "--tokenizer-type NullTokenizer does not match"),
+    ("layout", None, ["--finetune", "--no-verify-checkpoint"], None),
+]
+
+
+@pytest.mark.parametrize("name, damage, flags, words", LOAD_CASES, ids=[c[0] for c in LOAD_CASES])
+def test_every_load_problem_is_one_line_exit_2(saved, tmp_path, capsys, name, damage, flags, words):
+    out, prefix = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt", root)
+    if damage is not None:
+        damage(root)
+    argv = tiny_argv(prefix, out / "cache", "--load", str(root), *flags, iters=3)
+    if words is None:  # control: an undamaged checkpoint loads
+        assert [h["iteration"] for h in pretrain_gpt.main(argv).history] == [1, 2, 3]
+        return
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert words in err, err
+    assert not (root / "pwned").exists()
+
+
+def test_load_that_is_a_file_and_unwritable_save(saved, tmp_path, capsys):
+    out, prefix = saved
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    for flags, words in ((["--load", str(afile)], "is a file"),
+                         (["--save", str(afile / "sub")], "is not writable")):
+        with pytest.raises(SystemExit) as exc:
+            pretrain_gpt.main(tiny_argv(prefix, out / "cache", *flags, iters=1))
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and words in err, err
+
+
+def test_flipped_byte_loads_with_no_verify_but_is_caught_by_default(tmp_path):
+    path = str(tmp_path / "f.pt")
+    checkpoint_io.save_file({"w": torch.arange(1000, dtype=torch.float32)}, path)
+    assert open(path + ".sha256").read().split() == [
+        subprocess.run(["sha256sum", path], capture_output=True, text=True).stdout.split()[0], "f.pt"]
+    data = bytearray(open(path, "rb").read())
+    data[-3000] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        checkpoint_io.load_file(path)
+    assert not torch.equal(checkpoint_io.load_file(path, verify=False)["w"], torch.arange(1000.0))
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC after `room` bytes."""
+
+    def __init__(self, file, room):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def _check_full_disk(directory):
+    path = os.path.join(directory, "model_optim_rng.pt")
+    checkpoint_io.save_file({"w": torch.zeros(100)}, path)
+    before = open(path, "rb").read()
+    with pytest.raises(CheckpointError) as err:
+        checkpoint_io.save_file({"w": torch.zeros(200_000)}, path)
+    message = str(err.value)
+    assert "\n" not in message and directory in message and "needs 80" in message, message
+    assert open(path, "rb").read() == before
+    checkpoint_io.verify_checksum(path)
+    assert not [n for n in os.listdir(directory) if ".tmp." in n]
+
+
+def test_full_disk_simulated(tmp_path, monkeypatch):
+    real_open = open
+    monkeypatch.setattr(checkpoint_io, "open", lambda p, m="r": _FullDisk(real_open(p, m), 50_000),
+                        raising=False)
+    _check_full_disk(str(tmp_path))
+
+
+def test_full_disk_on_a_small_tmpfs(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (the simulated ENOSPC test covers it)")
+    try:
+        _check_full_disk(str(mount))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def _save_forever(root, iteration, trainer, config, pstate):
+    from megatron.training.checkpointing import save_checkpoint
+    torch.set_num_threads(1)
+    while True:
+        save_checkpoint(root, iteration, trainer.models, trainer.optimizer, trainer.scheduler,
+                        config, pstate, 4 * iteration, 0)
+        iteration += 1
+
+
+def test_kill_during_save(tmp_path):
+    """12 SIGKILLs at random moments of a process that saves again and again: the tracker
+    always names a complete, checksum-valid checkpoint, and stale temp files are removed."""
+    from megatron.arguments import parse_args
+    from megatron.mpu import single_process_state
+    from megatron.training.checkpointing import load_checkpoint_file, read_tracker
+    from megatron.training.trainer import Trainer, build_model_chunks
+
+    config, _ = parse_args(tiny_argv("x", tmp_path, layers=2, hidden=64), world_size=1)
+    config.model.padded_vocab_size = 4096
+    pstate = single_process_state()
+    trainer = Trainer(config, pstate, "cpu", build_model_chunks(
+        config, pstate, "cpu", lambda **kw: pretrain_gpt.model_provider(config, None, **kw)), None)
+    root, rng, inside, last = str(tmp_path / "ckpt"), random.Random(5), 0, 0
+    for _ in range(12):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _save_forever(root, last + 1, trainer, config, pstate)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        inside += any(".tmp." in n for _, _, names in os.walk(root) for n in names)
+        tracked = read_tracker(root)
+        if tracked is None:
+            continue
+        state = load_checkpoint_file(root, pstate)  # verifies the checksum
+        assert state["iteration"] == tracked[0] >= last
+        last = tracked[0]
+    assert last > 0 and inside >= 3, (last, inside)
+    from megatron.training.checkpointing import save_checkpoint
+    save_checkpoint(root, last + 1, trainer.models, trainer.optimizer, trainer.scheduler, config,
+                    pstate, 0, 0)
+    assert not [n for _, _, names in os.walk(root) for n in names if ".tmp." in n]
+
+
+def test_merge_mp_partitions_checks_every_shape(saved, tmp_path, capsys):
+    from tools import merge_mp_partitions
+    out, _ = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt", root)
+    assert merge_mp_partitions.main(["--load", str(root), "--save", str(tmp_path / "good")]) == 0
+    checkpoint_io.verify_checksum(model_file(tmp_path / "good"))
+    state = torch.load(model_file(root), weights_only=True)
+    encoder = state["model"]["language_model"]["encoder"]
+    encoder["layers.1.mlp.dense_h_to_4h.weight"] = encoder["layers.1.mlp.dense_h_to_4h.weight"][:100]
+    checkpoint_io.save_file(state, model_file(root))
+    capsys.readouterr()
+    assert merge_mp_partitions.main(["--load", str(root), "--save", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "layers.1.mlp.dense_h_to_4h.weight: the merged checkpoint " \
+        "has shape (100, 32)" in err and "needs (128, 32)" in err, err
+
+
+def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
+    """A GPT-2-sized checkpoint with a byte-level tokenizer (same tokenizer type stored)."""
+    from megatron.arguments import parse_args
+    from megatron.training.loading import build_tokenizer_and_vocab
+    config, _ = parse_args(tiny_argv("x", "c"), world_size=1)
+    stored = {"model": {"padded_vocab_size": 50304, "make_vocab_size_divisible_by": 128},
+              "data": {"tokenizer_type": "ByteLevelTokenizer"}}
+    with pytest.raises(SystemExit) as exc:
+        build_tokenizer_and_vocab(config, stored)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "has 50304 rows, far more than the tokenizer's 257 ids" in err, err
+    stored["model"]["padded_vocab_size"] = 1024  # padded for TP 8: accepted
+    build_tokenizer_and_vocab(config, stored)
+    assert config.model.padded_vocab_size == 1024

@@ -1,0 +1,200 @@
+"""Data is checked before it is trusted: corrupted .idx/.bin pairs, empty splits,
+token ids beyond the vocabulary and malformed JSON lines each end in one named line."""
+import json
+import random
+import struct
+
+import numpy as np
+import pytest
+
+from megatron.data import gpt_dataset as gd
+from megatron.data.indexed_dataset import (DTYPES, MAGIC, IndexedDatasetError, MMapIndexedDataset,
+                                           MMapIndexedDatasetBuilder)
+from tools import preprocess_data
+
+HEADER = struct.Struct("<9sQBQQ")
+
+
+def build(prefix, docs, dtype=np.uint16):
+    builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", dtype)
+    for doc in docs:
+        for seq in doc:
+            builder.add_item(np.asarray(seq, dtype=dtype))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+def reference_read(idx: bytes, bin_: bytes):
+    """An independent, plain-Python reader: the sequences when the pair is fully
+    consistent, else None."""
+    if len(idx) < HEADER.size:
+        return None
+    magic, version, code, n, m = HEADER.unpack_from(idx, 0)
+    if magic != MAGIC or version != 1 or code not in DTYPES or m < 1:
+        return None
+    if len(idx) != HEADER.size + 12 * n + 8 * m:
+        return None
+    sizes = struct.unpack_from(f"<{n}i", idx, HEADER.size)
+    pointers = struct.unpack_from(f"<{n}q", idx, HEADER.size + 4 * n)
+    doc_idx = struct.unpack_from(f"<{m}q", idx, HEADER.size + 12 * n)
+    itemsize = np.dtype(DTYPES[code]).itemsize
+    position = 0
+    for size, pointer in zip(sizes, pointers):
+        if size < 0 or pointer != position:
+            return None
+        position += size * itemsize
+    if position > len(bin_) or doc_idx[0] != 0:
+        return None
+    if any(b < a or b > n for a, b in zip(doc_idx, doc_idx[1:])):
+        return None
+    return [np.frombuffer(bin_, DTYPES[code], s, p).tolist() for s, p in zip(sizes, pointers)]
+
+
+def mutate(rng, idx: bytearray, bin_: bytearray):
+    kind = rng.randrange(7)
+    if kind == 0:  # flip random bytes anywhere in the index
+        for _ in range(rng.randint(1, 4)):
+            idx[rng.randrange(len(idx))] ^= 1 << rng.randrange(8)
+    elif kind == 1:  # truncate or extend the index
+        idx = idx[:rng.randrange(len(idx))] if rng.random() < 0.7 else idx + bytes(rng.randint(1, 16))
+    elif kind == 2:  # truncate or extend the data
+        bin_ = bin_[:rng.randrange(len(bin_) + 1)] if rng.random() < 0.7 else bin_ + bytes(4)
+    elif kind == 3:  # a header field set to a random value
+        field = rng.choice([(9, "<Q"), (17, "<B"), (18, "<Q"), (26, "<Q")])
+        value = rng.choice([0, 1, 2, 3, 9, 255, 2 ** 31, 2 ** 63 - 1, rng.randrange(64)])
+        struct.pack_into(field[1], idx, field[0], value % (256 if field[1] == "<B" else 2 ** 64))
+    else:  # one size, pointer or doc-index entry set to a random value
+        n, m = struct.unpack_from("<QQ", idx, 18)
+        table = kind - 4
+        offset, fmt, count = [(34, "<i", n), (34 + 4 * n, "<q", n), (34 + 12 * n, "<q", m)][table]
+        entry = rng.randrange(count)
+        low, high = (-2 ** 31, 2 ** 31 - 1) if fmt == "<i" else (-2 ** 63, 2 ** 63 - 1)
+        value = rng.choice([-1, 0, 1, 7, low, high, rng.randint(-100, 100)])
+        struct.pack_into(fmt, idx, offset + struct.calcsize(fmt) * entry, value)
+    return idx, bin_
+
+
+def test_fuzzed_index_and_data_pairs(tmp_path):
+    """1200 seeded corruptions: each is a one-line IndexedDatasetError naming the
+    file, or (only when the pair is still fully consistent) reads what a reference
+    reader reads."""
+    rng = random.Random(13)
+    base = tmp_path / "base"
+    docs = [[[1, 2, 3], [4]], [[5, 6]], [[7, 8, 9, 10]], [[11]]]
+    originals = []
+    for dtype in (np.uint16, np.int32, np.int64, np.uint8):
+        build(base, docs, dtype)
+        originals.append(((tmp_path / "base.idx").read_bytes(), (tmp_path / "base.bin").read_bytes()))
+    errors = reads = 0
+    for case in range(1200):
+        idx, bin_ = (bytearray(b) for b in originals[case % 4])
+        idx, bin_ = mutate(rng, idx, bin_)
+        prefix = tmp_path / f"c{case}"
+        (tmp_path / f"c{case}.idx").write_bytes(idx)
+        (tmp_path / f"c{case}.bin").write_bytes(bin_)
+        expected = reference_read(bytes(idx), bytes(bin_))
+        try:
+            ds = MMapIndexedDataset(str(prefix))
+            got = [ds[i].tolist() for i in range(len(ds))]
+        except IndexedDatasetError as err:
+            message = str(err)
+            assert "\n" not in message and f"c{case}." in message, message
+            assert expected is None, (case, message)
+            errors += 1
+            continue
+        assert expected is not None and got == expected, case
+        reads += 1
+    assert errors >= 900 and reads >= 50, (errors, reads)
+
+
+def test_index_error_names_the_entry(tmp_path):
+    build(tmp_path / "d", [[[1, 2, 3]], [[4, 5]]])
+    idx = bytearray((tmp_path / "d.idx").read_bytes())
+    struct.pack_into("<q", idx, 34 + 4 * 2 + 8, 3)  # pointer of sequence 1
+    (tmp_path / "d.idx").write_bytes(idx)
+    with pytest.raises(IndexedDatasetError, match=r"d\.idx: sequence 1 points at byte 3, but the sizes"):
+        MMapIndexedDataset(str(tmp_path / "d"))
+
+
+def test_empty_split_is_refused_naming_split(tmp_path):
+    build(tmp_path / "d", [[[1, 2, 3, 4, 5]]] * 3)
+    train, valid, _ = gd.build_train_valid_test_datasets([str(tmp_path / "d")], "100,1,0", (4, 4, 0), 4, 1)
+    assert train is not None and valid is None  # an empty valid split is skipped, as in Megatron
+    with pytest.raises(gd.DatasetError,
+                       match=r"--split 0,1,0 leaves the train split .* without documents .* needs 4 samples"):
+        gd.build_train_valid_test_datasets([str(tmp_path / "d")], "0,1,0", (4, 4, 0), 4, 1)
+    train, valid, test = gd.build_train_valid_test_datasets([str(tmp_path / "d")], "1,0,0", (4, 4, 4), 4, 1)
+    assert train is not None and valid is None and test is None
+
+
+def test_token_beyond_the_vocabulary_names_dataset_and_size(tmp_path):
+    build(tmp_path / "d", [[[1, 2, 3, 4, 5]], [[6, 700, 8, 9]], [[1, 2, 3]]])
+    train, _, _ = gd.build_train_valid_test_datasets([str(tmp_path / "d")], "1", (3, 0, 0), 3, 1,
+                                                     vocab_size=512)
+    with pytest.raises(gd.DatasetError, match=r"d: train sample \d holds token id 700, outside the "
+                                              r"vocabulary of size 512"):
+        [train[i] for i in range(len(train))]
+
+
+def test_dataloader_worker_error_stays_one_line():
+    wrapped = ("Caught DatasetError in DataLoader worker process 0.\nOriginal Traceback (most recent "
+               "call last):\n  File \"x.py\", line 1\nmegatron.data.gpt_dataset.DatasetError: d: bad token")
+    assert str(gd.DatasetError(wrapped)) == "d: bad token"
+
+
+def malformed_lines(rng):
+    """1100 malformed or odd JSON lines from seeded mutations and known pathologies."""
+    fixed = [b"[" * 100000, b'{"text": ' + b"[" * 50000 + b"]" * 50000 + b"}", b"{" * 3000,
+             b'{"text": ' + b"1" * 5000 + b"}", b'{"text": "\xff\xfe"}', b'{"text": "\\ud800"}',
+             b'{"text": NaN}', b'"just a string"', b"null", b"[1, 2]", b'{"other": "x"}',
+             b'{"text": null}', b'{"text": "ok"', b"\x00\x01", b'{"text": "a\\u00"}']
+    good = [json.dumps({"text": t}).encode() for t in ("hello world", "caf\u00e9", "x" * 50, "")]
+    lines = list(fixed)
+    while len(lines) < 1100:
+        line = bytearray(rng.choice(good))
+        for _ in range(rng.randint(1, 3)):
+            op, pos = rng.randrange(3), rng.randrange(len(line) + 1)
+            if op == 0 and line:
+                del line[min(pos, len(line) - 1)]
+            elif op == 1:
+                line[pos:pos] = bytes([rng.choice(b'{}[]",:\\\xff\x80 \tu0')])
+            else:
+                line[pos:pos] = rng.choice([b"[" * 4000, b'{"a":' * 2000, b"\\ud83d", b"1e999"])
+        lines.append(bytes(line).replace(b"\n", b" "))
+    return lines
+
+
+def expected_text(line):
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return obj["text"] if isinstance(obj, dict) and isinstance(obj.get("text"), str) else None
+
+
+def test_fuzzed_json_lines_are_encoded_or_counted():
+    args = preprocess_data.get_args(["--input", "x", "--output-prefix", "y", "--tokenizer-type",
+                                     "ByteLevelTokenizer", "--skip-bad-lines"])
+    encoder = preprocess_data.Encoder(preprocess_data.make_options(args))
+    lines = malformed_lines(random.Random(7))
+    result = encoder.encode_chunk((1, lines))
+    skipped = {lineno for lineno, _ in result.skipped}
+    for lineno, line in enumerate(lines, start=1):
+        text = expected_text(line)
+        ok = text is not None and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+        assert (lineno not in skipped) == ok, (lineno, line[:80])
+    assert result.docs + len(skipped) == len(lines) and len(skipped) >= 900
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_deeply_nested_line_is_a_named_bad_line(tmp_path, capsys, workers):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b'{"text": "fine"}\n' + b"[" * 100000 + b"\n")
+    argv = ["--input", str(source), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+            "ByteLevelTokenizer", "--workers", workers, "--log-interval", "0"]
+    assert preprocess_data.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {source}:2: invalid JSON (nested too deeply) "
+                   "(use --skip-bad-lines to skip such lines)")
+    assert preprocess_data.main(argv + ["--skip-bad-lines"]) == 0
+    assert "Skipped 1 malformed lines" in capsys.readouterr().err

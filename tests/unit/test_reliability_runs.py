@@ -1,0 +1,148 @@
+"""Numerical faults and stop requests in a real (tiny) training run."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.model import GPTModel
+from tests.conftest import ROOT
+from tests.gpt_setup import one_thread
+from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+NAN_PARAM = "language_model.encoder.layers.1.mlp.dense_4h_to_h.weight"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    return byte_dataset(out), out / "cache"
+
+
+@pytest.fixture
+def nan_weight(monkeypatch):
+    """Every model starts with one nan weight: every loss and gradient is nan."""
+    original = GPTModel.init_weights
+
+    def init(self, seed):
+        original(self, seed)
+        with torch.no_grad():
+            dict(self.named_parameters())[NAN_PARAM][0, 0] = float("nan")
+    monkeypatch.setattr(GPTModel, "init_weights", init)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--check-for-nan-in-loss-and-grad"],
+     "iteration 1: nan/inf loss or gradient on rank 0 (first parameter with a non-finite gradient: "
+     "language_model.embedding.word_embeddings.weight)"),
+    (["--max-consecutive-nan-iterations", "2"],
+     "iteration 2: 2 iterations in a row with a nan/inf loss or gradient norm"),
+])
+def test_nan_run_stops_with_one_line(data, nan_weight, capsys, flags, words):
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(tiny_argv(*data, *flags, iters=20))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 1 and len(err.splitlines()) == 1 and words in err, err
+
+
+def test_inf_grad_norm_is_a_nan_iteration(data):
+    """Finite gradients whose norm overflows fp32: the step is not applied and counts as nan."""
+    from megatron.arguments import parse_args
+    from megatron.mpu import single_process_state
+    from megatron.training.trainer import Trainer, build_model_chunks
+    config, _ = parse_args(tiny_argv(*data), world_size=1)
+    config.model.padded_vocab_size = 272
+    pstate = single_process_state()
+    models = build_model_chunks(config, pstate, "cpu",
+                                lambda **kw: pretrain_gpt.model_provider(config, None, **kw))
+    trainer = Trainer(config, pstate, "cpu", models, None)
+    before = [p.detach().clone() for p in models[0].parameters()]
+    for p in models[0].parameters():
+        p.main_grad.fill_(1e30)
+    applied, norm, overflow = trainer.optimizer.step()
+    assert not applied and overflow and norm == float("inf")
+    assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
+
+
+def _train_until(argv, iteration):
+    """Start pretrain_gpt.py in its own process group; return it once it has logged `iteration`."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, argv)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env=one_thread_env(), start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f" iteration {iteration:8d}/" in line:
+            return proc, lines
+    raise AssertionError("".join(lines[-20:]))
+
+
+def _stopped_at(lines):
+    exits = [line for line in lines if "exiting program at iteration" in line]
+    assert len(exits) == 1, "".join(lines[-20:])
+    return int(exits[0].split("exiting program at iteration")[1].split(":")[0])
+
+
+def test_sigterm_saves_the_current_iteration_and_resumes_exactly(data, tmp_path):
+    """--exit-signal-handler: SIGTERM to the process group (as SLURM sends it; the data
+    loader worker gets it too) finishes the iteration, saves it, exits 0; resuming gives
+    the losses of an uninterrupted run."""
+    save = tmp_path / "ckpt"
+    argv = tiny_argv(*data, "--exit-signal-handler", "--save", save, "--num-workers", "1", iters=60)
+    proc, lines = _train_until(argv, 2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 0, "".join(lines[-20:])
+    stopped = _stopped_at(lines)
+    assert "SIGTERM received (--exit-signal-handler)" in "".join(lines)
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == str(stopped)
+    end = ["--exit-interval", str(stopped + 2)]
+    full = pretrain_gpt.main(tiny_argv(*data, *end, iters=60)).history
+    resumed = pretrain_gpt.main(tiny_argv(*data, *end, "--load", save, iters=60)).history
+    assert [h["iteration"] for h in resumed] == [stopped + 1, stopped + 2]
+    assert resumed == full[stopped:]
+
+
+def test_kill_switch_and_time_limit_stop_cleanly(data, tmp_path, capsys):
+    switch = tmp_path / "stop-now"
+    switch.write_text("")
+    state = pretrain_gpt.main(tiny_argv(*data, "--kill-switch-path", switch, "--save",
+                                        tmp_path / "a", iters=50))
+    assert [h["iteration"] for h in state.history] == [1]
+    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    state = pretrain_gpt.main(tiny_argv(*data, "--exit-duration-in-mins", "1e-9", iters=50))
+    out = capsys.readouterr().out
+    assert [h["iteration"] for h in state.history] == [1] and "--exit-duration-in-mins 1e-09 reached" in out
+
+
+def test_exit_interval_without_save_warns(data, capsys):
+    pretrain_gpt.main(tiny_argv(*data, "--exit-interval", "1", iters=5))
+    assert "WARNING: --exit-interval 1 without --save" in capsys.readouterr().out
+
+
+def test_stale_build_lock_of_a_killed_build_is_cleared(tmp_path, monkeypatch):
+    """torch's `lock` file outlives a killed build and would make the next one wait forever."""
+    from megatron.model import fused_kernels as fk
+    monkeypatch.setenv("MEGATRON_FUSED_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("MEGATRON_DISABLE_FUSED_BUILD", raising=False)
+    name, spec = next(iter(fk._extension_specs().items()))
+    if fk.importlib.util.find_spec(name) is not None:
+        pytest.skip("a setup.py build of the kernels is installed; nothing is compiled")
+    build_dir = tmp_path / f"{name}-{fk._build_key(name, spec)}"
+    build_dir.mkdir()
+    (build_dir / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(fk, "_compile", lambda n, s, d, v: seen.append((d / "lock").exists()) or "built")
+    with pytest.warns(RuntimeWarning, match="removed a stale build lock"):
+        assert fk._load_or_build(name, spec, False) == "built"
+    assert seen == [False]
