@@ -23,7 +23,8 @@ from megatron.config import Config, ConfigError, ModelConfig
 from megatron.convert import ConversionError
 from megatron.convert.common import OUTPUT, WORD
 from megatron.convert.families import FAMILIES, family_of
-from megatron.convert.hf_files import copy_other_files, other_files, read_hf_dir, write_hf_dir
+from megatron.convert.hf_files import (copy_other_files, other_files, read_config, read_weights,
+                                       write_hf_dir)
 from megatron.convert.layouts import pad_rows
 from megatron.model import GPTModel
 from megatron.model.sharding import parameter_meta
@@ -119,10 +120,10 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
     """Convert the HF directory `load` to a checkpoint under `save` at TP `tp` x PP `pp`."""
     if os.path.exists(os.path.join(save, TRACKER)):
         raise ConversionError(f"--save {save} already holds a checkpoint; choose a new directory")
-    hf, weights = read_hf_dir(load)
+    hf = read_config(load)
     arch, family = family_of(hf)
     fields = family.model_fields(hf, seq_length)
-    flat = family.to_megatron(weights, hf, build_config(fields, 1, VocabOptions(1), 1))
+    flat = family.to_megatron(read_weights(load), hf, build_config(fields, 1, VocabOptions(1), 1))
     rows = flat[WORD].shape[0]
     check_tokenizer_fits(load, rows)
     cfg = build_config(fields, rows, vocab, tp)

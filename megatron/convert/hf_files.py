@@ -2,7 +2,7 @@
 import json
 import os
 import shutil
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 
@@ -47,10 +47,6 @@ def read_weights(directory: str) -> Dict[str, torch.Tensor]:
         return weights
     raise ConversionError(f"no {WEIGHTS} or {INDEX} in {directory}; save the model with "
                           f"safetensors (save_pretrained(..., safe_serialization=True))")
-
-
-def read_hf_dir(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    return read_config(directory), read_weights(directory)
 
 
 def other_files(directory: str):

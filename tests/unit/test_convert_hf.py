@@ -1,0 +1,141 @@
+"""Hugging Face <-> Megatron conversion, checked against `transformers` itself.
+
+Small random HF models of each family (tests/hf_models.py) are saved with
+safetensors, converted with tools/convert_checkpoint.py and loaded through the
+entry points' loading path; logits and greedy generation (our KV cache) must
+equal transformers', and HF -> ours -> HF must give identical tensors.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from megatron.text_generation import generate  # noqa: E402
+from tests.gpt_setup import one_thread  # noqa: E402
+from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
+                             load_ours, position_ids, prompts, rel_err, save_hf_model)
+from tools import convert_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, HF model, work dir holding hf/ and the TP 1 conversion ckpt_tp1_pp1/)."""
+    work = str(tmp_path_factory.mktemp(request.param))
+    model = save_hf_model(request.param, os.path.join(work, "hf"))
+    converted(work, request.param)
+    return request.param, model, work
+
+
+@pytest.fixture(scope="module")
+def ours(family):
+    name, model, work = family
+    with one_thread():
+        models, tokenizer, _, _ = load_ours(os.path.join(work, "ckpt_tp1_pp1"),
+                                            model.config.vocab_size)
+    return models[0], tokenizer
+
+
+def test_logits_equal_transformers(family, ours):
+    _, hf_model, _ = family
+    model, _ = ours
+    tokens = prompts(hf_model.config.vocab_size)
+    with torch.no_grad(), one_thread():
+        expected = hf_model(tokens).logits
+        logits = model(tokens, position_ids(tokens))
+    vocab = hf_model.config.vocab_size
+    assert logits.shape[-1] > vocab  # the padding rows exist ...
+    assert rel_err(logits[..., :vocab], expected) < 1e-5
+    assert torch.all(logits[..., vocab:] == 0)  # ... and are zero rows
+
+
+def test_greedy_generation_with_kv_cache_equals_transformers(family, ours):
+    _, hf_model, _ = family
+    model, tokenizer = ours
+    assert tokenizer.vocab_size == hf_model.config.vocab_size
+    prompt = prompts(hf_model.config.vocab_size)[:, :PROMPT_LEN]
+    with one_thread():
+        expected = hf_greedy(hf_model, prompt)
+        got = generate(model, tokenizer, prompt.tolist(), NEW_TOKENS, greedy=True,
+                       eod_stop=False, use_cache=True)
+    assert got == expected
+
+
+def test_round_trip_gives_identical_tensors(family, tmp_path):
+    name, _, work = family
+    back = str(tmp_path / "back")
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
+                                    os.path.join(work, "ckpt_tp1_pp1"), "--save", back]) == 0
+    original = load_file(os.path.join(work, "hf", "model.safetensors"))
+    again = load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(again) == sorted(original)
+    for key, tensor in original.items():
+        assert again[key].dtype == tensor.dtype and torch.equal(again[key], tensor), key
+    for extra in ("config.json", "generation_config.json"):
+        with open(os.path.join(work, "hf", extra)) as a, open(os.path.join(back, extra)) as b:
+            assert json.load(a) == json.load(b)
+
+
+@pytest.fixture(scope="module")
+def small_dirs(tmp_path_factory):
+    """Saved GPT-2 and LLaMA directories whose config.json the error tests edit copies of."""
+    root = tmp_path_factory.mktemp("small")
+    for name in ("gpt2", "llama"):
+        save_hf_model(name, str(root / name))
+    return root
+
+
+def _edited(small_dirs, tmp_path, name, **changes):
+    import shutil
+    target = tmp_path / f"{name}_edited"
+    shutil.copytree(small_dirs / name, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+@pytest.mark.parametrize("name, changes, extra, message", [
+    ("gpt2", {"architectures": ["OPTForCausalLM"]}, [], "is not supported"),
+    ("gpt2", {}, ["--pad-vocab-size-to", "200"], "does not fit"),
+    ("gpt2", {}, ["--pad-vocab-size-to", "255", "--target-tensor-model-parallel-size", "2"],
+     "not divisible"),
+    ("gpt2", {"activation_function": "relu"}, [], "activation_function"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [], "rope scaling"),
+    ("llama", {"sliding_window": 32, "architectures": ["MistralForCausalLM"]}, [],
+     "--seq-length 32"),
+    ("llama", {"attention_bias": True}, [], "attention_bias"),
+    ("llama", {"hidden_act": "gelu"}, [], "hidden_act"),
+    ("llama", {}, ["--seq-length", "1000"], "--seq-length 1000"),
+])
+def test_conversion_errors_are_one_line(small_dirs, tmp_path, capsys, name, changes, extra,
+                                        message):
+    source = _edited(small_dirs, tmp_path, name, **changes)
+    save = tmp_path / "out"
+    code = convert_checkpoint.main(["--from", "hf", "--to", "megatron", "--load", source,
+                                    "--save", str(save), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_megatron_to_hf_needs_a_converted_checkpoint(tmp_path, capsys):
+    code = convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
+                                    str(tmp_path), "--save", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and "latest_checkpointed_iteration.txt" in err and err.count("\n") == 1
+
+
+def test_linear_rope_scaling_maps_to_interpolation_factor():
+    from megatron.convert import llama
+    from tests.hf_models import build_hf_model
+    hf = build_hf_model("llama").config.to_dict()
+    hf["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    fields = llama.model_fields(hf)
+    assert fields["rotary_seq_len_interpolation_factor"] == 4.0
+    assert fields["rotary_base"] == 500000
