@@ -11,6 +11,12 @@ GLU_ACTIVATIONS = ("swiglu", "geglu", "reglu", "liglu")
 ACTIVATIONS = ("gelu", "openai_gelu", "squared_relu") + GLU_ACTIVATIONS
 
 
+def default_ffn_hidden_size(hidden_size: int, gated: bool) -> int:
+    """Megatron-LM's default MLP width: 4h, or 2/3 of it rounded down to 64 for gated MLPs
+    (whose first layer has two projections)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if gated else 4 * hidden_size
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = 24
@@ -24,7 +30,8 @@ class ModelConfig:
     max_position_embeddings: int = 1024
     """Rows of the learned position embedding (--max-position-embeddings)."""
     ffn_hidden_size: Optional[int] = None
-    """MLP inner width; 4 x hidden-size when unset (--ffn-hidden-size)."""
+    """MLP inner width (--ffn-hidden-size); when unset 4 x hidden-size, or for a gated
+    activation int(4 x hidden-size x 2/3 / 64) x 64, as Megatron-LM."""
     padded_vocab_size: int = 0
     """Vocabulary rows after padding; set from the tokenizer before the model is built."""
     make_vocab_size_divisible_by: int = 128
@@ -92,7 +99,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.gated_mlp)
         if self.checkpoint_activations and self.recompute_granularity is None:
             self.recompute_granularity = "full"
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -131,6 +138,9 @@ class ModelConfig:
         require(factor is None or factor >= 1.0,
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
+        require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
+                f"--rotary-percent {self.rotary_percent} of {self.kv_channels} channels per head "
+                f"rotates no channel pair; raise --rotary-percent")
         groups = self.num_query_groups
         require(groups > 0 and self.num_attention_heads % groups == 0,
                 f"--num-query-groups ({groups}) must divide --num-attention-heads "

@@ -1,7 +1,8 @@
 """Gradient reductions that are not data parallelism, and global-norm clipping.
 
 - Tied embeddings: the first and last pipeline stages hold copies of the word
-  embeddings; their gradients are summed over the embedding group.
+  embeddings; their gradients are summed over the embedding group (nothing to do
+  for untied models).
 - Sequence parallelism: replicated parameters that saw only a slice of the
   sequence (layer norms, row-parallel biases) have partial gradients, summed
   over the tensor-parallel group.
@@ -34,8 +35,11 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
 
 def tied_embedding_params(models, pstate) -> List[torch.nn.Parameter]:
     """This rank's copies of the word embeddings whose gradients are summed over the
-    embedding group (the first stage's and the last stage's; none without pipelining)."""
+    embedding group (the first stage's and the last stage's; none without pipelining or
+    with untied embeddings, whose output layer is a parameter of its own)."""
     if pstate.pp_size == 1 or not pstate.in_embedding_group():
+        return []
+    if models[0].cfg.untie_embeddings_and_output_weights:
         return []
     params = []
     first, last = models[0], models[-1]

@@ -261,6 +261,40 @@ class LayerNorm(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------
+
+def _plain_rms_norm(x, weight, eps):
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x, weight, eps, fusion=True):
+    """RMS norm of x over its last dim, times `weight`.
+
+    Normalised in float32 and cast back to x's dtype before the weight is
+    applied, as Hugging Face's LlamaRMSNorm does.
+    """
+    return _plain_rms_norm(x, weight, eps)
+
+
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square norm over the last dimension with a weight (no bias)."""
+
+    def __init__(self, hidden_size, eps=1e-5, fusion=True, sequence_parallel=False):
+        super().__init__()
+        self.eps = eps
+        self.fusion = fusion
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        # As LayerNorm's: replicated over TP, partial gradients under sequence parallelism.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps, self.fusion)
+
+
+# ----------------------------------------------------------------------------------
 # Element-wise fusions (plain PyTorch; see the module docstring)
 # ----------------------------------------------------------------------------------
 

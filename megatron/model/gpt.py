@@ -1,10 +1,12 @@
-"""GPT: embeddings -> transformer layers -> final norm -> head tied to the embeddings.
+"""GPT: embeddings -> transformer layers -> final norm -> head (tied or untied).
 
 One `GPTModel` is one pipeline chunk: `pre_process` chunks own the embeddings,
-`post_process` chunks the final layer norm and the head. A last stage that is
-not also the first keeps its own copy of the word embeddings
-(`word_embeddings_for_head`), initialised equal to the first stage's and kept
-equal by all-reducing its gradient over the embedding group.
+`post_process` chunks the final layer norm and the head. With tied embeddings
+a last stage that is not also the first keeps its own copy of the word
+embeddings (`word_embeddings_for_head`), initialised equal to the first stage's
+and kept equal by all-reducing its gradient over the embedding group. With
+--untie-embeddings-and-output-weights the head is its own vocab-parallel
+`language_model.output_layer` and nothing is shared between stages.
 
 Parameter names follow Megatron-LM's GPT checkpoints
 (language_model.embedding.word_embeddings.weight, language_model.encoder.layers.N...).
@@ -16,9 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
+from megatron.model.sharding import parameter_meta
+from megatron.model.spec import make_norm
 from megatron.model.transformer import ParallelTransformer, dropout_rng_context
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
-from megatron.mpu.layers import VocabParallelEmbedding, init_normal, init_parameters, set_parallel_attributes
+from megatron.mpu.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_normal,
+                                 init_parameters, set_parallel_attributes)
 from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    gather_from_sequence_parallel_region,
                                    gather_from_tensor_model_parallel_region,
@@ -28,7 +33,9 @@ WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 
 
 class Embedding(torch.nn.Module):
-    """Word (vocab-parallel) plus learned absolute position embeddings, then dropout."""
+    """Word (vocab-parallel) embeddings, normalised with --embed-layernorm (BLOOM; the
+    norm is `word_embeddings.norm`, Megatron-DeepSpeed's name), plus learned absolute
+    position embeddings with --position-embedding-type learned_absolute; then dropout."""
 
     def __init__(self, cfg: ModelConfig, tp_group, device, dtype):
         super().__init__()
@@ -38,12 +45,20 @@ class Embedding(torch.nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, tp_group=tp_group, init_method=init,
             device=device, dtype=dtype)
-        self.position_embeddings = torch.nn.Embedding(
-            cfg.max_position_embeddings, cfg.hidden_size, device=device, dtype=dtype)
-        set_parallel_attributes(self.position_embeddings.weight, False, init_method=init)
+        if cfg.embed_layernorm:  # sees the whole sequence on every rank: not sequence parallel
+            self.word_embeddings.norm = make_norm(cfg, device, dtype, sequence_parallel=False)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(
+                cfg.max_position_embeddings, cfg.hidden_size, device=device, dtype=dtype)
+            set_parallel_attributes(self.position_embeddings.weight, False, init_method=init)
 
     def forward(self, input_ids, position_ids):
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        x = self.word_embeddings(input_ids)
+        if self.cfg.embed_layernorm:
+            x = self.word_embeddings.norm(x)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.cfg.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
@@ -58,6 +73,10 @@ class LanguageModel(torch.nn.Module):
         self.embedding = Embedding(cfg, tp_group, device, dtype) if pre_process else None
         self.encoder = ParallelTransformer(cfg, tp_group, layer_offset, num_layers, post_process,
                                            device, dtype)
+        if post_process and cfg.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, cfg.padded_vocab_size, tp_group=tp_group, bias=False,
+                init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
 
 
 class GPTModel(torch.nn.Module):
@@ -76,7 +95,7 @@ class GPTModel(torch.nn.Module):
         self.language_model = LanguageModel(cfg, tp_group, pre_process, post_process,
                                             layer_offset, num_layers, device, dtype)
         self.word_embeddings_for_head = None
-        if post_process and not pre_process:
+        if post_process and not pre_process and not cfg.untie_embeddings_and_output_weights:
             self.word_embeddings_for_head = VocabParallelEmbedding(
                 cfg.padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                 init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
@@ -89,6 +108,8 @@ class GPTModel(torch.nn.Module):
         self.input_tensor = tensor
 
     def head_weight(self) -> torch.Tensor:
+        if self.cfg.untie_embeddings_and_output_weights:
+            return self.language_model.output_layer.weight
         if self.pre_process:
             return self.language_model.embedding.word_embeddings.weight
         return self.word_embeddings_for_head.weight
@@ -106,22 +127,28 @@ class GPTModel(torch.nn.Module):
 
         return {rename(name): p for name, p in self.named_parameters()}
 
+    def sharding_metadata(self) -> Dict[str, dict]:
+        """{state-dict name: how it is split over TP} (megatron.model.sharding)."""
+        return {name: parameter_meta(p) for name, p in self.named_parameters()}
+
     def init_weights(self, seed: int) -> None:
         init_parameters(self.global_parameter_names(), seed, self.tp_group,
                         self.cfg.use_cpu_initialization)
 
     # -- forward -------------------------------------------------------------
-    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
+                inference_params=None):
         """Per-token losses [b, s] when `labels` is given, else logits [b, s, V(/TP)].
 
         attention_mask: None for plain causal attention, else bool [b, 1, s, s]
-        with True where attention is not allowed.
+        with True where attention is not allowed. inference_params: a KV cache
+        (megatron.text_generation.KVCache); input_ids then follow its positions.
         """
         if self.pre_process:
             hidden = self.language_model.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        hidden = self.language_model.encoder(hidden, attention_mask)
+        hidden = self.language_model.encoder(hidden, attention_mask, inference_params)
         if not self.post_process:
             return hidden
         return self._head(hidden, labels)

@@ -11,22 +11,23 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.model import fused
+from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
+from megatron.model.sharding import qkv_meta
+from megatron.model.spec import make_norm, mlp_activation
 from megatron.mpu import checkpoint, get_rng_tracker
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
-                                 layer_norm_init_attributes, scaled_init_normal)
-from megatron.mpu.mappings import group_size
-
-
-def make_layer_norm(cfg: ModelConfig, device, dtype):
-    norm = fused.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, fusion=cfg.layer_norm_fusion,
-                           sequence_parallel=cfg.sequence_parallel)
-    layer_norm_init_attributes(norm)
-    return norm.to(device=device, dtype=dtype)
+                                 scaled_init_normal)
+from megatron.mpu.mappings import copy_to_tensor_model_parallel_region, group_rank, group_size
 
 
 def dropout_rng_context(sequence_parallel: bool):
     """Activations split across TP ranks need per-rank dropout masks."""
     return get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
+
+
+def _future(sq: int, sk: int, device) -> torch.Tensor:
+    """True where a query (the last sq of sk positions) may not see a key."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
 
 
 class CoreAttention(torch.nn.Module):
@@ -38,40 +39,52 @@ class CoreAttention(torch.nn.Module):
         self.layer_number = max(1, layer_number)
         self.dropout_p = cfg.attention_dropout
 
-    def forward(self, q, k, v, mask):
-        # q, k, v: [s, b, np, hn] -> [b, np, s, hn]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if self._use_sdpa(mask, q):
-            context = self._sdpa(q, k, v, mask)
+    def forward(self, q, k, v, mask, bias=None):
+        """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
+        sq positions); bias: ALiBi scores [np, 1, sk] or None."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
+        if self._use_sdpa(mask, q, bias):
+            context = self._sdpa(q, k, v, mask, bias)
         else:
-            context = self._explicit(q, k, v, mask)
+            context = self._explicit(q, k, v, mask, bias)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
-    def _use_sdpa(self, mask, q):
+    def _use_sdpa(self, mask, q, bias):
         """auto: SDPA for plain causal attention, except where our path is faster or
-        needed: explicit masks, fp16 layer scaling, and dropout on CPUs (SDPA then
-        falls back to unfused math with slow Bernoulli sampling)."""
+        needed: explicit masks, ALiBi, fp16 layer scaling, and dropout on CPUs (SDPA
+        then falls back to unfused math with slow Bernoulli sampling). sdpa: always
+        (ALiBi then goes in as a float mask)."""
         impl = self.cfg.attention_impl
         if impl == "sdpa":
             return True
         if impl == "auto":
             cpu_dropout = self.training and self.dropout_p > 0 and q.device.type == "cpu"
             scaled_fp16 = q.dtype == torch.float16 and self.cfg.apply_query_key_layer_scaling
-            return mask is None and not (cpu_dropout or scaled_fp16)
+            return mask is None and bias is None and not (cpu_dropout or scaled_fp16)
         return False
 
-    def _sdpa(self, q, k, v, mask):
+    def _sdpa(self, q, k, v, mask, bias):
         p = self.dropout_p if self.training else 0.0
-        attn_mask = None if mask is None else ~mask
+        sq, sk = q.shape[2], k.shape[2]
+        causal = mask is None and sq == sk and bias is None
+        attn_mask = None
+        if not causal:
+            hidden = mask.bool() if mask is not None else _future(sq, sk, q.device)
+            if bias is None:
+                attn_mask = ~hidden
+            else:
+                attn_mask = bias.expand(-1, sq, sk).masked_fill(hidden, float("-inf"))
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                                  is_causal=mask is None)
+                                                  is_causal=causal)
 
-    def _explicit(self, q, k, v, mask):
+    def _explicit(self, q, k, v, mask, bias):
         coeff = self.layer_number if self.cfg.apply_query_key_layer_scaling else 1.0
         norm = math.sqrt(q.shape[-1]) * coeff
         scores = torch.matmul(q, k.transpose(-1, -2)) / norm
+        if bias is not None:
+            scores = scores + (bias / coeff if coeff != 1.0 else bias)
         probs = fused.attention_softmax(
             scores, scale=coeff, causal=mask is None, mask=mask,
             softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or coeff != 1.0,
@@ -88,54 +101,110 @@ class CoreAttention(torch.nn.Module):
 class ParallelAttention(torch.nn.Module):
     """Self-attention with heads split over TP: fused QKV (column) then output (row).
 
-    The QKV weight rows are ordered [head, (q, k, v), head_dim], so a TP shard is
-    a contiguous block of whole heads and shards merge by concatenation.
+    QKV rows come in query groups, each [q heads of the group, k, v] (with one group
+    per head, as GPT-2: [head, (q, k, v), head_dim]). A TP shard holds whole groups,
+    or, when TP exceeds the groups, its query heads and a replica of its group's
+    k / v (megatron.model.sharding). Positions: RoPE rotates q and k, ALiBi biases
+    the scores; with `inference_params` (a KV cache) keys and values of earlier
+    positions come from the cache and positions start at its length.
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, device, dtype):
         super().__init__()
         self.cfg = cfg
+        self.layer_number = layer_number
+        self.tp_group = tp_group
         tp = group_size(tp_group)
         self.heads_per_partition = divide(cfg.num_attention_heads, tp)
+        self.groups_per_partition = max(cfg.num_query_groups // tp, 1)
+        self.q_per_group = self.heads_per_partition // self.groups_per_partition
+        local_rows = (self.heads_per_partition + 2 * self.groups_per_partition) * cfg.kv_channels
         common = dict(tp_group=tp_group, sequence_parallel=cfg.sequence_parallel,
                       device=device, dtype=dtype)
         self.query_key_value = ColumnParallelLinear(
-            cfg.hidden_size, 3 * cfg.hidden_size, init_method=init_normal(cfg.init_method_std), **common)
+            cfg.hidden_size, tp * local_rows, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+            init_method=init_normal(cfg.init_method_std), **common)
+        for p in self.query_key_value.parameters():
+            p.sharding = qkv_meta(cfg.num_query_groups, cfg.num_attention_heads, cfg.kv_channels)
+        if cfg.qk_layernorm:
+            self.q_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
+            self.k_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
+        self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
+                      if cfg.position_embedding_type == "alibi" else None)
         self.core_attention = CoreAttention(cfg, layer_number)
         self.dense = RowParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, input_is_parallel=True, skip_bias_add=True,
+            cfg.query_projection_size, cfg.hidden_size, bias=cfg.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True,
             init_method=scaled_init_normal(cfg.init_method_std, cfg.num_layers), **common)
 
-    def forward(self, hidden, mask):
+    def _split_qkv(self, hidden):
         qkv = self.query_key_value(hidden)
         s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.heads_per_partition, 3 * self.cfg.kv_channels)
-        q, k, v = qkv.chunk(3, dim=-1)
-        if self.cfg.recompute_granularity == "selective":
-            context = checkpoint(self.core_attention, q, k, v, mask)
+        d = self.cfg.kv_channels
+        qkv = qkv.view(s, b, self.groups_per_partition, (self.q_per_group + 2) * d)
+        q, k, v = torch.split(qkv, [self.q_per_group * d, d, d], dim=-1)
+        return q.reshape(s, b, self.heads_per_partition, d), k, v
+
+    def _head_norm(self, norm, x):
+        """q / k layer norm; its weights see only this rank's heads, so their
+        gradients are summed over TP (identity forward, all-reduce backward)."""
+        if group_size(self.tp_group) == 1:
+            return norm(x)
+        params = {n: copy_to_tensor_model_parallel_region(p, self.tp_group)
+                  for n, p in norm.named_parameters()}
+        return torch.func.functional_call(norm, params, (x,))
+
+    def _expand_groups(self, t):
+        """[s, b, groups, d] -> [s, b, heads, d]: each query head gets its group's k / v."""
+        if self.q_per_group == 1:
+            return t
+        s, b, g, d = t.shape
+        return t.unsqueeze(3).expand(s, b, g, self.q_per_group, d).reshape(s, b, g * self.q_per_group, d)
+
+    def forward(self, hidden, mask, inference_params=None):
+        q, k, v = self._split_qkv(hidden)
+        if self.cfg.qk_layernorm:
+            q, k = self._head_norm(self.q_layernorm, q), self._head_norm(self.k_layernorm, k)
+        if self.rotary is not None:
+            offset = 0 if inference_params is None else inference_params.length
+            cos, sin = self.rotary(q.shape[0], offset, q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if inference_params is not None:
+            k, v = inference_params.update(self.layer_number, k, v)
+        k, v = self._expand_groups(k), self._expand_groups(v)
+        bias = None if self.alibi is None else self.alibi(k.shape[0], q.dtype, q.device)
+        if self.cfg.recompute_granularity == "selective" and self.training:
+            context = checkpoint(self.core_attention, q, k, v, mask, bias)
         else:
-            context = self.core_attention(q, k, v, mask)
+            context = self.core_attention(q, k, v, mask, bias)
         return self.dense(context)
 
 
 class ParallelMLP(torch.nn.Module):
-    """h -> ffn (column parallel) -> GeLU -> h (row parallel)."""
+    """h -> ffn (column parallel) -> activation -> h (row parallel).
+
+    Gated activations double the first layer's rows: [gate; up] in the single-process
+    weight, [gate_r; up_r] on TP rank r (partition stride / sharding groups 2).
+    """
 
     def __init__(self, cfg: ModelConfig, tp_group, device, dtype):
         super().__init__()
         self.cfg = cfg
         common = dict(tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, skip_bias_add=True,
-                      device=device, dtype=dtype)
+                      bias=cfg.add_bias_linear, device=device, dtype=dtype)
+        gates = 2 if cfg.gated_mlp else 1
         self.dense_h_to_4h = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_hidden_size, init_method=init_normal(cfg.init_method_std), **common)
+            cfg.hidden_size, gates * cfg.ffn_hidden_size, stride=gates,
+            init_method=init_normal(cfg.init_method_std), **common)
+        self.activation = mlp_activation(cfg)
         self.dense_4h_to_h = RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_normal(cfg.init_method_std, cfg.num_layers), **common)
 
     def forward(self, hidden):
         x, bias = self.dense_h_to_4h(hidden)
-        x = fused.bias_gelu(bias, x, fusion=self.cfg.bias_gelu_fusion)
-        return self.dense_4h_to_h(x)
+        return self.dense_4h_to_h(self.activation(x, bias))
 
 
 class ParallelTransformerLayer(torch.nn.Module):
@@ -145,9 +214,9 @@ class ParallelTransformerLayer(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_number = layer_number
-        self.input_layernorm = make_layer_norm(cfg, device, dtype)
+        self.input_layernorm = make_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(cfg, layer_number, tp_group, device, dtype)
-        self.post_attention_layernorm = make_layer_norm(cfg, device, dtype)
+        self.post_attention_layernorm = make_norm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, tp_group, device, dtype)
 
     def _residual(self, out_and_bias, residual):
@@ -156,8 +225,9 @@ class ParallelTransformerLayer(torch.nn.Module):
             return fused.bias_dropout_add(out, bias, residual, self.cfg.hidden_dropout,
                                           self.training, fusion=self.cfg.bias_dropout_fusion)
 
-    def forward(self, hidden, mask=None):
-        hidden = self._residual(self.self_attention(self.input_layernorm(hidden), mask), hidden)
+    def forward(self, hidden, mask=None, inference_params=None):
+        attention = self.self_attention(self.input_layernorm(hidden), mask, inference_params)
+        hidden = self._residual(attention, hidden)
         return self._residual(self.mlp(self.post_attention_layernorm(hidden)), hidden)
 
 
@@ -176,22 +246,22 @@ class ParallelTransformer(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             ParallelTransformerLayer(cfg, layer_offset + i + 1, tp_group, device, dtype)
             for i in range(num_local_layers))
-        self.final_layernorm = make_layer_norm(cfg, device, dtype) if post_process else None
+        self.final_layernorm = make_norm(cfg, device, dtype) if post_process else None
 
-    def _run(self, start, end):
+    def _run(self, start, end, inference_params=None):
         def run(hidden, mask):
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, mask)
+                hidden = layer(hidden, mask, inference_params)
             return hidden
         return run
 
-    def forward(self, hidden, mask=None):
+    def forward(self, hidden, mask=None, inference_params=None):
         if self.cfg.recompute_granularity == "full" and self.training:
             step = self.cfg.checkpoint_num_layers
             for start in range(0, len(self.layers), step):
                 hidden = checkpoint(self._run(start, start + step), hidden, mask)
         else:
-            hidden = self._run(0, len(self.layers))(hidden, mask)
+            hidden = self._run(0, len(self.layers), inference_params)(hidden, mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -78,23 +78,21 @@ def init_parameters(named_params: Dict[str, torch.nn.Parameter], seed: int, tp_g
     """Fill each parameter from a generator seeded by `seed` and its global name.
 
     Sharded parameters either get their slice of the full weight
-    (`use_cpu_initialization`, identical across TP sizes) or are initialised
+    (`use_cpu_initialization`, identical across TP sizes; sliced by the
+    parameter's sharding metadata, megatron.model.sharding) or are initialised
     directly with the model-parallel seed (seed + 2718 + tp_rank), which needs no
     full weight in memory.
     """
+    from megatron.model.sharding import full_shape, parameter_meta, shard_tensor
     rank, size = group_rank(tp_group), group_size(tp_group)
     for name, param in named_params.items():
         init = getattr(param, "init_method", _zeros)
         sharded = getattr(param, "tensor_model_parallel", False) and size > 1
         if not sharded or use_cpu_initialization:
-            full_shape = list(param.shape)
-            if sharded:
-                full_shape[param.partition_dim] *= size
+            meta = parameter_meta(param)
             gen = torch.Generator().manual_seed(_init_seed(seed, name))
-            full = init(torch.empty(full_shape, dtype=torch.float32), gen)
-            if sharded:
-                full = shard_of(full, param.partition_dim, param.partition_stride, rank, size)
-            param.copy_(full)
+            full = init(torch.empty(full_shape(param.shape, meta, size), dtype=torch.float32), gen)
+            param.copy_(shard_tensor(full, meta, rank, size) if sharded else full)
         else:
             gen = torch.Generator(device=param.device).manual_seed(
                 _init_seed(seed + _MODEL_PARALLEL_SEED_OFFSET + rank, name))

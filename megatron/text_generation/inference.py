@@ -1,20 +1,20 @@
-"""Incremental decoding with a key/value cache, on the weights of a `GPTModel`.
+"""Incremental decoding with a key/value cache, through the model's own forward.
 
 The training forward recomputes every position; generation only needs the
-newest one. `forward_with_cache` walks the model's own modules (embedding,
-layer norms, the tensor-parallel QKV / output / MLP layers, the tied head) and
-replaces only the attention core: the keys and values of earlier positions come
-from a `KVCache`, so each step costs one position per layer. Tensor
-parallelism works unchanged: each rank caches its own heads, the row-parallel
-layers all-reduce as in training and the logits are gathered over the vocabulary.
+newest one. `forward_with_cache` calls the model with a `KVCache` as
+`inference_params`: each attention module stores its keys and values there and
+attends over the cached ones, with positions (learned, RoPE, ALiBi) starting at
+the cache's length, so each step costs one position per layer. Tensor
+parallelism works unchanged: each rank caches its own query groups, the
+row-parallel layers all-reduce as in training and the logits are gathered over
+the vocabulary.
 
 Only whole models run here (first and last pipeline stage in one module);
 sequence parallelism is a training-time layout and is refused.
 """
-from typing import List, Optional
+from typing import Dict, Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
 
@@ -37,35 +37,35 @@ def check_generation_model(model) -> None:
 
 
 class KVCache:
-    """Keys and values [max_len, b, heads, head_dim] of each layer, filled front to back.
+    """Keys and values [max_len, b, query groups of this rank, head_dim] of each layer
+    (allocated on first use), filled front to back; the attention modules read and
+    write it (`inference_params`).
 
-    `length` positions are valid; `update` writes the next positions of one layer
-    and returns all valid ones, `advance` moves `length` once every layer is done.
+    `length` positions are valid: the next tokens' positions start there. `update`
+    writes the next positions of one layer and returns all valid ones; `advance`
+    moves `length` once every layer is done.
     """
 
-    def __init__(self, num_layers: int, max_len: int, batch: int, heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        shape = (max_len, batch, heads, head_dim)
-        self.keys: List[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device)
-                                         for _ in range(num_layers)]
-        self.values: List[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device)
-                                           for _ in range(num_layers)]
+    def __init__(self, max_len: int):
+        self.keys: Dict[int, torch.Tensor] = {}
+        self.values: Dict[int, torch.Tensor] = {}
         self.max_len = max_len
         self.length = 0
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
-        layers = model.language_model.encoder.layers
-        heads = layers[0].self_attention.heads_per_partition if len(layers) else 1
-        weight = model.head_weight()
-        return cls(len(layers), max_len, batch, heads, model.cfg.kv_channels, weight.dtype,
-                   weight.device)
+        """A cache of `max_len` positions for `model` (the batch size follows the tokens)."""
+        return cls(max_len)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.length + k.shape[0]
         if end > self.max_len:
             raise GenerationError(f"KV cache holds {self.max_len} positions; "
                                   f"{end} were requested")
+        if layer not in self.keys:
+            shape = (self.max_len,) + tuple(k.shape[1:])
+            self.keys[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.values[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
         self.keys[layer][self.length:end] = k
         self.values[layer][self.length:end] = v
         return self.keys[layer][:end], self.values[layer][:end]
@@ -74,51 +74,11 @@ class KVCache:
         self.length += steps
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     offset: int) -> torch.Tensor:
-    """Causal attention of new queries over cached plus new keys.
-
-    q: [sq, b, np, hn] at absolute positions offset .. offset + sq - 1;
-    k, v: [sk, b, np, hn] for positions 0 .. sk - 1. Returns [sq, b, np * hn].
-    """
-    sq, sk = q.shape[0], k.shape[0]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
-    mask = None
-    if sq > 1:
-        query_pos = torch.arange(offset, offset + sq, device=q.device).unsqueeze(1)
-        mask = torch.arange(sk, device=q.device).unsqueeze(0) <= query_pos  # True = may attend
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    b, n, _, d = context.shape
-    return context.permute(2, 0, 1, 3).reshape(sq, b, n * d)
-
-
-def _attention_step(attention, hidden, cache: KVCache, index: int):
-    """The model's self-attention (its QKV and output layers) with the cached core."""
-    qkv = attention.query_key_value(hidden)
-    s, b, _ = qkv.shape
-    qkv = qkv.view(s, b, attention.heads_per_partition, 3 * attention.cfg.kv_channels)
-    q, k, v = qkv.chunk(3, dim=-1)
-    keys, values = cache.update(index, k, v)
-    return attention.dense(cached_attention(q, keys, values, cache.length))
-
-
-def _add_residual(out_and_bias, residual):
-    out, bias = out_and_bias
-    return residual + (out if bias is None else out + bias)
-
-
-def _layer_step(layer, hidden, cache: KVCache, index: int):
-    """One transformer layer at inference (dropout off): pre-LN attention, then MLP."""
-    attn = _attention_step(layer.self_attention, layer.input_layernorm(hidden), cache, index)
-    hidden = _add_residual(attn, hidden)
-    return _add_residual(layer.mlp(layer.post_attention_layernorm(hidden)), hidden)
-
-
-def gathered_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits [b, s, V] from final hidden states [s, b, h]."""
-    logits = F.linear(hidden, model.head_weight())
-    logits = gather_from_tensor_model_parallel_region(logits, model.tp_group)
-    return logits.transpose(0, 1)
+def _gathered(model, logits: torch.Tensor) -> torch.Tensor:
+    """Logits over the whole (padded) vocabulary on every TP rank."""
+    if logits.shape[-1] != model.cfg.padded_vocab_size:
+        logits = gather_from_tensor_model_parallel_region(logits, model.tp_group)
+    return logits
 
 
 @torch.no_grad()
@@ -132,14 +92,11 @@ def forward_with_cache(model, tokens: torch.Tensor, cache: KVCache,
     check_generation_model(model)
     start, s = cache.length, tokens.shape[1]
     positions = torch.arange(start, start + s, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    lm = model.language_model
-    hidden = lm.embedding(tokens, positions)  # [s, b, h]
-    for index, layer in enumerate(lm.encoder.layers):
-        hidden = _layer_step(layer, hidden, cache, index)
+    logits = model(tokens, positions, inference_params=cache)
     cache.advance(s)
     if last_only:
-        hidden = hidden[-1:]
-    return gathered_logits(model, lm.encoder.final_layernorm(hidden))
+        logits = logits[:, -1:]
+    return _gathered(model, logits)
 
 
 @torch.no_grad()
@@ -147,7 +104,4 @@ def forward_full(model, tokens: torch.Tensor, attention_mask: Optional[torch.Ten
     """Logits [b, s, V] of the model's ordinary forward, gathered over the vocabulary."""
     check_generation_model(model)
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    logits = model(tokens, positions, attention_mask)
-    if logits.shape[-1] != model.cfg.padded_vocab_size:
-        logits = gather_from_tensor_model_parallel_region(logits, model.tp_group)
-    return logits
+    return _gathered(model, model(tokens, positions, attention_mask))

@@ -1,4 +1,6 @@
 """Tokenizers: ``build_tokenizer`` picks one by its ``--tokenizer-type`` name."""
+from typing import Optional
+
 from megatron.tokenizer.abstract import AbstractTokenizer
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf import PretrainedFromHF
@@ -26,12 +28,19 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None,
 
 
 def padded_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int,
-                      tp_size: int) -> int:
-    """Smallest multiple of ``make_vocab_size_divisible_by * tp_size`` >= ``orig_vocab_size``.
+                      tp_size: int, pad_to: Optional[int] = None) -> int:
+    """Smallest multiple of ``make_vocab_size_divisible_by * tp_size`` >= ``orig_vocab_size``,
+    or exactly ``pad_to`` (--pad-vocab-size-to) when given.
 
     The embedding is split over tensor-parallel ranks, so each shard stays a
     multiple of ``make_vocab_size_divisible_by`` (e.g. 50257 -> 50304 at TP 1).
     """
+    if pad_to is not None:
+        if pad_to < orig_vocab_size or pad_to % tp_size:
+            raise ValueError(f"--pad-vocab-size-to {pad_to} must be >= the tokenizer's "
+                             f"{orig_vocab_size} ids and divisible by "
+                             f"--tensor-model-parallel-size {tp_size}")
+        return pad_to
     for name, value in (("vocab size", orig_vocab_size),
                         ("--make-vocab-size-divisible-by", make_vocab_size_divisible_by),
                         ("--tensor-model-parallel-size", tp_size)):

@@ -84,6 +84,7 @@ def _atomic_save(obj, path: str) -> None:
 _EMBEDDING = "language_model.embedding."
 _ENCODER = "language_model.encoder."
 _HEAD = "word_embeddings_for_head."
+_OUTPUT = "language_model.output_layer."
 
 
 def to_megatron_layout(flat: Dict[str, torch.Tensor]) -> dict:
@@ -95,6 +96,9 @@ def to_megatron_layout(flat: Dict[str, torch.Tensor]) -> dict:
             module, name = key[len(_EMBEDDING):].split(".", 1)
             emb = nested.setdefault("language_model", {}).setdefault("embedding", {})
             emb.setdefault(module, {})[name] = value
+        elif key.startswith(_OUTPUT):
+            nested.setdefault("language_model", {}).setdefault(
+                "output_layer", {})[key[len(_OUTPUT):]] = value
         elif key.startswith(_HEAD):
             nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD):]] = value
         else:
@@ -110,6 +114,8 @@ def from_megatron_layout(nested: dict) -> Dict[str, torch.Tensor]:
     for module, params in lm.get("embedding", {}).items():
         for name, value in params.items():
             flat[f"{_EMBEDDING}{module}.{name}"] = value
+    for name, value in lm.get("output_layer", {}).items():
+        flat[_OUTPUT + name] = value
     for name, value in nested.get("word_embeddings_for_head", {}).items():
         flat[_HEAD + name] = value
     return flat
@@ -138,6 +144,15 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
+def sharding_of(models) -> Dict[str, dict]:
+    """How each parameter of this rank's chunks is split over TP (megatron.model.sharding);
+    the chunks share parameter names, so one dict serves them all."""
+    meta: Dict[str, dict] = {}
+    for model in models:
+        meta.update(model.sharding_metadata())
+    return meta
+
+
 # -- save / load ---------------------------------------------------------------
 def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, config, pstate,
                     consumed_train: int, consumed_valid: int) -> None:
@@ -151,6 +166,7 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
                           "virtual_pipeline_model_parallel_size": len(models)}}
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
+    state["sharding"] = sharding_of(models)
     sharded = not ckpt.no_save_optim and getattr(optimizer, "is_distributed", False)
     if not ckpt.no_save_optim:
         if sharded:

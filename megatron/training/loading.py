@@ -136,8 +136,12 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
                  f"--tensor-model-parallel-size {tp}")
         config.model.padded_vocab_size = saved
     else:
-        config.model.padded_vocab_size = padded_vocab_size(
-            tokenizer.vocab_size, config.model.make_vocab_size_divisible_by, tp)
+        try:
+            config.model.padded_vocab_size = padded_vocab_size(
+                tokenizer.vocab_size, config.model.make_vocab_size_divisible_by, tp,
+                config.model.pad_vocab_size_to)
+        except ValueError as err:
+            fail(str(err))
     return tokenizer
 
 

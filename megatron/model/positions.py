@@ -1,0 +1,71 @@
+"""Relative position encodings applied inside attention: RoPE and ALiBi.
+
+RoPE uses the "rotate half" convention (Hugging Face LlamaForCausalLM's): of each
+head's first `rotary_dim` channels, x1 = the first half and x2 = the second, and
+out = x * cos + cat(-x2, x1) * sin; channels past `rotary_dim` pass through.
+
+ALiBi adds slope_h * (key position) to the attention scores of head h (equal to
+slope_h * (j - i) up to a per-row shift, which softmax ignores). The slopes follow
+the ALiBi paper / BLOOM: a geometric sequence for the closest power of two below
+the head count, then every other slope of the next power of two.
+"""
+import math
+
+import torch
+
+from megatron.config import ModelConfig
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos / sin tables of the positions being processed; holds no parameters."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dim = cfg.rotary_dim
+        self.base = cfg.rotary_base
+        self.interpolation = cfg.rotary_seq_len_interpolation_factor
+
+    def forward(self, seq_len: int, offset: int, device):
+        """(cos, sin), each [seq_len, 1, 1, rotary_dim], for positions offset .. offset + seq_len - 1."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32,
+                                                     device=device) / self.dim))
+        positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
+        if self.interpolation is not None:
+            positions = positions / self.interpolation
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [s, b, heads, head_dim]."""
+    d = cos.shape[-1]
+    rot, rest = x[..., :d], x[..., d:]
+    x1, x2 = rot[..., :d // 2], rot[..., d // 2:]
+    rotated = (rot.float() * cos + torch.cat((-x2, x1), dim=-1).float() * sin).to(x.dtype)
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi slope of every head (global head order), float32 [num_heads]."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < num_heads:
+        extra_base = 2.0 ** (-4.0 / closest)  # = 2 ** (-8 / (2 * closest))
+        slopes += [extra_base ** (i + 1) for i in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class AlibiBias(torch.nn.Module):
+    """The score bias of this TP rank's heads: [heads_per_rank, 1, sk] = slope * key position."""
+
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int):
+        super().__init__()
+        per_rank = cfg.num_attention_heads // tp_size
+        slopes = alibi_slopes(cfg.num_attention_heads)[tp_rank * per_rank:(tp_rank + 1) * per_rank]
+        self.register_buffer("slopes", slopes, persistent=False)
+
+    def forward(self, sk: int, dtype, device) -> torch.Tensor:
+        keys = torch.arange(sk, dtype=torch.float32, device=device)
+        return (self.slopes.to(device)[:, None, None] * keys).to(dtype)

@@ -1,0 +1,97 @@
+"""Factories that turn the ModelConfig architecture fields into modules and functions.
+
+Adding an architecture means a config field and a branch in one factory here:
+`make_norm` (LayerNorm / RMSNorm, optionally zero-centred weights applied as 1 + w)
+and `mlp_activation` (plain or gated). Positions live in `positions.py`; the
+attention and MLP layers in `transformer.py` read the config for the rest
+(query groups, biases).
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron.config import ModelConfig
+from megatron.model import fused
+from megatron.mpu.layers import layer_norm_init_attributes, set_parallel_attributes
+
+
+class LayerNorm1P(fused.LayerNorm):
+    """LayerNorm whose weight is stored zero-centred and applied as 1 + w."""
+
+    def forward(self, x):
+        return fused.layer_norm(x, self.weight + 1, self.bias, self.eps, self.fusion)
+
+
+class RMSNorm1P(fused.RMSNorm):
+    """RMSNorm whose weight is stored zero-centred and applied as 1 + w."""
+
+    def forward(self, x):
+        return fused.rms_norm(x, self.weight + 1, self.eps, self.fusion)
+
+
+_NORMS = {("LayerNorm", False): fused.LayerNorm, ("LayerNorm", True): LayerNorm1P,
+          ("RMSNorm", False): fused.RMSNorm, ("RMSNorm", True): RMSNorm1P}
+
+
+def make_norm(cfg: ModelConfig, device, dtype, size=None, sequence_parallel=None) -> torch.nn.Module:
+    """The configured norm over `size` channels (hidden size by default), replicated over TP.
+
+    `sequence_parallel` (default: the config's) marks its gradients as partial sums
+    over the TP group (it sees a slice of the sequence).
+    """
+    cls = _NORMS[(cfg.normalization, cfg.apply_layernorm_1p)]
+    sp = cfg.sequence_parallel if sequence_parallel is None else sequence_parallel
+    norm = cls(size or cfg.hidden_size, eps=cfg.layernorm_epsilon, fusion=cfg.layer_norm_fusion,
+               sequence_parallel=sp)
+    if cfg.normalization == "LayerNorm":
+        layer_norm_init_attributes(norm)
+    else:
+        set_parallel_attributes(norm.weight, False, init_method=_ones)
+    if cfg.apply_layernorm_1p:
+        set_parallel_attributes(norm.weight, False, init_method=_zeros)
+        with torch.no_grad():
+            norm.weight.zero_()
+    return norm.to(device=device, dtype=dtype)
+
+
+def _ones(tensor, generator=None):
+    return tensor.fill_(1.0)
+
+
+def _zeros(tensor, generator=None):
+    return tensor.zero_()
+
+
+def _squared_relu(x):
+    return torch.square(F.relu(x))
+
+
+def _gelu_erf(x):
+    return F.gelu(x)
+
+
+_GATES = {"swiglu": F.silu, "geglu": _gelu_erf, "reglu": F.relu, "liglu": lambda x: x}
+_PLAIN = {"openai_gelu": _gelu_erf, "squared_relu": _squared_relu}
+
+
+def mlp_activation(cfg: ModelConfig):
+    """f(x, bias) for the MLP's first output (bias may be None).
+
+    gelu: tanh-approximated GeLU (the fused bias-GeLU path, GPT-2's);
+    openai_gelu: exact (erf) GeLU; squared_relu: relu(x)^2; gated ones take the
+    rank's [gate; up] halves and return act(gate) * up.
+    """
+    if cfg.activation == "gelu":
+        if cfg.add_bias_linear:
+            return lambda x, bias: fused.bias_gelu(bias, x, fusion=cfg.bias_gelu_fusion)
+        return lambda x, bias: F.gelu(x, approximate="tanh")
+    if cfg.gated_mlp:
+        gate_fn = _GATES[cfg.activation]
+
+        def gated(x, bias):
+            if bias is not None:
+                x = x + bias
+            gate, up = torch.chunk(x, 2, dim=-1)
+            return gate_fn(gate) * up
+        return gated
+    fn = _PLAIN[cfg.activation]
+    return lambda x, bias: fn(x if bias is None else x + bias)
