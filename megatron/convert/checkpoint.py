@@ -13,6 +13,7 @@ ours -> HF: the checkpoint is merged to full tensors, the padding rows dropped
 and the layouts undone; the stored HF config is written back unchanged.
 """
 import os
+import re
 import shutil
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -27,7 +28,7 @@ from megatron.convert.hf_files import (copy_other_files, other_files, read_confi
                                        write_hf_dir)
 from megatron.convert.layouts import pad_rows
 from megatron.model import GPTModel
-from megatron.model.sharding import parameter_meta
+from megatron.model.sharding import REPLICATED, merge_shards
 from megatron.tokenizer import padded_vocab_size
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_save,
                                              _atomic_write_text, checkpoint_path,
@@ -90,7 +91,7 @@ def sharding_for(cfg: ModelConfig, flat: dict) -> dict:
         if expected.get(name) != got.get(name):
             raise ConversionError(f"converted tensor {name} has shape {got.get(name)} but the "
                                   f"model built from its config expects {expected.get(name)}")
-    return {name: parameter_meta(p) for name, p in model.named_parameters()}
+    return model.sharding_metadata()
 
 
 def write_release(root: str, flat: dict, config: Config, sharding: dict) -> None:
@@ -146,11 +147,28 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _layerless(name: str) -> str:
+    return re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
+
+
+def stored_sharding(source) -> dict:
+    """The sharding metadata of every rank file, keyed by names without layer numbers
+    (each layer is split alike); older checkpoints without it: the name rules."""
+    meta = {}
+    for state in source.states.values():
+        meta.update({_layerless(n): m for n, m in (state.get("sharding") or {}).items()})
+    return meta
+
+
 def read_full_model(load: str):
     """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint."""
     source = mmp.read_source(load)
-    shards, _ = zip(*(mmp.global_shard(source, t) for t in range(source.tp)))
-    full = mmp.merge_tensor_parallel(list(shards), mmp.stored_sharding(source))
+    shards = [mmp.global_shard(source, t)[0] for t in range(source.tp)]
+    meta = stored_sharding(source)
+    full = {}
+    for name in shards[0]:
+        rule = meta.get(_layerless(name)) or {**REPLICATED, "dim": mmp.partition_dim(name)}
+        full[name] = merge_shards([shard[name] for shard in shards], rule)
     full.pop(mmp.HEAD, None)  # the last stage's copy of the tied embeddings
     return full, source.states[min(source.states)].get("config") or {}
 
