@@ -5,16 +5,20 @@
 
 The source layout (TP, PP and virtual pipeline chunks) is read from the
 checkpoint's directory names and files. Every tensor-parallel shard set is
-merged into full tensors, by the split rule of each parameter:
+merged into full tensors by the sharding metadata saved in the checkpoint
+("sharding": each parameter's split dimension and row grouping, including the
+gated MLP's [gate; up] rows and grouped-query QKV layouts; see
+megatron/model/sharding.py). Checkpoints saved before the metadata existed are
+read with the split rule of GPT-2's parameters:
 
     word embeddings (and the last stage's head copy)   rows (dim 0, vocabulary)
     attention query_key_value, mlp dense_h_to_4h       rows (dim 0), weight and bias
     attention dense, mlp dense_4h_to_h                 columns (dim 1), weight only
     everything else (layer norms, biases of row-parallel layers, positions)  replicated
 
-then split again for the target TP, and the layers are redistributed over the
-target pipeline stages with local indices (embeddings on the first stage, final
-layer norm and head copy on the last). The padded vocabulary is kept, so it
+The full tensors are split again for the target TP, and the layers are
+redistributed over the target pipeline stages with local indices (embeddings on
+the first stage, final layer norm, output layer and head copy on the last). The padded vocabulary is kept, so it
 must divide by the target TP. The output holds the model only (no optimizer or
 RNG state), with the iteration, consumed samples and the updated config, in the
 same layout (iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt). It is written
@@ -35,6 +39,8 @@ if _REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from megatron.model.sharding import (check_shardable, merge_shards,  # noqa: E402
+                                     shard_tensor)
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER,  # noqa: E402
                                              from_megatron_layout, read_tracker,
                                              to_megatron_layout)
@@ -42,6 +48,7 @@ from megatron.training.trainer import chunk_layers  # noqa: E402
 
 WORD = "language_model.embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
+OUTPUT = "language_model.output_layer."
 FINAL_NORM = "language_model.encoder.final_layernorm."
 LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -56,8 +63,9 @@ class ReshardError(RuntimeError):
     """The checkpoint or target layout cannot be re-sharded; the message says why."""
 
 
-def partition_dim(name: str) -> Optional[int]:
-    """The dimension along which parameter `name` is split over TP ranks (None: replicated)."""
+def legacy_partition_dim(name: str) -> Optional[int]:
+    """The split dimension of a GPT-2 parameter `name` in a checkpoint saved without
+    sharding metadata (None: replicated)."""
     if name in (WORD, HEAD):
         return 0
     match = LAYER.match(name)
@@ -67,6 +75,28 @@ def partition_dim(name: str) -> Optional[int]:
         if match.group(2) in SPLIT_BY_COLUMNS:
             return 1
     return None
+
+
+def _meta_key(name: str) -> str:
+    """Layers share their metadata: key it by the name inside the layer."""
+    match = LAYER.match(name)
+    return f"layers.{match.group(2)}" if match else name
+
+
+class Sharding:
+    """Each parameter's sharding metadata, from the checkpoint (or the legacy table)."""
+
+    def __init__(self, saved: Dict[str, dict]):
+        self.saved = {_meta_key(name): meta for name, meta in saved.items()}
+
+    def __call__(self, name: str) -> dict:
+        meta = self.saved.get(_meta_key(name))
+        if meta is not None:
+            return meta
+        return {"dim": legacy_partition_dim(name), "groups": 1}
+
+    def to_dict(self, names) -> Dict[str, dict]:
+        return {name: self(name) for name in names}
 
 
 # -- reading the source -----------------------------------------------------------
@@ -79,6 +109,13 @@ class Source:
     tp: int
     pp: int
     states: Dict[Tuple[int, int], dict]
+
+    @property
+    def sharding(self) -> Sharding:
+        saved: Dict[str, dict] = {}
+        for state in self.states.values():
+            saved.update(state.get("sharding") or {})
+        return Sharding(saved)
 
 
 def iteration_dir(root: str, iteration: int, release: bool) -> str:
@@ -161,7 +198,7 @@ def global_shard(source: Source, tp_rank: int) -> Tuple[Flat, int]:
     return merged, num_layers
 
 
-def merge_tensor_parallel(shards: List[Flat]) -> Flat:
+def merge_tensor_parallel(shards: List[Flat], sharding: Sharding) -> Flat:
     """Full tensors from the shards of every TP rank."""
     names = list(shards[0])
     for rank, shard in enumerate(shards[1:], start=1):
@@ -169,15 +206,12 @@ def merge_tensor_parallel(shards: List[Flat]) -> Flat:
             odd = sorted(set(shard) ^ set(names))[:3]
             raise ReshardError(f"TP ranks 0 and {rank} hold different parameters (e.g. {odd}); "
                                f"the checkpoint is inconsistent")
-    full = {}
-    for name in names:
-        dim = partition_dim(name)
-        full[name] = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim)
-    return full
+    return {name: merge_shards([s[name] for s in shards], sharding(name)) for name in names}
 
 
 # -- writing the target -------------------------------------------------------------
-def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int) -> None:
+def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int,
+                 sharding: Sharding) -> None:
     if tp < 1 or pp < 1:
         raise ReshardError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")
     if num_layers % pp:
@@ -193,10 +227,9 @@ def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int) ->
                            f"--target-tensor-model-parallel-size {tp}; pick a TP size that "
                            f"divides {vocab}")
     for name, tensor in full.items():
-        dim = partition_dim(name)
-        if dim is not None and tensor.shape[dim] % tp:
-            raise ReshardError(f"{name} has {tensor.shape[dim]} entries along dim {dim}, not "
-                               f"divisible by --target-tensor-model-parallel-size {tp}")
+        problem = check_shardable(tensor.shape, sharding(name), tp)
+        if problem:
+            raise ReshardError(f"{name}: {problem} (--target-tensor-model-parallel-size {tp})")
 
 
 def target_stages(name: str, layers_per_stage: int, pp: int) -> Tuple[int, str]:
@@ -206,29 +239,30 @@ def target_stages(name: str, layers_per_stage: int, pp: int) -> Tuple[int, str]:
         index = int(match.group(1))
         return (index // layers_per_stage,
                 f"language_model.encoder.layers.{index % layers_per_stage}.{match.group(2)}")
-    if name.startswith(FINAL_NORM) or name == HEAD:
+    if name.startswith(FINAL_NORM) or name.startswith(OUTPUT) or name == HEAD:
         return pp - 1, name
     return 0, name
 
 
-def split_for_target(full: Flat, num_layers: int, tp: int, pp: int) -> Dict[Tuple[int, int], Flat]:
+def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
+                     sharding: Sharding) -> Dict[Tuple[int, int], Flat]:
     """Parameters of each target (tp_rank, pp_rank), each tensor its own copy."""
     full = dict(full)
+    untied = any(name.startswith(OUTPUT) for name in full)
     if pp == 1:
         full.pop(HEAD, None)  # one stage: the head is the embedding itself
-    elif HEAD not in full:
+    elif HEAD not in full and not untied:
         full[HEAD] = full[WORD]
     out: Dict[Tuple[int, int], Flat] = {(t, p): {} for t in range(tp) for p in range(pp)}
     for name, tensor in full.items():
         stage, local = target_stages(name, num_layers // pp, pp)
-        dim = partition_dim(name)
-        pieces = [tensor] * tp if dim is None else list(torch.chunk(tensor, tp, dim))
-        for t, piece in enumerate(pieces):
-            out[(t, stage)][local] = piece.clone()
+        meta = sharding(name)
+        for t in range(tp):
+            out[(t, stage)][local] = shard_tensor(tensor, meta, t, tp).clone()
     return out
 
 
-def target_state(source_state: dict, flat: Flat, tp: int, pp: int) -> dict:
+def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sharding) -> dict:
     config = dict(source_state.get("config") or {})
     if config:
         parallel = dict(config.get("parallel", {}))
@@ -237,7 +271,7 @@ def target_state(source_state: dict, flat: Flat, tp: int, pp: int) -> dict:
         if tp == 1:
             parallel["sequence_parallel"] = False
         config["parallel"] = parallel
-    return {"model": to_megatron_layout(flat),
+    return {"model": to_megatron_layout(flat), "sharding": sharding.to_dict(flat),
             "iteration": source_state.get("iteration", 0),
             "checkpoint_version": source_state.get("checkpoint_version", CHECKPOINT_VERSION),
             "config": config,
@@ -261,7 +295,7 @@ def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Fl
         for (t, p), flat in shards.items():
             rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             os.makedirs(os.path.join(tmp, rank_dir))
-            torch.save(target_state(first, flat, tp, pp),
+            torch.save(target_state(first, flat, tp, pp, source.sharding),
                        os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
         os.replace(tmp, final)
     except BaseException:
@@ -284,10 +318,12 @@ def reshard(load: str, save: str, tp: int, pp: int) -> str:
     for t in range(source.tp):
         shard, num_layers = global_shard(source, t)
         shards.append(shard)
-    full = merge_tensor_parallel(shards)
+    sharding = source.sharding
+    full = merge_tensor_parallel(shards, sharding)
     config = source.states[(0, 0)].get("config") or {}
-    check_target(full, config, num_layers, tp, pp)
-    return write_checkpoint(save, source, split_for_target(full, num_layers, tp, pp), tp, pp)
+    check_target(full, config, num_layers, tp, pp, sharding)
+    return write_checkpoint(save, source, split_for_target(full, num_layers, tp, pp, sharding),
+                            tp, pp)
 
 
 def get_args(argv=None):

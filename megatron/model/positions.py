@@ -53,7 +53,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     slopes = [base ** (i + 1) for i in range(closest)]
     if closest < num_heads:
         extra_base = 2.0 ** (-4.0 / closest)  # = 2 ** (-8 / (2 * closest))
-        slopes += [extra_base ** (i + 1) for i in range(1, 2 * (num_heads - closest), 2)]
+        slopes += [extra_base ** i for i in range(1, 2 * (num_heads - closest), 2)]
     return torch.tensor(slopes, dtype=torch.float32)
 
 

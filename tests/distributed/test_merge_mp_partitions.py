@@ -70,7 +70,7 @@ def _chunk(full, num_layers, t, tp, p, pp, v, vpp):
     first, last = p == 0 and v == 0, p == pp - 1 and v == vpp - 1
     flat = {}
     for name, tensor in full.items():
-        dim = mmp.partition_dim(name)
+        dim = mmp.legacy_partition_dim(name)
         piece = tensor if dim is None else shard_of(tensor, dim, 1, t, tp)
         match = LAYER.match(name)
         if match:
@@ -109,13 +109,13 @@ def tree_digest(root) -> str:
 
 
 # -- single process ---------------------------------------------------------------------
-def test_partition_dims_match_the_model_attributes():
+def test_legacy_partition_dims_match_the_gpt2_model_attributes():
     model_parallel_seed(1234, 0)
     for pre, post in ((True, True), (False, True)):
         model = GPTModel(model_config(), pre_process=pre, post_process=post)
         for name, param in model.named_parameters():
             expected = param.partition_dim if param.tensor_model_parallel else None
-            assert mmp.partition_dim(name) == expected, name
+            assert mmp.legacy_partition_dim(name) == expected, name
 
 
 @pytest.mark.parametrize("source, target", [
