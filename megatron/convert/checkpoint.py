@@ -13,7 +13,6 @@ ours -> HF: the checkpoint is merged to full tensors, the padding rows dropped
 and the layouts undone; the stored HF config is written back unchanged.
 """
 import os
-import re
 import shutil
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -28,7 +27,6 @@ from megatron.convert.hf_files import (copy_other_files, other_files, read_confi
                                        write_hf_dir)
 from megatron.convert.layouts import pad_rows
 from megatron.model import GPTModel
-from megatron.model.sharding import REPLICATED, merge_shards
 from megatron.tokenizer import padded_vocab_size
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_save,
                                              _atomic_write_text, checkpoint_path,
@@ -147,28 +145,11 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _layerless(name: str) -> str:
-    return re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
-
-
-def stored_sharding(source) -> dict:
-    """The sharding metadata of every rank file, keyed by names without layer numbers
-    (each layer is split alike); older checkpoints without it: the name rules."""
-    meta = {}
-    for state in source.states.values():
-        meta.update({_layerless(n): m for n, m in (state.get("sharding") or {}).items()})
-    return meta
-
-
 def read_full_model(load: str):
     """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint."""
     source = mmp.read_source(load)
     shards = [mmp.global_shard(source, t)[0] for t in range(source.tp)]
-    meta = stored_sharding(source)
-    full = {}
-    for name in shards[0]:
-        rule = meta.get(_layerless(name)) or {**REPLICATED, "dim": mmp.partition_dim(name)}
-        full[name] = merge_shards([shard[name] for shard in shards], rule)
+    full = mmp.merge_tensor_parallel(shards, source.sharding)
     full.pop(mmp.HEAD, None)  # the last stage's copy of the tied embeddings
     return full, source.states[min(source.states)].get("config") or {}
 
