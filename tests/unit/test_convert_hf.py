@@ -139,3 +139,29 @@ def test_linear_rope_scaling_maps_to_interpolation_factor():
     fields = llama.model_fields(hf)
     assert fields["rotary_seq_len_interpolation_factor"] == 4.0
     assert fields["rotary_base"] == 500000
+
+
+def test_padding_rows_never_win_generation(tmp_path):
+    """A GPT-2 whose real logits are all negative: the zero padding rows' logit 0 is the
+    raw maximum, yet greedy generation picks what transformers picks."""
+    from tests.hf_models import build_hf_model
+    model = build_hf_model("gpt2")
+    with torch.no_grad():
+        wte = model.transformer.wte.weight
+        wte[:, 0] = wte[:, 0].abs() + 0.5
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = -5.0
+    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    ckpt = converted(str(tmp_path), "gpt2")
+    vocab = model.config.vocab_size
+    prompt = prompts(vocab)[:, :PROMPT_LEN]
+    with one_thread():
+        models, tokenizer, _, _ = load_ours(ckpt, vocab)
+        with torch.no_grad():
+            raw = models[0](prompt, position_ids(prompt))
+        got = generate(models[0], tokenizer, prompt.tolist(), NEW_TOKENS, greedy=True,
+                       eod_stop=False)
+        expected = hf_greedy(model, prompt)
+    assert bool((raw.argmax(-1) >= vocab).all())  # unmasked, a padding id would win
+    assert got == expected and max(max(row) for row in got) < vocab
