@@ -41,8 +41,8 @@ setup(
     py_modules=["pretrain_gpt"],
     install_requires=["torch>=2.1", "numpy", "regex", "tensorboard", "pybind11", "ninja"],
     extras_require={
-        "hf": ["tokenizers", "transformers"],
-        "test": ["pytest", "tokenizers", "transformers"],
+        "hf": ["tokenizers", "transformers", "safetensors"],
+        "test": ["pytest", "tokenizers", "transformers", "safetensors"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,

@@ -54,9 +54,10 @@ def perturb(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-def build_hf_model(family: str, seed: int = 0):
+def build_hf_model(family: str, seed: int = 0, vocab_size=None):
     """A float32, eager-attention random model of `family`, in eval mode."""
     cls, config = FAMILIES[family]()
+    config.vocab_size = vocab_size or config.vocab_size
     config.bos_token_id = config.eos_token_id = config.pad_token_id = None
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -64,8 +65,8 @@ def build_hf_model(family: str, seed: int = 0):
     return model.eval()
 
 
-def save_hf_model(family: str, directory: str, seed: int = 0):
-    model = build_hf_model(family, seed)
+def save_hf_model(family: str, directory: str, seed: int = 0, vocab_size=None):
+    model = build_hf_model(family, seed, vocab_size)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

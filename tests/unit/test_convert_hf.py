@@ -165,3 +165,38 @@ def test_padding_rows_never_win_generation(tmp_path):
         expected = hf_greedy(model, prompt)
     assert bool((raw.argmax(-1) >= vocab).all())  # unmasked, a padding id would win
     assert got == expected and max(max(row) for row in got) < vocab
+
+
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000",
+               "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu",
+               "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
+    """pretrain_gpt.py --load takes the converted release checkpoint with the LLaMA flags
+    (the preset's, scaled down) and starts from its weights at iteration 0: one step at
+    warm-up lr 0 saves them unchanged."""
+    import pretrain_gpt
+    from megatron.training.checkpointing import from_megatron_layout
+    from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
+    if not have_reference_data():
+        pytest.skip("../shared/data not available")
+    save_hf_model("llama", str(tmp_path / "hf"), vocab_size=8000)
+    ckpt = converted(str(tmp_path), "llama")
+    prefix = preprocess_wiki(tmp_path, docs=20)
+    argv = tiny_gpt_argv(prefix, tmp_path / "cache", *LLAMA_FLAGS, "--load", ckpt,
+                         "--save", str(tmp_path / "trained"), "--lr-warmup-iters", "1",
+                         "--save-interval", "1", layers=2, hidden=64, heads=4, seq=32, iters=1)
+    argv.remove("--lr-warmup-fraction")
+    argv.remove("0.1")
+    with one_thread():
+        pretrain_gpt.main(argv)
+
+    def weights(root, directory):
+        path = os.path.join(root, directory, "mp_rank_00", "model_optim_rng.pt")
+        return from_megatron_layout(torch.load(path, weights_only=True)["model"])
+    before, after = weights(ckpt, "release"), weights(str(tmp_path / "trained"), "iter_0000001")
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
