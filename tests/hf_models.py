@@ -116,3 +116,13 @@ def converted(tmp_dir: str, family: str, tp: int = 1, pp: int = 1) -> str:
         argv += ["--seq-length", str(SEQ_LENGTH[family])]
     assert convert_checkpoint.main(argv) == 0
     return ckpt
+
+
+def save_word_tokenizer(directory: str, size: int) -> None:
+    """A word-level tokenizer of `size` ids ("0" .. str(size - 1)) saved as HF files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.WordLevel({str(i): i for i in range(size)}, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="0",
+                            eos_token="1").save_pretrained(directory)

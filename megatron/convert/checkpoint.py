@@ -64,7 +64,7 @@ def check_tokenizer_fits(directory: str, rows: int) -> None:
     try:
         from transformers import AutoTokenizer
         size = len(AutoTokenizer.from_pretrained(directory, local_files_only=True))
-    except Exception:  # an unreadable tokenizer is the user's to fix when they use it
+    except (ImportError, OSError, ValueError, KeyError):  # unreadable: the user's to fix on use
         return
     if size > rows:
         raise ConversionError(f"the tokenizer in {directory} has {size} ids but the model's "

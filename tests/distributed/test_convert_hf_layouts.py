@@ -5,7 +5,8 @@ The parent saves one small random model per family, converts it to TP 2 x PP 2 a
 to TP 2 x PP 1, and computes transformers' logits and greedy tokens; one spawn of
 4 gloo ranks loads every conversion through the entry points' loading path: the
 PP 2 one runs a forward over both stages (stage 0 sends its activations to stage 1),
-the PP 1 one (TP 2 x DP 2) generates greedily with the KV cache.
+the PP 1 one (TP 2 x DP 2) generates greedily with the KV cache. Converting the
+TP 2 x PP 2 checkpoint back to HF gives the original tensors.
 """
 import os
 
@@ -16,10 +17,13 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from safetensors.torch import load_file  # noqa: E402
+
 from megatron.text_generation import generate  # noqa: E402
 from tests.distributed.run_ranks import run_ranks  # noqa: E402
 from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
                              load_ours, position_ids, prompts, rel_err, save_hf_model)
+from tools import convert_checkpoint  # noqa: E402
 
 
 def _pipeline_logits(ckpt: str, vocab: int, tokens: torch.Tensor):
@@ -48,6 +52,17 @@ def _worker(rank, world_size, cases):
     return out
 
 
+def _check_way_back(work: str, ckpt: str) -> None:
+    """Merging the TP 2 x PP 2 checkpoint back to HF gives the original tensors."""
+    back = os.path.join(work, "back")
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
+                                    os.path.join(work, ckpt), "--save", back]) == 0
+    original = load_file(os.path.join(work, "hf", "model.safetensors"))
+    again = load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], t) for k, t in original.items())
+
+
 def test_converted_models_match_transformers_at_tp2_pp2(tmp_path):
     cases, expected = [], {}
     for name in sorted(FAMILIES):
@@ -55,6 +70,7 @@ def test_converted_models_match_transformers_at_tp2_pp2(tmp_path):
         model = save_hf_model(name, os.path.join(work, "hf"))
         for tp, pp in ((2, 2), (2, 1)):
             converted(work, name, tp, pp)
+        _check_way_back(work, "ckpt_tp2_pp2")
         vocab = model.config.vocab_size
         tokens = prompts(vocab)
         with torch.no_grad():

@@ -200,3 +200,47 @@ def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
     assert sorted(before) == sorted(after)
     for name in before:
         assert torch.equal(before[name], after[name]), name
+
+
+def test_tokenizer_files_travel_and_are_used(tmp_path):
+    """The HF directory's tokenizer is copied and recorded (PretrainedFromHF): loading
+    needs no tokenizer flags; the way back restores the files; a tokenizer larger than
+    the vocabulary is refused."""
+    from megatron.arguments import build_parser
+    from megatron.training.loading import build_tokenizer_and_vocab, parse_inference_args
+    from tests.hf_models import save_word_tokenizer
+    hf_dir = tmp_path / "hf"
+    model = save_hf_model("gpt2", str(hf_dir))
+    save_word_tokenizer(str(hf_dir), 150)
+    ckpt = converted(str(tmp_path), "gpt2")
+    config, _, stored = parse_inference_args(build_parser(), ["--load", ckpt])
+    tokenizer = build_tokenizer_and_vocab(config, stored)
+    assert tokenizer.vocab_size == 150 and config.model.padded_vocab_size == 256
+    assert tokenizer.tokenize("3 7 42") == [3, 7, 42]
+    back = tmp_path / "back"
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", str(back)]) == 0
+    for name in os.listdir(hf_dir):
+        if name != "config.json":
+            assert (back / name).read_bytes() == (hf_dir / name).read_bytes(), name
+
+    too_big = tmp_path / "too_big"
+    model.save_pretrained(str(too_big), safe_serialization=True)
+    save_word_tokenizer(str(too_big), 300)
+    code = convert_checkpoint.main(["--from", "hf", "--to", "megatron", "--load", str(too_big),
+                                    "--save", str(tmp_path / "never")])
+    assert code == 2 and not (tmp_path / "never").exists()
+
+
+def test_sharded_safetensors_are_read(tmp_path):
+    model = save_hf_model("llama", str(tmp_path / "sharded"))
+    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    ckpt = converted(str(tmp_path), "llama")
+    back = str(tmp_path / "back")
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", back]) == 0
+    original = load_file(str(tmp_path / "sharded" / "model.safetensors"))
+    again = load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], t) for k, t in original.items())
