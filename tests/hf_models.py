@@ -82,9 +82,10 @@ def hf_greedy(model, prompt: torch.Tensor):
     return out[:, prompt.shape[1]:].tolist()
 
 
-def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1):
+def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None):
     """(model chunks, tokenizer, pstate, config) through the loading path of the entry
-    points: flags read from the checkpoint, tokenizer with `vocab` ids (NullTokenizer)."""
+    points: flags read from the checkpoint, tokenizer with `vocab` ids (NullTokenizer).
+    A `pstate` of the same layout is reused instead of building new groups."""
     from megatron.training.initialize import initialize_distributed
     from megatron.training.loading import (build_tokenizer_and_vocab, load_inference_models,
                                            parse_inference_args)
@@ -93,8 +94,9 @@ def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1):
             "--use-cpu-initialization"]
     config, _, stored = parse_inference_args(build_parser(), argv)
     tokenizer = build_tokenizer_and_vocab(config, stored)
-    pstate, device = initialize_distributed(config)
-    models, _ = load_inference_models(config, pstate, device, parallel_output=False)
+    if pstate is None:
+        pstate, _ = initialize_distributed(config)
+    models, _ = load_inference_models(config, pstate, torch.device("cpu"), parallel_output=False)
     return models, tokenizer, pstate, config
 
 

@@ -26,30 +26,32 @@ from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_gre
 from tools import convert_checkpoint  # noqa: E402
 
 
-def _pipeline_logits(ckpt: str, vocab: int, tokens: torch.Tensor):
-    """Logits on the last stage (None on the first) of the TP 2 x PP 2 checkpoint."""
-    models, _, pstate, config = load_ours(ckpt, vocab, tp=2, pp=2)
+def _pipeline_logits(ckpt: str, vocab: int, tokens: torch.Tensor, pstate):
+    """(logits on the last stage, None on the first; pstate) of the TP 2 x PP 2 checkpoint."""
+    models, _, pstate, config = load_ours(ckpt, vocab, tp=2, pp=2, pstate=pstate)
     model, positions = models[0], position_ids(tokens)
     with torch.no_grad():
         if pstate.pp_rank == 0:
             dist.send(model(tokens, positions).contiguous(), pstate.next_rank)
-            return None
+            return None, pstate
         hidden = torch.empty(tokens.shape[1], tokens.shape[0], config.model.hidden_size)
         dist.recv(hidden, pstate.prev_rank)
         model.set_input_tensor(hidden)
-        return model(tokens, positions)
+        return model(tokens, positions)[..., :vocab], pstate
 
 
 def _worker(rank, world_size, cases):
-    torch.manual_seed(0)
-    out = {}
+    logits, greedy, pstate = {}, {}, None
     for name, work, vocab, tokens in cases:
-        logits = _pipeline_logits(os.path.join(work, "ckpt_tp2_pp2"), vocab, tokens)
-        models, tokenizer, _, _ = load_ours(os.path.join(work, "ckpt_tp2_pp1"), vocab, tp=2)
-        greedy = generate(models[0], tokenizer, tokens[:, :PROMPT_LEN].tolist(), NEW_TOKENS,
-                          greedy=True, eod_stop=False)
-        out[name] = (None if logits is None else logits[..., :vocab], greedy)
-    return out
+        logits[name], pstate = _pipeline_logits(os.path.join(work, "ckpt_tp2_pp2"), vocab,
+                                                tokens, pstate)
+    pstate = None
+    for name, work, vocab, tokens in cases:
+        models, tokenizer, pstate, _ = load_ours(os.path.join(work, "ckpt_tp2_pp1"), vocab,
+                                                 tp=2, pstate=pstate)
+        greedy[name] = generate(models[0], tokenizer, tokens[:, :PROMPT_LEN].tolist(),
+                                NEW_TOKENS, greedy=True, eod_stop=False)
+    return {name: (logits[name], greedy[name]) for name in logits}
 
 
 def _check_way_back(work: str, ckpt: str) -> None:
