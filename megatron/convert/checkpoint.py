@@ -14,10 +14,8 @@ and the layouts undone; the stored HF config is written back unchanged.
 """
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
-
-import torch
 
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.convert import ConversionError

@@ -20,7 +20,8 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError:
-        raise ConversionError("the safetensors package is needed: pip install safetensors") from None
+        raise ConversionError("the safetensors package is needed: pip install safetensors") \
+            from None
     return safetensors.torch
 
 

@@ -28,8 +28,8 @@ def recorded_launch(tmp_path: Path, script: str) -> list:
         (bin_dir / name).chmod(0o755)
     record = tmp_path / "argv"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record),
-               DATA="data/prefix", VOCAB="vocab.json", MERGE="merges.txt", TOKENIZER="tokenizer_dir",
-               MASTER_ADDR="node0")
+               DATA="data/prefix", VOCAB="vocab.json", MERGE="merges.txt",
+               TOKENIZER="tokenizer_dir", MASTER_ADDR="node0")
     subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, check=True, timeout=60)
     return record.read_text().splitlines()
 
