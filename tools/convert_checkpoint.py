@@ -8,7 +8,9 @@ Supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, BloomForCausal
 read from / written to config.json + model.safetensors (a sharded
 model.safetensors.index.json is read too). The Megatron checkpoint is a
 `release` checkpoint that pretrain_gpt.py takes with --load (or --finetune) and
-the model flags the converted config stores (printed at the end).
+the model flags of the converted config. --to hf also exports checkpoints trained
+here (GPT-2, LLaMA or BLOOM, by their position encoding), keeping --hf-vocab-size
+rows (default: the size of the tokenizer they were trained with).
 """
 import argparse
 import os
@@ -39,6 +41,9 @@ def get_parser() -> argparse.ArgumentParser:
                         help="pad the vocabulary to a multiple of this x the target TP size")
     parser.add_argument("--pad-vocab-size-to", type=int, default=None,
                         help="pad the vocabulary to exactly this many rows")
+    parser.add_argument("--hf-vocab-size", type=int, default=None,
+                        help="--to hf from a checkpoint not converted from HF: the real "
+                             "vocabulary size (default: its tokenizer's)")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="training sequence length stored with the model (default: its "
                              "max positions; BLOOM: 2048)")
@@ -50,7 +55,7 @@ def convert(args) -> str:
         raise ConversionError(f"--from {args.source} --to {args.target}: convert between hf "
                               f"and megatron")
     if args.target == "hf":
-        return megatron_to_hf(args.load, args.save)
+        return megatron_to_hf(args.load, args.save, args.hf_vocab_size)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConversionError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")

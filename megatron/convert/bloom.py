@@ -48,3 +48,13 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     c.pair_to_hf(flat, c.FINAL_NORM, P + "ln_f.", out)
     c.head_to_hf(flat, hf, out)
     return out
+
+
+def hf_config(cfg, vocab: int) -> dict:
+    """The BloomConfig of a model of ours (checked against `model_fields` by the caller)."""
+    return {"architectures": list(ARCHITECTURES), "model_type": "bloom", "vocab_size": vocab,
+            "hidden_size": cfg.hidden_size, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads, "layer_norm_epsilon": cfg.layernorm_epsilon,
+            "hidden_dropout": cfg.hidden_dropout, "attention_dropout": cfg.attention_dropout,
+            "apply_residual_connection_post_layernorm": False,
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}

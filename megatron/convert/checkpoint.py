@@ -10,7 +10,10 @@ tools/merge_mp_partitions.py. The HF directory's other files (tokenizer...) are
 copied to <save>/hf_files.
 
 ours -> HF: the checkpoint is merged to full tensors, the padding rows dropped
-and the layouts undone; the stored HF config is written back unchanged.
+and the layouts undone; the stored HF config is written back unchanged. A
+checkpoint without it (trained here) is exported as the architecture its
+position encoding implies (GPT-2, LLaMA, BLOOM) if that expresses every
+architecture field of its config, keeping its tokenizer's vocabulary rows.
 """
 import os
 import shutil
@@ -20,12 +23,12 @@ from typing import Optional
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.convert import ConversionError
 from megatron.convert.common import OUTPUT, WORD
-from megatron.convert.families import FAMILIES, family_of
+from megatron.convert.families import FAMILIES, family_of, hf_config_for
 from megatron.convert.hf_files import (copy_other_files, other_files, read_config, read_weights,
                                        write_hf_dir)
 from megatron.convert.layouts import pad_rows
 from megatron.model import GPTModel
-from megatron.tokenizer import padded_vocab_size
+from megatron.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_save,
                                              _atomic_write_text, checkpoint_path,
                                              to_megatron_layout)
@@ -164,21 +167,47 @@ class _Tracked(dict):
         return super().__getitem__(name)
 
 
-def megatron_to_hf(load: str, save: str) -> str:
-    """Convert the latest checkpoint under `load` (converted from HF) to an HF directory."""
+def _tokenizer_size(data, load: str) -> int:
+    """Ids of the tokenizer a checkpoint was trained with (its stored tokenizer flags)."""
+    if data.tokenizer_type is None:
+        raise ConversionError(f"{load} stores no tokenizer; give --hf-vocab-size (the real "
+                              f"vocabulary size, without padding)")
+    try:
+        return build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file,
+                               data.tokenizer_name_or_path, data.vocab_size).vocab_size
+    except (ValueError, OSError, ImportError) as err:
+        raise ConversionError(f"cannot build the checkpoint's tokenizer ({err}); give "
+                              f"--hf-vocab-size") from None
+
+
+def hf_target(stored: dict, load: str, vocab_size: Optional[int] = None):
+    """(architecture, HF config, real vocabulary rows, directory of other files to copy):
+    the stored "hf" entry of a converted checkpoint, else derived from our config."""
+    entry = stored.get("hf")
+    if entry:
+        return entry["architecture"], entry["config"], entry["vocab_rows"], entry.get("files_dir")
+    config = Config.from_dict(stored)
+    rows = vocab_size or _tokenizer_size(config.data, load)
+    if rows > config.model.padded_vocab_size:
+        raise ConversionError(f"--hf-vocab-size {rows} exceeds the checkpoint's "
+                              f"{config.model.padded_vocab_size} vocabulary rows")
+    arch, hf = hf_config_for(config.model, rows)
+    hf_tokenizer = config.data.tokenizer_type == "PretrainedFromHF"
+    return arch, hf, rows, config.data.tokenizer_name_or_path if hf_tokenizer else None
+
+
+def megatron_to_hf(load: str, save: str, vocab_size: Optional[int] = None) -> str:
+    """Convert the latest checkpoint under `load` to an HF directory. A checkpoint converted
+    from HF gets its HF config back; another one an HF config derived from its own, with
+    `vocab_size` (default: its tokenizer's) rows."""
     full, stored = read_full_model(load)
-    hf_entry = stored.get("hf")
-    if not hf_entry:
-        raise ConversionError(f"{load} was not converted from Hugging Face (its config has no "
-                              f"'hf' entry), so the HF config to write is unknown")
-    family = FAMILIES[hf_entry["architecture"]]
+    arch, hf, rows, files_dir = hf_target(stored, load, vocab_size)
     cfg = Config.from_dict(stored).model
-    rows = hf_entry["vocab_rows"]
     flat = _Tracked({name: t[:rows] if name in (WORD, OUTPUT) else t for name, t in full.items()})
-    weights = family.to_hf(flat, hf_entry["config"], cfg)
+    weights = FAMILIES[arch].to_hf(flat, hf, cfg)
     unused = sorted(set(flat) - flat.used)
     if unused:
         raise ConversionError(f"{len(unused)} tensors have no Hugging Face counterpart in "
-                              f"{hf_entry['architecture']}, e.g. {unused[0]}")
-    write_hf_dir(save, hf_entry["config"], weights, hf_entry.get("files_dir"))
+                              f"{arch}, e.g. {unused[0]}")
+    write_hf_dir(save, hf, weights, files_dir)
     return save

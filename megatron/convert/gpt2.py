@@ -72,3 +72,14 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     c.pair_to_hf(flat, c.FINAL_NORM, P + "ln_f.", out)
     c.head_to_hf(flat, hf, out)
     return out
+
+
+def hf_config(cfg, vocab: int) -> dict:
+    """The GPT2Config of a model of ours (checked against `model_fields` by the caller)."""
+    return {"architectures": list(ARCHITECTURES), "model_type": "gpt2", "vocab_size": vocab,
+            "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
+            "n_positions": cfg.max_position_embeddings, "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.layernorm_epsilon, "resid_pdrop": cfg.hidden_dropout,
+            "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout,
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}

@@ -100,3 +100,20 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     c.pair_to_hf(flat, c.FINAL_NORM, "model.norm.", out, bias=False)
     c.head_to_hf(flat, hf, out)
     return out
+
+
+def hf_config(cfg, vocab: int) -> dict:
+    """The LlamaConfig of a model of ours (checked against `model_fields` by the caller)."""
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+          "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+          "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels,
+          "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+          "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": float(cfg.rotary_base),
+          "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
+          "attention_dropout": cfg.attention_dropout,
+          "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+    if cfg.rotary_seq_len_interpolation_factor is not None:
+        hf["rope_scaling"] = {"rope_type": "linear",
+                              "factor": cfg.rotary_seq_len_interpolation_factor}
+    return hf

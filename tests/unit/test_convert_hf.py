@@ -176,13 +176,14 @@ LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000",
 def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
     """pretrain_gpt.py --load takes the converted release checkpoint with the LLaMA flags
     (the preset's, scaled down) and starts from its weights at iteration 0: one step at
-    warm-up lr 0 saves them unchanged."""
+    warm-up lr 0 saves them unchanged. The trained checkpoint (no "hf" entry, a GPT-2
+    BPE tokenizer of 8000 ids) exports to an HF model with the original's logits."""
     import pretrain_gpt
     from megatron.training.checkpointing import from_megatron_layout
     from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
     if not have_reference_data():
         pytest.skip("../shared/data not available")
-    save_hf_model("llama", str(tmp_path / "hf"), vocab_size=8000)
+    hf_model = save_hf_model("llama", str(tmp_path / "hf"), vocab_size=8000)
     ckpt = converted(str(tmp_path), "llama")
     prefix = preprocess_wiki(tmp_path, docs=20)
     argv = tiny_gpt_argv(prefix, tmp_path / "cache", *LLAMA_FLAGS, "--load", ckpt,
@@ -200,6 +201,17 @@ def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
     assert sorted(before) == sorted(after)
     for name in before:
         assert torch.equal(before[name], after[name]), name
+
+    from transformers import LlamaForCausalLM
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
+                                    str(tmp_path / "trained"), "--save",
+                                    str(tmp_path / "exported")]) == 0
+    exported = LlamaForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                attn_implementation="eager").eval()
+    assert exported.config.vocab_size == 8000
+    tokens = prompts(8000)
+    with torch.no_grad(), one_thread():
+        assert rel_err(exported(tokens).logits, hf_model(tokens).logits) < 1e-5
 
 
 def test_tokenizer_files_travel_and_are_used(tmp_path):
@@ -244,3 +256,49 @@ def test_sharded_safetensors_are_read(tmp_path):
     again = load_file(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], t) for k, t in original.items())
+
+
+def _without_hf_entry(ckpt: str, target) -> str:
+    """A copy of a converted checkpoint as training would save it: no "hf" entry."""
+    import shutil
+    shutil.copytree(ckpt, target)
+    path = os.path.join(target, "release", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=True)
+    del state["config"]["hf"]
+    torch.save(state, path)
+    return str(target)
+
+
+def test_checkpoint_without_hf_entry_exports_an_equivalent_model(family, tmp_path):
+    """The HF config derived from our config (Mistral's as LlamaForCausalLM) gives
+    transformers' model the original's logits."""
+    name, hf_model, work = family
+    ckpt = _without_hf_entry(os.path.join(work, "ckpt_tp1_pp1"), tmp_path / "ckpt")
+    vocab = hf_model.config.vocab_size
+    back = str(tmp_path / "back")
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", back, "--hf-vocab-size", str(vocab)]) == 0
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    tokens = prompts(vocab)
+    with torch.no_grad(), one_thread():
+        assert rel_err(exported(tokens).logits, hf_model(tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("normalization", "RMSNorm", "normalization=RMSNorm cannot be expressed in GPT2LMHeadModel"),
+    ("position_embedding_type", "none", "no Hugging Face architecture"),
+])
+def test_export_refuses_what_no_architecture_expresses(small_dirs, tmp_path, capsys, field,
+                                                       value, message):
+    import shutil
+    shutil.copytree(small_dirs / "gpt2", tmp_path / "hf")
+    ckpt = _without_hf_entry(converted(str(tmp_path), "gpt2"), tmp_path / "ckpt")
+    path = os.path.join(ckpt, "release", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=True)
+    state["config"]["model"][field] = value
+    torch.save(state, path)
+    code = convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", str(tmp_path / "hf"), "--hf-vocab-size", "211"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
