@@ -104,6 +104,17 @@ def write_release(root: str, flat: dict, config: Config, sharding: dict) -> None
     _atomic_write_text(os.path.join(root, TRACKER), "release")
 
 
+def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """The training layout rules (heads, query groups, layers, ffn) for TP `tp` x PP `pp`."""
+    config = Config(model=cfg)
+    config.parallel.tensor_model_parallel_size = tp
+    config.parallel.pipeline_model_parallel_size = pp
+    try:
+        config.check_layout(tp * pp)
+    except ConfigError as err:
+        raise ConversionError(f"the model does not fit TP {tp} x PP {pp}: {err}") from None
+
+
 def _config_dict(cfg: ModelConfig, arch: str, hf: dict, rows: int, load: str, files_dir) -> dict:
     """Our config as a dict, plus an "hf" entry that the way back needs."""
     config = Config(model=cfg)
@@ -127,23 +138,25 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
     rows = flat[WORD].shape[0]
     check_tokenizer_fits(load, rows)
     cfg = build_config(fields, rows, vocab, tp)
+    check_target_layout(cfg, tp, pp)
     for name in (WORD, OUTPUT):
         if name in flat:
             flat[name] = pad_rows(flat[name], cfg.padded_vocab_size)
     sharding = sharding_for(cfg, flat)
     files_dir = os.path.join(os.path.abspath(save), HF_FILES) if other_files(load) else None
     config = _config_dict(cfg, arch, hf, rows, load, files_dir)
-    if files_dir:
-        copy_other_files(load, files_dir)
     if tp == 1 and pp == 1:
         write_release(save, flat, config, sharding)
-        return os.path.join(save, "release")
-    staging = f"{os.path.abspath(save).rstrip(os.sep)}.tp1.tmp.{os.getpid()}"
-    try:
-        write_release(staging, flat, config, sharding)
-        return mmp.reshard(staging, save, tp, pp)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        staging = f"{os.path.abspath(save).rstrip(os.sep)}.tp1.tmp.{os.getpid()}"
+        try:
+            write_release(staging, flat, config, sharding)
+            mmp.reshard(staging, save, tp, pp)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if files_dir:
+        copy_other_files(load, files_dir)
+    return os.path.join(save, "release")
 
 
 def read_full_model(load: str):
