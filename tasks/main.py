@@ -86,7 +86,8 @@ def main(argv=None) -> Dict[str, float]:
     except (TaskDataError, CheckpointError) as err:
         print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
         sys.exit(1)
-    total = evaluate(ns.task, dataset, models, config, pstate, device, tokenizer.eod)
+    total = evaluate(ns.task, dataset, models, config, pstate, device, tokenizer.eod,
+                     tokenizer.vocab_size)
     metrics = metrics_of(ns.task, dataset, total)
     report(ns.task, metrics)
     return metrics

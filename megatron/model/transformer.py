@@ -17,7 +17,8 @@ from megatron.model.spec import make_norm, mlp_activation
 from megatron.mpu import checkpoint, get_rng_tracker
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
                                  scaled_init_normal)
-from megatron.mpu.mappings import copy_to_tensor_model_parallel_region, group_rank, group_size
+from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region, group_rank, group_size,
+                                   sum_replica_grads)
 
 
 def dropout_rng_context(sequence_parallel: bool):
@@ -138,8 +139,19 @@ class ParallelAttention(torch.nn.Module):
             input_is_parallel=True, skip_bias_add=True,
             init_method=scaled_init_normal(cfg.init_method_std, cfg.num_layers), **common)
 
+    def _qkv(self, hidden):
+        """The QKV projection; with TP > query groups the k / v rows are replicas whose
+        gradients are summed over the ranks sharing them."""
+        replicas = group_size(self.tp_group) // self.cfg.num_query_groups
+        if replicas <= 1:
+            return self.query_key_value(hidden)
+        rows = 2 * self.cfg.kv_channels
+        params = {n: sum_replica_grads(p, rows, replicas, self.tp_group)
+                  for n, p in self.query_key_value.named_parameters()}
+        return torch.func.functional_call(self.query_key_value, params, (hidden,))
+
     def _split_qkv(self, hidden):
-        qkv = self.query_key_value(hidden)
+        qkv = self._qkv(hidden)
         s, b, _ = qkv.shape
         d = self.cfg.kv_channels
         qkv = qkv.view(s, b, self.groups_per_partition, (self.q_per_group + 2) * d)

@@ -88,8 +88,10 @@ def init_parameters(named_params: Dict[str, torch.nn.Parameter], seed: int, tp_g
     for name, param in named_params.items():
         init = getattr(param, "init_method", _zeros)
         sharded = getattr(param, "tensor_model_parallel", False) and size > 1
-        if not sharded or use_cpu_initialization:
-            meta = parameter_meta(param)
+        meta = parameter_meta(param)
+        # k / v replicas (TP > query groups) must start equal: slice them from the full weight
+        replicas = size > meta.get("query_groups", size)
+        if not sharded or use_cpu_initialization or replicas:
             gen = torch.Generator().manual_seed(_init_seed(seed, name))
             full = init(torch.empty(full_shape(param.shape, meta, size), dtype=torch.float32), gen)
             param.copy_(shard_tensor(full, meta, rank, size) if sharded else full)

@@ -11,6 +11,8 @@ the backward of its partner:
     scatter_to_sequence         fwd split first       bwd gather first
     gather_from_sequence        fwd gather first      bwd reduce-scatter first
     reduce_scatter_to_sequence  fwd reduce-scatter    bwd gather first
+    sum_replica_grads           fwd identity          bwd sum the trailing rows over
+                                                      the ranks of the same replica set
 """
 import torch
 import torch.distributed as dist
@@ -187,3 +189,35 @@ def gather_from_sequence_parallel_region(x, group, output_grad_is_partial=True):
 
 def reduce_scatter_to_sequence_parallel_region(x, group):
     return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+
+
+class _SumReplicaGrads(torch.autograd.Function):
+    """Identity; backward sums the last `rows` rows of the gradient over the TP ranks
+    that hold the same replica (rank r is in set r // per_set), by an all-reduce of a
+    zero buffer with one slot per set."""
+
+    @staticmethod
+    def forward(ctx, x, rows, per_set, group):
+        ctx.rows, ctx.per_set, ctx.group = rows, per_set, group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, per_set = ctx.rows, ctx.per_set
+        sets = group_size(ctx.group) // per_set
+        mine = group_rank(ctx.group) // per_set
+        slots = grad.new_zeros((sets, rows) + tuple(grad.shape[1:]))
+        slots[mine] = grad[-rows:]
+        dist.all_reduce(slots, group=ctx.group)
+        grad = grad.clone()
+        grad[-rows:] = slots[mine]
+        return grad, None, None, None
+
+
+def sum_replica_grads(x, rows: int, per_set: int, group):
+    """Weights whose last `rows` rows are replicated on each `per_set` consecutive TP
+    ranks (k / v of a query group when TP exceeds the groups): their gradient is the
+    sum over the set, so the replicas stay equal."""
+    if per_set == 1 or group_size(group) == 1:
+        return x
+    return _SumReplicaGrads.apply(x, rows, per_set, group)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.data.batch import ltor_masks_and_position_ids
 from megatron.mpu.mappings import all_reduce, group_size
+from megatron.text_generation.sampling import mask_padded_vocab
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
 from megatron.training.trainer import ReplayIterators, params_dtype
@@ -59,22 +60,23 @@ def _to_batch(text, loss_mask, valid, eod, data_cfg) -> dict:
             "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def score(task: str, batch: dict, output: torch.Tensor):
-    """(score tensor, report) of one micro batch from the last stage's output."""
+def score(task: str, batch: dict, output: torch.Tensor, vocab_size=None):
+    """(score tensor, report) of one micro batch from the last stage's output; LAMBADA's
+    predictions never take a padding id >= vocab_size."""
     if task == WIKITEXT:
         total = (output.float() * batch["loss_mask"]).sum()
     else:
-        predicted = output.argmax(dim=-1)
+        predicted = mask_padded_vocab(output, vocab_size).argmax(dim=-1)
         correct = (predicted == batch["labels"]) | (batch["loss_mask"] == 0)
         total = (correct.all(dim=-1).float() * batch["valid"]).sum()
     return total, {"score": total.detach().double()}
 
 
-def forward_step(task: str, data_iterator, model):
+def forward_step(task: str, data_iterator, model, vocab_size=None):
     batch = next(data_iterator)
     labels = batch["labels"] if task == WIKITEXT else None
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=labels)
-    return output, partial(score, task, batch)
+    return output, partial(score, task, batch, vocab_size=vocab_size)
 
 
 def _communicator(config, pstate, device, num_chunks: int):
@@ -89,8 +91,10 @@ def _communicator(config, pstate, device, num_chunks: int):
 
 
 @torch.no_grad()
-def evaluate(task: str, dataset, models, config, pstate, device, eod: int) -> float:
-    """Summed score of the task over the whole dataset (identical on every rank)."""
+def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
+             vocab_size=None) -> float:
+    """Summed score of the task over the whole dataset (identical on every rank);
+    `vocab_size`: the tokenizer's, so that padding ids are never predicted."""
     micro = config.training.micro_batch_size
     interleaved = len(models) > 1
     count = num_micro_batches(len(dataset), micro, pstate.dp_size,
@@ -101,7 +105,7 @@ def evaluate(task: str, dataset, models, config, pstate, device, eod: int) -> fl
     for model in models:
         model.eval()
     reports = forward_backward(
-        schedule, forward_step=partial(forward_step, task),
+        schedule, forward_step=partial(forward_step, task, vocab_size=vocab_size),
         data_iterators=ReplayIterators(batches, len(models)).all(), model_chunks=models,
         num_microbatches=count, comm=_communicator(config, pstate, device, len(models)),
         pp_rank=pstate.pp_rank, pp_size=pstate.pp_size, forward_only=True)

@@ -10,49 +10,14 @@ iteration 5 with PP = 2, DP = 2, DP = 2 with the distributed optimizer and
 PP = DP = 2 with the distributed optimizer and overlapped reduction resume to
 the uninterrupted losses bit for bit. Three spawns: 2, 4 and 8 ranks.
 """
-import os
-from dataclasses import dataclass, field
-from typing import List
-
 import pytest
 
-from megatron.mpu.topology import ParallelDims
+from tests.distributed.layouts import (GLOBAL_BATCH, Layout, check_losses, check_resume,
+                                       reference_losses, train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, preprocess_wiki
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
-
-ITERS = 10
-SAVE_AT = 5
-LOSS_TOL = 1e-5
-GLOBAL_BATCH = 8
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    mbs: int
-    extra: List[str] = field(default_factory=list)
-    resume: bool = False  # also save at SAVE_AT and resume to ITERS
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def num_micro_batches(self) -> int:
-        return GLOBAL_BATCH // (self.dp * self.mbs)
-
-    def argv(self, data_prefix, cache_dir, *more):
-        return tiny_gpt_argv(data_prefix, cache_dir, "--tensor-model-parallel-size", str(self.tp),
-                             "--pipeline-model-parallel-size", str(self.pp), *self.extra, *more,
-                             mbs=self.mbs, gbs=GLOBAL_BATCH, iters=ITERS)
-
-    def is_last_stage(self, rank: int) -> bool:
-        pp_rank, _, _ = ParallelDims(world_size=self.world, tp=self.tp, pp=self.pp).coordinates(rank)
-        return pp_rank == self.pp - 1
 
 
 LAYOUTS = {
@@ -77,29 +42,8 @@ LAYOUTS = {
 }
 
 
-def _layouts_of_world(world):
-    return {name: layout for name, layout in LAYOUTS.items() if layout.world == world}
-
-
-def _train(argv):
-    import pretrain_gpt
-    state = pretrain_gpt.main(argv)
-    return {"losses": losses(state), "iterations": [h["iteration"] for h in state.history]}
-
-
 def _rank(rank, world_size, data_prefix, workdir):
-    """Every layout of this world size in turn; resumable ones also save and resume."""
-    cache = os.path.join(workdir, f"cache-{world_size}")
-    results = {}
-    for name, layout in _layouts_of_world(world_size).items():
-        results[name] = _train(layout.argv(data_prefix, cache))
-        if layout.resume:
-            save = os.path.join(workdir, f"ckpt-{name}")
-            results[name + "/first"] = _train(layout.argv(
-                data_prefix, cache, "--save", save, "--save-interval", str(SAVE_AT),
-                "--exit-interval", str(SAVE_AT)))
-            results[name + "/resumed"] = _train(layout.argv(data_prefix, cache, "--load", save))
-    return results
+    return train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +54,8 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    """(TP, PP, DP) = (1, 1, 1) in the pytest process (one thread, like each rank)."""
-    import pretrain_gpt
     prefix, out = workdir
-    with one_thread():
-        state = pretrain_gpt.main(tiny_gpt_argv(prefix, out / "cache-ref", mbs=2, gbs=GLOBAL_BATCH,
-                                                iters=ITERS))
-    return losses(state)
+    return reference_losses(prefix, out / "cache-ref")
 
 
 def _spawn(world, workdir):
@@ -144,12 +83,6 @@ def spawn(world, request):
     return request.getfixturevalue(f"spawn{world}")
 
 
-def assert_close(got, want, what):
-    assert len(got) == len(want), f"{what}: {len(got)} losses, expected {len(want)}"
-    rel = [abs(a - b) / abs(b) for a, b in zip(got, want)]
-    assert max(rel) < LOSS_TOL, f"{what}: max relative difference {max(rel):.3g}\n{got}\n{want}"
-
-
 def test_layout_table_is_consistent():
     for name, layout in LAYOUTS.items():
         assert layout.dp * layout.mbs * layout.num_micro_batches == GLOBAL_BATCH, name
@@ -161,34 +94,10 @@ def test_layout_table_is_consistent():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_losses_equal_one_device(name, reference, request):
     layout = LAYOUTS[name]
-    results = spawn(layout.world, request)
-    assert len(reference) == ITERS
-    for rank, result in enumerate(results):
-        got = result[name]
-        if layout.is_last_stage(rank):
-            assert got["iterations"] == list(range(1, ITERS + 1)), f"rank {rank}"
-            assert_close(got["losses"], reference, f"{name} rank {rank}")
-        else:
-            assert got["losses"] == [], f"rank {rank} is not on the last stage but reported losses"
+    check_losses(name, layout, spawn(layout.world, request), reference)
 
 
 @pytest.mark.parametrize("name", [n for n, layout in LAYOUTS.items() if layout.resume])
 def test_checkpoint_resumes_exactly(name, workdir, request):
     layout = LAYOUTS[name]
-    results = spawn(layout.world, request)
-    _, out = workdir
-    save = out / f"ckpt-{name}"
-    assert (save / "latest_checkpointed_iteration.txt").read_text() == str(SAVE_AT)
-    folders = sorted(os.listdir(save / f"iter_{SAVE_AT:07d}"))
-    if layout.pp == 1:
-        assert folders == ["mp_rank_00"], folders
-    else:
-        assert folders == [f"mp_rank_00_{p:03d}" for p in range(layout.pp)], folders
-    for rank, result in enumerate(results):
-        if not layout.is_last_stage(rank):
-            continue
-        full, first, resumed = result[name], result[name + "/first"], result[name + "/resumed"]
-        assert first["iterations"] == list(range(1, SAVE_AT + 1)), f"rank {rank}"
-        assert first["losses"] == full["losses"][:SAVE_AT], f"rank {rank}"
-        assert resumed["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), f"rank {rank}"
-        assert resumed["losses"] == full["losses"][SAVE_AT:], f"rank {rank}: resumed run differs"
+    check_resume(name, layout, spawn(layout.world, request), workdir[1])

@@ -313,3 +313,109 @@ def test_merged_checkpoint_computes_like_the_sharded_one(tmp_path, tiny_corpus):
         assert r["greedy_tp2"] == greedy
         assert r["interleaved"][0] == pytest.approx(results[0]["interleaved"][1], rel=1e-5)
     assert 0.0 < loss < 9.1  # trained a little: below ln(8000) = 8.99 + noise
+
+
+# -- LLaMA / BLOOM layouts: TP 2 -> 1 -> 4 by the saved sharding metadata ---------------------
+SPEC_ARCHS = {
+    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                  group_query_attention=True, num_query_groups=2,
+                  untie_embeddings_and_output_weights=True, add_bias_linear=False),
+    "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+}
+
+
+def spec_config(arch) -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
+                       max_position_embeddings=16, padded_vocab_size=128, hidden_dropout=0.0,
+                       attention_dropout=0.0, **SPEC_ARCHS[arch])
+
+
+def write_tp_layout(root, full, cfg, tp):
+    """`full` saved at TP = tp (PP = 1) with its sharding metadata, as a training run saves it."""
+    from megatron.model.sharding import shard_tensor
+    meta = GPTModel(cfg).sharding_metadata()
+    for t in range(tp):
+        flat = {name: shard_tensor(tensor, meta[name], t, tp).clone()
+                for name, tensor in full.items()}
+        state = {"iteration": 5, "config": Config(model=cfg, parallel=ParallelConfig(
+                     tensor_model_parallel_size=tp)).to_dict(),
+                 "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1,
+                              "virtual_pipeline_model_parallel_size": 1},
+                 "model": to_megatron_layout(flat), "sharding": meta}
+        path = os.path.join(root, "iter_0000005", f"mp_rank_{t:02d}", "model_optim_rng.pt")
+        os.makedirs(os.path.dirname(path))
+        torch.save(state, path)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+
+
+def _spec_tokens():
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    return ids, torch.arange(16).unsqueeze(0).expand(2, 16)
+
+
+def _logits_and_grads(model):
+    """Logits of the spec tokens, and each parameter's gradient of the summed token losses."""
+    ids, positions = _spec_tokens()
+    model.zero_grad()
+    model(ids, positions, labels=ids).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        return model.eval()(ids, positions), grads
+
+
+def _logits_at(root, tp):
+    """Logits (gathered over the vocabulary) and gradients of the TP = tp checkpoint under `root`."""
+    from megatron.mpu import initialize_model_parallel
+    pstate = initialize_model_parallel(tp, 1)
+    state = torch.load(os.path.join(root, "iter_0000005", f"mp_rank_{pstate.tp_rank:02d}",
+                                    "model_optim_rng.pt"), weights_only=True)
+    cfg = Config.from_dict(state["config"]).model
+    model = GPTModel(cfg, tp_group=pstate.tp_group, parallel_output=False)
+    model.load_state_dict(from_megatron_layout(state["model"]))
+    return _logits_and_grads(model)
+
+
+def _spec_worker(rank, world_size, roots):
+    return {arch: {tp: _logits_at(root, tp) for tp, root in by_tp.items()}
+            for arch, by_tp in roots.items()}
+
+
+def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
+    """Also the gradients at TP 2 and TP 4 (whose LLaMA k / v rows are replicas) are
+    the single-process gradients' shards."""
+    from megatron.model.sharding import shard_tensor
+    roots, reference = {}, {}
+    for arch in SPEC_ARCHS:
+        cfg = spec_config(arch)
+        full = full_state(cfg)
+        src, one, four = (str(tmp_path / f"{arch}-{n}") for n in ("tp2", "tp1", "tp4"))
+        write_tp_layout(src, full, cfg, 2)
+        assert mmp.main(["--load", src, "--save", one]) == 0
+        assert mmp.main(["--load", one, "--save", four,
+                         "--target-tensor-model-parallel-size", "4"]) == 0
+        merged, state = read_layout(one)
+        assert set(merged[(0, 0)]) == set(full)
+        for name, tensor in full.items():  # exact: the metadata, not a concatenation
+            assert torch.equal(merged[(0, 0)][name], tensor), (arch, name)
+        assert state["sharding"] == GPTModel(cfg).sharding_metadata()
+        split, _ = read_layout(four)
+        meta = state["sharding"]
+        for t in range(4):
+            for name, tensor in full.items():
+                assert torch.equal(split[(t, 0)][name], shard_tensor(tensor, meta[name], t, 4))
+        model = GPTModel(cfg)
+        model.load_state_dict(full)
+        reference[arch] = _logits_and_grads(model) + (meta,)
+        roots[arch] = {2: src, 4: four}
+    results = run_ranks(_spec_worker, 4, roots, timeout=240)
+    for rank, result in enumerate(results):
+        for arch, by_tp in result.items():
+            want_logits, want_grads, meta = reference[arch]
+            for tp, (logits, grads) in by_tp.items():
+                what = f"{arch} TP {tp} rank {rank}"
+                torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5, msg=what)
+                for name, grad in grads.items():  # k / v replicas (TP 4 > 2 groups) included
+                    want = shard_tensor(want_grads[name], meta[name], rank % tp, tp)
+                    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-5,
+                                               msg=f"{what}: {name}")

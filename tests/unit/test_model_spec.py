@@ -255,3 +255,14 @@ def test_llama_and_bloom_flags_fill_the_spec():
                        world_size=1)[0].model
     assert bloom.position_embedding_type == "alibi" and bloom.embed_layernorm
     assert fused.RMSNorm  # the norm class the spec builds
+
+
+def test_lambada_never_predicts_a_padding_id():
+    from tasks.zeroshot_gpt.evaluate import score
+    output = torch.zeros(1, 2, 8)
+    output[0, :, 3] = 1.0
+    output[0, :, 6] = 5.0  # a padding row (tokenizer vocabulary: 5 ids) scores highest
+    batch = {"labels": torch.tensor([[3, 3]]), "loss_mask": torch.ones(1, 2),
+             "valid": torch.ones(1)}
+    assert score("LAMBADA", batch, output, vocab_size=5)[0].item() == 1.0
+    assert score("LAMBADA", batch, output)[0].item() == 0.0
