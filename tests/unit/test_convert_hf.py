@@ -143,9 +143,11 @@ def test_linear_rope_scaling_maps_to_interpolation_factor():
     assert fields["rotary_base"] == 500000
 
 
-def test_padding_rows_never_win_generation(tmp_path):
+def test_padding_rows_never_win_generation_or_lambada(tmp_path):
     """A GPT-2 whose real logits are all negative: the zero padding rows' logit 0 is the
-    raw maximum, yet greedy generation picks what transformers picks."""
+    raw maximum, yet greedy generation picks what transformers picks, and LAMBADA's
+    scoring counts transformers' argmax as correct."""
+    from tasks.zeroshot_gpt.evaluate import LAMBADA, score
     from tests.hf_models import build_hf_model
     model = build_hf_model("gpt2")
     with torch.no_grad():
@@ -167,6 +169,11 @@ def test_padding_rows_never_win_generation(tmp_path):
         expected = hf_greedy(model, prompt)
     assert bool((raw.argmax(-1) >= vocab).all())  # unmasked, a padding id would win
     assert got == expected and max(max(row) for row in got) < vocab
+    with torch.no_grad():
+        labels = model(prompt).logits.argmax(-1)
+    batch = {"labels": labels, "loss_mask": torch.ones_like(labels), "valid": torch.ones(2)}
+    assert float(score(LAMBADA, batch, raw, vocab_size=vocab)[0]) == 2.0
+    assert float(score(LAMBADA, batch, raw)[0]) == 0.0
 
 
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000",
