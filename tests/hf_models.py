@@ -54,10 +54,13 @@ def perturb(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-def build_hf_model(family: str, seed: int = 0, vocab_size=None):
-    """A float32, eager-attention random model of `family`, in eval mode."""
+def build_hf_model(family: str, seed: int = 0, vocab_size=None, **overrides):
+    """A float32, eager-attention random model of `family` (config attributes changed by
+    `overrides`), in eval mode."""
     cls, config = FAMILIES[family]()
     config.vocab_size = vocab_size or config.vocab_size
+    for name, value in overrides.items():
+        setattr(config, name, value)
     config.bos_token_id = config.eos_token_id = config.pad_token_id = None
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -65,8 +68,8 @@ def build_hf_model(family: str, seed: int = 0, vocab_size=None):
     return model.eval()
 
 
-def save_hf_model(family: str, directory: str, seed: int = 0, vocab_size=None):
-    model = build_hf_model(family, seed, vocab_size)
+def save_hf_model(family: str, directory: str, seed: int = 0, vocab_size=None, **overrides):
+    model = build_hf_model(family, seed, vocab_size, **overrides)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

@@ -311,3 +311,31 @@ def test_export_refuses_what_no_architecture_expresses(small_dirs, tmp_path, cap
                                     "--save", str(tmp_path / "hf"), "--hf-vocab-size", "211"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("overrides", [
+    {"tie_word_embeddings": True},
+    {"attention_bias": True, "mlp_bias": True},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+], ids=["tied", "biases", "linear-rope"])
+def test_llama_variants(tmp_path, overrides):
+    """Tied embeddings, biases (--add-qkv-bias with bias linears) and linear RoPE scaling
+    (--rotary-seq-len-interpolation-factor): logits equal and the round trip is exact."""
+    model = save_hf_model("llama", str(tmp_path / "hf"), **overrides)
+    assert all(getattr(model.config, k) == v for k, v in overrides.items())
+    ckpt = converted(str(tmp_path), "llama")
+    vocab = model.config.vocab_size
+    tokens = prompts(vocab)
+    with one_thread():
+        models, _, _, _ = load_ours(ckpt, vocab)
+        with torch.no_grad():
+            err = rel_err(models[0](tokens, position_ids(tokens))[..., :vocab],
+                          model(tokens).logits)
+    assert err < 1e-5
+    back = str(tmp_path / "back")
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", back]) == 0
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    again = load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], t) for k, t in original.items())
