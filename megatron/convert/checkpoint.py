@@ -93,7 +93,7 @@ def sharding_for(cfg: ModelConfig, flat: dict) -> dict:
     return model.sharding_metadata()
 
 
-def write_release(root: str, flat: dict, config: Config, sharding: dict) -> None:
+def write_release(root: str, flat: dict, config: dict, sharding: dict) -> None:
     """A TP = 1 / PP = 1 `release` checkpoint (model only) with the tracker."""
     state = {"model": to_megatron_layout(flat), "iteration": 0,
              "checkpoint_version": CHECKPOINT_VERSION, "config": config,
