@@ -15,7 +15,8 @@ from megatron.arguments import parse_args
 from tests.conftest import ROOT
 
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B.sh",
-           "megatron_11b.sh"]
+           "megatron_11b.sh", "pretrain_llama2_7b.sh", "pretrain_llama3_8b.sh",
+           "pretrain_bloom_176b.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
@@ -28,7 +29,7 @@ def recorded_launch(tmp_path: Path, script: str) -> list:
     record = tmp_path / "argv"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record),
                DATA="data/prefix", VOCAB="vocab.json", MERGE="merges.txt",
-               MASTER_ADDR="node0")
+               TOKENIZER="tokenizer_dir", MASTER_ADDR="node0")
     subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, check=True, timeout=60)
     return record.read_text().splitlines()
 
@@ -37,14 +38,43 @@ def _value(args: list, flag: str, default: int) -> int:
     return int(args[args.index(flag) + 1]) if flag in args else default
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_example_flags_parse_for_their_world_size(tmp_path, script):
+def parsed_launch(tmp_path: Path, script: str):
+    """(config, world size) of the pretrain_gpt.py launch a script makes."""
     args = recorded_launch(tmp_path, script)
     assert "pretrain_gpt.py" in args, args
     launcher, flags = args[:args.index("pretrain_gpt.py")], args[args.index("pretrain_gpt.py") + 1:]
     world = _value(launcher, "--nproc_per_node", 1) * _value(launcher, "--nnodes", 1)
     config, _ = parse_args(flags, world_size=world, required=pretrain_gpt.REQUIRED)
+    return config, world
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_flags_parse_for_their_world_size(tmp_path, script):
+    config, _ = parsed_launch(tmp_path, script)
     assert config.data.data_path
+
+
+LLAMA = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, normalization="RMSNorm",
+             layernorm_epsilon=1e-5, activation="swiglu", position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True, add_bias_linear=False)
+PRESETS = {
+    "pretrain_llama2_7b.sh": dict(LLAMA, ffn_hidden_size=11008, seq_length=4096,
+                                  num_query_groups=32, rotary_base=10000),
+    "pretrain_llama3_8b.sh": dict(LLAMA, ffn_hidden_size=14336, seq_length=8192,
+                                  num_query_groups=8, rotary_base=500000),
+    "pretrain_bloom_176b.sh": dict(num_layers=70, hidden_size=14336, num_attention_heads=112,
+                                   seq_length=2048, position_embedding_type="alibi",
+                                   embed_layernorm=True, normalization="LayerNorm",
+                                   untie_embeddings_and_output_weights=False,
+                                   pad_vocab_size_to=250880)}
+
+
+@pytest.mark.parametrize("script", sorted(PRESETS))
+def test_architecture_presets(tmp_path, script):
+    config, _ = parsed_launch(tmp_path, script)
+    for name, value in PRESETS[script].items():
+        assert getattr(config.model, name) == value, name
+    assert config.training.bf16
 
 
 def test_every_example_script_is_checked():

@@ -1,0 +1,45 @@
+"""The supported Hugging Face architectures, each with its mapping module."""
+from megatron.config import ConfigError, ModelConfig
+from megatron.convert import ConversionError, bloom, gpt2, llama
+
+FAMILIES = {arch: module for module in (gpt2, llama, bloom) for arch in module.ARCHITECTURES}
+# The HF architecture a model of ours is exported as, by its position encoding.
+BY_POSITIONS = {"learned_absolute": gpt2, "rope": llama, "alibi": bloom}
+# The ModelConfig fields an exported HF config must reproduce.
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+    "num_query_groups", "position_embedding_type", "rotary_percent", "rotary_base",
+    "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
+    "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "activation", "add_bias_linear",
+    "add_qkv_bias", "untie_embeddings_and_output_weights")
+
+
+def family_of(hf_config: dict):
+    """The mapping module of the config's architecture (one-line error if unsupported)."""
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in FAMILIES:
+            return name, FAMILIES[name]
+    raise ConversionError(f"architecture {names or hf_config.get('model_type')} is not supported; "
+                          f"supported: {', '.join(sorted(FAMILIES))}")
+
+
+def hf_config_for(cfg: ModelConfig, vocab: int):
+    """(architecture, HF config) that describe our model `cfg` exactly, or a one-line error
+    naming the first field no supported architecture expresses."""
+    family = BY_POSITIONS.get(cfg.position_embedding_type)
+    if family is None:
+        raise ConversionError(f"--position-embedding-type {cfg.position_embedding_type} has no "
+                              f"Hugging Face architecture to export to")
+    hf = family.hf_config(cfg, vocab)
+    arch = hf["architectures"][0]
+    try:
+        described = ModelConfig(**family.model_fields(hf, cfg.seq_length))
+    except ConfigError as err:
+        raise ConversionError(f"the model cannot be exported as {arch}: {err}") from None
+    for name in ARCHITECTURE_FIELDS:
+        ours, theirs = getattr(cfg, name), getattr(described, name)
+        if ours != theirs:
+            raise ConversionError(f"{name}={ours} cannot be expressed in {arch} (it would be "
+                                  f"{theirs})")
+    return arch, hf

@@ -1,0 +1,133 @@
+"""Small random Hugging Face models of each supported family, saved with safetensors,
+and our side of the comparison (the model the loading path builds from a converted
+checkpoint). Shared by the conversion tests."""
+import os
+
+import torch
+
+from megatron.arguments import build_parser
+
+PROMPT_LEN, NEW_TOKENS = 8, 32
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel, GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=211,
+                                       n_positions=96, layer_norm_epsilon=1e-5)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM, LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=203, max_position_embeddings=96, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def _mistral():  # multi-query (one K/V head): TP 2 holds replicas of it
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM, MistralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, intermediate_size=96, vocab_size=190, max_position_embeddings=96,
+        rms_norm_eps=1e-6, sliding_window=128, tie_word_embeddings=False)
+
+
+def _bloom():  # 6 heads: ALiBi slopes of a non-power-of-two head count, 3 per TP rank
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM, BloomConfig(hidden_size=48, n_layer=2, n_head=6, vocab_size=199,
+                                         layer_norm_epsilon=1e-5)
+
+
+FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom}
+SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
+
+
+def perturb(model, seed: int) -> None:
+    """Random weights far from the init: norms and biases that are not 1 / 0 make
+    mapping mistakes show in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and name.endswith("weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def build_hf_model(family: str, seed: int = 0, vocab_size=None, **overrides):
+    """A float32, eager-attention random model of `family` (config attributes changed by
+    `overrides`), in eval mode."""
+    cls, config = FAMILIES[family]()
+    config.vocab_size = vocab_size or config.vocab_size
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = None
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    perturb(model, seed)
+    return model.eval()
+
+
+def save_hf_model(family: str, directory: str, seed: int = 0, vocab_size=None, **overrides):
+    model = build_hf_model(family, seed, vocab_size, **overrides)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def prompts(vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, PROMPT_LEN + NEW_TOKENS),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def hf_greedy(model, prompt: torch.Tensor):
+    out = model.generate(prompt, do_sample=False, max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, attention_mask=torch.ones_like(prompt))
+    return out[:, prompt.shape[1]:].tolist()
+
+
+def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None):
+    """(model chunks, tokenizer, pstate, config) through the loading path of the entry
+    points: flags read from the checkpoint, tokenizer with `vocab` ids (NullTokenizer).
+    A `pstate` of the same layout is reused instead of building new groups."""
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.loading import (build_tokenizer_and_vocab, load_inference_models,
+                                           parse_inference_args)
+    argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--use-cpu-initialization"]
+    config, _, stored = parse_inference_args(build_parser(), argv)
+    tokenizer = build_tokenizer_and_vocab(config, stored)
+    if pstate is None:
+        pstate, _ = initialize_distributed(config)
+    models, _ = load_inference_models(config, pstate, torch.device("cpu"), parallel_output=False)
+    return models, tokenizer, pstate, config
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1]).expand_as(tokens)
+
+
+def converted(tmp_dir: str, family: str, tp: int = 1, pp: int = 1) -> str:
+    from tools import convert_checkpoint
+    hf_dir, ckpt = os.path.join(tmp_dir, "hf"), os.path.join(tmp_dir, f"ckpt_tp{tp}_pp{pp}")
+    argv = ["--from", "hf", "--to", "megatron", "--load", hf_dir, "--save", ckpt,
+            "--target-tensor-model-parallel-size", str(tp),
+            "--target-pipeline-model-parallel-size", str(pp)]
+    if family in SEQ_LENGTH:
+        argv += ["--seq-length", str(SEQ_LENGTH[family])]
+    assert convert_checkpoint.main(argv) == 0
+    return ckpt
+
+
+def save_word_tokenizer(directory: str, size: int) -> None:
+    """A word-level tokenizer of `size` ids ("0" .. str(size - 1)) saved as HF files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.WordLevel({str(i): i for i in range(size)}, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="0",
+                            eos_token="1").save_pretrained(directory)

@@ -1,0 +1,79 @@
+"""Convert checkpoints between Hugging Face `transformers` and this framework.
+
+    python tools/convert_checkpoint.py --from hf --to megatron --load HF_DIR --save CKPT \\
+        [--target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P]
+    python tools/convert_checkpoint.py --from megatron --to hf --load CKPT --save HF_DIR
+
+Supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, BloomForCausalLM,
+read from / written to config.json + model.safetensors (a sharded
+model.safetensors.index.json is read too). The Megatron checkpoint is a
+`release` checkpoint that pretrain_gpt.py takes with --load (or --finetune) and
+the model flags of the converted config. --to hf also exports checkpoints trained
+here (GPT-2, LLaMA or BLOOM, by their position encoding), keeping --hf-vocab-size
+rows (default: the size of the tokenizer they were trained with).
+"""
+import argparse
+import os
+import sys
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from megatron.convert import ConversionError  # noqa: E402
+from megatron.convert.checkpoint import VocabOptions, hf_to_megatron, megatron_to_hf  # noqa: E402
+from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from tools.merge_mp_partitions import ReshardError  # noqa: E402
+
+DIRECTIONS = {("hf", "megatron"), ("megatron", "hf")}
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Convert Hugging Face <-> Megatron checkpoints",
+                                     allow_abbrev=False)
+    parser.add_argument("--from", dest="source", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--to", dest="target", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--load", required=True, help="directory to read")
+    parser.add_argument("--save", required=True, help="directory to write (new or empty)")
+    parser.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="pad the vocabulary to a multiple of this x the target TP size")
+    parser.add_argument("--pad-vocab-size-to", type=int, default=None,
+                        help="pad the vocabulary to exactly this many rows")
+    parser.add_argument("--hf-vocab-size", type=int, default=None,
+                        help="--to hf from a checkpoint not converted from HF: the real "
+                             "vocabulary size (default: its tokenizer's)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="training sequence length stored with the model (default: its "
+                             "max positions; BLOOM: 2048)")
+    return parser
+
+
+def convert(args) -> str:
+    if (args.source, args.target) not in DIRECTIONS:
+        raise ConversionError(f"--from {args.source} --to {args.target}: convert between hf "
+                              f"and megatron")
+    if args.target == "hf":
+        return megatron_to_hf(args.load, args.save, args.hf_vocab_size)
+    tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConversionError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")
+    vocab = VocabOptions(args.make_vocab_size_divisible_by, args.pad_vocab_size_to)
+    return hf_to_megatron(args.load, args.save, tp, pp, args.seq_length, vocab)
+
+
+def main(argv=None) -> int:
+    args = get_parser().parse_args(argv)
+    try:
+        path = convert(args)
+    except (ConversionError, ReshardError, CheckpointError, OSError, KeyError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        print(f"convert_checkpoint.py: error: {message}", file=sys.stderr)
+        return 2
+    print(f" converted {args.load} ({args.source}) to {path} ({args.target})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
