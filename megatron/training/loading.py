@@ -114,15 +114,22 @@ def _default_global_batch(ns) -> None:
 
 
 MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond this is assumed
+# Fields that decide the parameters' names and shapes (max_position_embeddings only with
+# learned position embeddings: RoPE and ALiBi have no table).
 MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                        "max_position_embeddings")
+                        "num_query_groups", "kv_channels", "activation", "normalization",
+                        "position_embedding_type", "untie_embeddings_and_output_weights",
+                        "add_bias_linear", "add_qkv_bias", "embed_layernorm", "qk_layernorm")
 
 
 def check_model_matches(config, stored: Dict[str, Any]) -> None:
     """The model and tokenizer the flags describe are the checkpoint's (exit 2 naming both)."""
     model, data = stored.get("model") or {}, stored.get("data") or {}
     root = config.checkpoint.load
-    for name in MATCHED_MODEL_FIELDS:
+    names = MATCHED_MODEL_FIELDS
+    if config.model.position_embedding_type == "learned_absolute":
+        names += ("max_position_embeddings",)
+    for name in names:
         saved, given = model.get(name), getattr(config.model, name)
         if saved is not None and saved != given:
             fail(f"--{name.replace('_', '-')} {given} does not match the checkpoint in {root}, "

@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
 from megatron.text_generation import generate  # noqa: E402
+from megatron.training.checkpoint_io import save_file  # noqa: E402
 from tests.gpt_setup import one_thread  # noqa: E402
 from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
                              load_ours, position_ids, prompts, rel_err, save_hf_model)
@@ -274,7 +275,7 @@ def _without_hf_entry(ckpt: str, target) -> str:
     path = os.path.join(target, "release", "mp_rank_00", "model_optim_rng.pt")
     state = torch.load(path, weights_only=True)
     del state["config"]["hf"]
-    torch.save(state, path)
+    save_file(state, path)  # with its checksum sidecar, as a save would
     return str(target)
 
 
@@ -306,7 +307,7 @@ def test_export_refuses_what_no_architecture_expresses(small_dirs, tmp_path, cap
     path = os.path.join(ckpt, "release", "mp_rank_00", "model_optim_rng.pt")
     state = torch.load(path, weights_only=True)
     state["config"]["model"][field] = value
-    torch.save(state, path)
+    save_file(state, path)  # with its checksum sidecar, as a save would
     code = convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
                                     "--save", str(tmp_path / "hf"), "--hf-vocab-size", "211"])
     err = capsys.readouterr().err
