@@ -377,8 +377,15 @@ def _logits_at(root, tp):
 
 
 def _spec_worker(rank, world_size, roots):
-    return {arch: {tp: _logits_at(root, tp) for tp, root in by_tp.items()}
-            for arch, by_tp in roots.items()}
+    """Logits and gradients as numpy arrays: pickled by value, not as shared-memory handles
+    that vanish when the rank exits before a busy parent reads them."""
+    out = {}
+    for arch, by_tp in roots.items():
+        out[arch] = {}
+        for tp, root in by_tp.items():
+            logits, grads = _logits_at(root, tp)
+            out[arch][tp] = (logits.numpy(), {n: g.numpy() for n, g in grads.items()})
+    return out
 
 
 def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
@@ -414,8 +421,9 @@ def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
             want_logits, want_grads, meta = reference[arch]
             for tp, (logits, grads) in by_tp.items():
                 what = f"{arch} TP {tp} rank {rank}"
-                torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5, msg=what)
+                torch.testing.assert_close(torch.from_numpy(logits), want_logits, rtol=1e-5,
+                                           atol=1e-5, msg=what)
                 for name, grad in grads.items():  # k / v replicas (TP 4 > 2 groups) included
                     want = shard_tensor(want_grads[name], meta[name], rank % tp, tp)
-                    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-5,
+                    torch.testing.assert_close(torch.from_numpy(grad), want, rtol=1e-4, atol=1e-5,
                                                msg=f"{what}: {name}")
