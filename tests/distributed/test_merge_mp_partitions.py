@@ -321,6 +321,11 @@ SPEC_ARCHS = {
                   group_query_attention=True, num_query_groups=2,
                   untie_embeddings_and_output_weights=True, add_bias_linear=False),
     "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+    # the rest of the spec: q/k layer norms (their gradients are summed over TP), 1 + w
+    # norms, GeGLU, --kv-channels apart from hidden / heads, a QKV bias alone, RoPE on half
+    "mixed": dict(qk_layernorm=True, apply_layernorm_1p=True, activation="geglu", kv_channels=8,
+                  add_bias_linear=False, add_qkv_bias=True, position_embedding_type="rope",
+                  rotary_percent=0.5),
 }
 
 
