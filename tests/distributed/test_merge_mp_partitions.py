@@ -113,9 +113,11 @@ def test_legacy_partition_dims_match_the_gpt2_model_attributes():
     model_parallel_seed(1234, 0)
     for pre, post in ((True, True), (False, True)):
         model = GPTModel(model_config(), pre_process=pre, post_process=post)
+        meta = model.sharding_metadata()  # what new checkpoints store instead of the table
         for name, param in model.named_parameters():
             expected = param.partition_dim if param.tensor_model_parallel else None
             assert mmp.legacy_partition_dim(name) == expected, name
+            assert meta[name]["dim"] == expected and meta[name]["groups"] == 1, name
 
 
 @pytest.mark.parametrize("source, target", [
@@ -416,6 +418,13 @@ def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
         for t in range(4):
             for name, tensor in full.items():
                 assert torch.equal(split[(t, 0)][name], shard_tensor(tensor, meta[name], t, 4))
+        if cfg.untie_embeddings_and_output_weights:  # PP 2: the output layer on the last stage
+            assert mmp.main(["--load", one, "--save", str(tmp_path / f"{arch}-pp2"),
+                             "--target-pipeline-model-parallel-size", "2"]) == 0
+            stages, _ = read_layout(tmp_path / f"{arch}-pp2")
+            assert "language_model.output_layer.weight" in stages[(0, 1)]
+            assert not [n for n in stages[(0, 1)] if n.startswith("word_embeddings_for_head")]
+            assert "language_model.output_layer.weight" not in stages[(0, 0)]
         model = GPTModel(cfg)
         model.load_state_dict(full)
         reference[arch] = _logits_and_grads(model) + (meta,)
