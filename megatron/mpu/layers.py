@@ -202,6 +202,7 @@ class RowParallelLinear(torch.nn.Module):
 
 
 def layer_norm_init_attributes(norm: torch.nn.Module) -> None:
-    """Give a LayerNorm's parameters the attributes that `init_parameters` reads."""
+    """Give a LayerNorm's (or RMSNorm's: no bias) parameters the attributes `init_parameters` reads."""
     set_parallel_attributes(norm.weight, False, init_method=_ones)
-    set_parallel_attributes(norm.bias, False, init_method=_zeros)
+    if getattr(norm, "bias", None) is not None:
+        set_parallel_attributes(norm.bias, False, init_method=_zeros)
