@@ -18,8 +18,8 @@ read with the split rule of GPT-2's parameters:
 
 The full tensors are split again for the target TP, and the layers are
 redistributed over the target pipeline stages with local indices (embeddings on
-the first stage, final layer norm, output layer and head copy on the last). The padded vocabulary is kept, so it
-must divide by the target TP. The output holds the model only (no optimizer or
+the first stage, final layer norm, output layer and head copy on the last). The
+padded vocabulary is kept, so it must divide by the target TP. The output holds the model only (no optimizer or
 RNG state), with the iteration, consumed samples and the updated config, in the
 same layout (iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt). It is written
 under a temporary directory and renamed, then the tracker file is written; the

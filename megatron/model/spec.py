@@ -42,19 +42,12 @@ def make_norm(cfg: ModelConfig, device, dtype, size=None, sequence_parallel=None
     sp = cfg.sequence_parallel if sequence_parallel is None else sequence_parallel
     norm = cls(size or cfg.hidden_size, eps=cfg.layernorm_epsilon, fusion=cfg.layer_norm_fusion,
                sequence_parallel=sp)
-    if cfg.normalization == "LayerNorm":
-        layer_norm_init_attributes(norm)
-    else:
-        set_parallel_attributes(norm.weight, False, init_method=_ones)
+    layer_norm_init_attributes(norm)
     if cfg.apply_layernorm_1p:
         set_parallel_attributes(norm.weight, False, init_method=_zeros)
         with torch.no_grad():
             norm.weight.zero_()
     return norm.to(device=device, dtype=dtype)
-
-
-def _ones(tensor, generator=None):
-    return tensor.fill_(1.0)
 
 
 def _zeros(tensor, generator=None):

@@ -113,9 +113,11 @@ def test_legacy_partition_dims_match_the_gpt2_model_attributes():
     model_parallel_seed(1234, 0)
     for pre, post in ((True, True), (False, True)):
         model = GPTModel(model_config(), pre_process=pre, post_process=post)
+        meta = model.sharding_metadata()  # what new checkpoints store instead of the table
         for name, param in model.named_parameters():
             expected = param.partition_dim if param.tensor_model_parallel else None
             assert mmp.legacy_partition_dim(name) == expected, name
+            assert meta[name]["dim"] == expected and meta[name]["groups"] == 1, name
 
 
 @pytest.mark.parametrize("source, target", [
@@ -321,6 +323,11 @@ SPEC_ARCHS = {
                   group_query_attention=True, num_query_groups=2,
                   untie_embeddings_and_output_weights=True, add_bias_linear=False),
     "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+    # the rest of the spec: q/k layer norms (their gradients are summed over TP), 1 + w
+    # norms, GeGLU, --kv-channels apart from hidden / heads, a QKV bias alone, RoPE on half
+    "mixed": dict(qk_layernorm=True, apply_layernorm_1p=True, activation="geglu", kv_channels=8,
+                  add_bias_linear=False, add_qkv_bias=True, position_embedding_type="rope",
+                  rotary_percent=0.5),
 }
 
 
@@ -377,8 +384,15 @@ def _logits_at(root, tp):
 
 
 def _spec_worker(rank, world_size, roots):
-    return {arch: {tp: _logits_at(root, tp) for tp, root in by_tp.items()}
-            for arch, by_tp in roots.items()}
+    """Logits and gradients as numpy arrays: pickled by value, not as shared-memory handles
+    that vanish when the rank exits before a busy parent reads them."""
+    out = {}
+    for arch, by_tp in roots.items():
+        out[arch] = {}
+        for tp, root in by_tp.items():
+            logits, grads = _logits_at(root, tp)
+            out[arch][tp] = (logits.numpy(), {n: g.numpy() for n, g in grads.items()})
+    return out
 
 
 def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
@@ -404,6 +418,13 @@ def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
         for t in range(4):
             for name, tensor in full.items():
                 assert torch.equal(split[(t, 0)][name], shard_tensor(tensor, meta[name], t, 4))
+        if cfg.untie_embeddings_and_output_weights:  # PP 2: the output layer on the last stage
+            assert mmp.main(["--load", one, "--save", str(tmp_path / f"{arch}-pp2"),
+                             "--target-pipeline-model-parallel-size", "2"]) == 0
+            stages, _ = read_layout(tmp_path / f"{arch}-pp2")
+            assert "language_model.output_layer.weight" in stages[(0, 1)]
+            assert not [n for n in stages[(0, 1)] if n.startswith("word_embeddings_for_head")]
+            assert "language_model.output_layer.weight" not in stages[(0, 0)]
         model = GPTModel(cfg)
         model.load_state_dict(full)
         reference[arch] = _logits_and_grads(model) + (meta,)
@@ -414,8 +435,9 @@ def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
             want_logits, want_grads, meta = reference[arch]
             for tp, (logits, grads) in by_tp.items():
                 what = f"{arch} TP {tp} rank {rank}"
-                torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5, msg=what)
+                torch.testing.assert_close(torch.from_numpy(logits), want_logits, rtol=1e-5,
+                                           atol=1e-5, msg=what)
                 for name, grad in grads.items():  # k / v replicas (TP 4 > 2 groups) included
                     want = shard_tensor(want_grads[name], meta[name], rank % tp, tp)
-                    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-5,
+                    torch.testing.assert_close(torch.from_numpy(grad), want, rtol=1e-4, atol=1e-5,
                                                msg=f"{what}: {name}")
