@@ -17,8 +17,9 @@ Scoring follows tasks/main.py, so the numbers agree with it: a continuation
 longer than the --seq-length window keeps its last tokens (context cut from the
 left); a rolling log-likelihood reads the text in the WIKITEXT103 windows
 (stride --overlapping-eval) with the first token conditioned on end-of-document;
-log-probabilities are normalized over the model's whole (padded) vocabulary as
-its loss is, and greedy checks never pick a padding id. generate_until decodes
+log-probabilities are normalized over the tokenizer's vocabulary (the padding
+rows' logits are -inf, as in tasks/main.py), and greedy checks never pick a
+padding id. generate_until decodes
 greedily (sampling when a task asks for do_sample) and cuts at the first stop
 string. --offline sets HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, for local tasks.
 """
@@ -207,7 +208,7 @@ def main(argv=None) -> Dict:
     tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     try:
-        models, _ = load_inference_models(config, pstate, device)
+        models, _ = load_inference_models(config, pstate, device, vocab_size=tokenizer.vocab_size)
         lm = model_class(models[0], tokenizer, seq_length, stride,
                          config.training.micro_batch_size)
         results = run_harness(lm, ns)

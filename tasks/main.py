@@ -136,7 +136,7 @@ def main(argv=None) -> Dict[str, float]:
     pstate, device = initialize_distributed(config)
     try:
         dataset = build_dataset(ns, tokenizer, seq_length)
-        models, _ = load_inference_models(config, pstate, device, parallel_output=False)
+        models, _ = load_inference_models(config, pstate, device, parallel_output=False, vocab_size=tokenizer.vocab_size)
     except (TaskDataError, CheckpointError) as err:
         print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
         sys.exit(1)

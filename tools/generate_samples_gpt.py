@@ -130,7 +130,7 @@ def main(argv=None) -> List[Dict]:
     pstate, device = initialize_distributed(config)
     unconditional = not prompts
     try:
-        models, _ = load_inference_models(config, pstate, device)
+        models, _ = load_inference_models(config, pstate, device, vocab_size=tokenizer.vocab_size)
         records = sample_all(models[0], tokenizer, prompts or [""] * ns.num_samples, ns, params,
                              config)
     except (CheckpointError, GenerationError) as err:

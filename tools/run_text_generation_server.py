@@ -13,8 +13,8 @@ default 1), "top_k" (0..1000; 1 is greedy), "top_p" (0..1), "logprobs" (bool),
 "no_log" (bool). It answers {"text": [...], "segments": [[...]], "logprobs": ...}:
 each prompt followed by its continuation, the same split into tokens, and
 (with "logprobs") the log-probability of every token after the first under the
-model (temperature 1, normalized over the whole padded vocabulary as the
-model's loss is), else null. A bad request gets
+model (temperature 1, normalized over the tokenizer's vocabulary: padding
+rows never count), else null. A bad request gets
 HTTP 400 and a one-line reason; the server goes on serving.
 
 Rank 0 serves (Flask on waitress); the other ranks wait for each request,
@@ -286,7 +286,7 @@ def main(argv=None) -> None:
     tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     try:
-        models, _ = load_inference_models(config, pstate, device)
+        models, _ = load_inference_models(config, pstate, device, vocab_size=tokenizer.vocab_size)
     except CheckpointError as err:
         print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
         sys.exit(1)

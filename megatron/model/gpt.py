@@ -26,7 +26,7 @@ from megatron.mpu.layers import (ColumnParallelLinear, VocabParallelEmbedding, i
                                  init_parameters, set_parallel_attributes)
 from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    gather_from_sequence_parallel_region,
-                                   gather_from_tensor_model_parallel_region,
+                                   gather_from_tensor_model_parallel_region, group_rank,
                                    scatter_to_sequence_parallel_region)
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
@@ -83,7 +83,10 @@ class GPTModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0,
                  num_layers: Optional[int] = None, parallel_output: bool = True,
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, vocab_limit: Optional[int] = None):
+        """`vocab_limit`: the tokenizer's vocabulary size for inference; the logits of the
+        padding ids at or beyond it are -inf, so that padding rows never count (in losses,
+        log-probabilities or predictions)."""
         super().__init__()
         if cfg.padded_vocab_size <= 0:
             raise ValueError("ModelConfig.padded_vocab_size is not set: build the tokenizer first")
@@ -91,6 +94,7 @@ class GPTModel(torch.nn.Module):
         self.tp_group = tp_group
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
+        self.vocab_limit = vocab_limit
         num_layers = cfg.num_layers if num_layers is None else num_layers
         self.language_model = LanguageModel(cfg, tp_group, pre_process, post_process,
                                             layer_offset, num_layers, device, dtype)
@@ -153,12 +157,20 @@ class GPTModel(torch.nn.Module):
             return hidden
         return self._head(hidden, labels)
 
+    def _mask_padding(self, logits):
+        if self.vocab_limit is None or self.vocab_limit >= self.cfg.padded_vocab_size:
+            return logits
+        local = logits.shape[-1]
+        start = group_rank(self.tp_group) * local
+        ids = torch.arange(start, start + local, device=logits.device)
+        return logits.masked_fill(ids >= self.vocab_limit, float("-inf"))
+
     def _head(self, hidden, labels):
         if self.cfg.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         else:
             hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
-        logits = F.linear(hidden, self.head_weight())  # [s, b, V / TP]
+        logits = self._mask_padding(F.linear(hidden, self.head_weight()))  # [s, b, V / TP]
         if labels is None:
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)

@@ -180,12 +180,14 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
     return tokenizer
 
 
-def load_inference_models(config, pstate, device, parallel_output: bool = True
-                          ) -> Tuple[List[torch.nn.Module], int]:
-    """This rank's model chunks with the checkpoint's weights, in eval mode; and its iteration."""
+def load_inference_models(config, pstate, device, parallel_output: bool = True,
+                          vocab_size: Optional[int] = None) -> Tuple[List[torch.nn.Module], int]:
+    """This rank's model chunks with the checkpoint's weights, in eval mode; and its iteration.
+
+    `vocab_size`: the tokenizer's; the padding rows beyond it get -inf logits."""
     def provider(**chunk):
         return GPTModel(config.model, tp_group=pstate.tp_group, parallel_output=parallel_output,
-                        **chunk)
+                        vocab_limit=vocab_size, **chunk)
 
     models = build_model_chunks(config, pstate, device, provider)
     root = config.checkpoint.load

@@ -145,6 +145,7 @@ def checkpoint(tmp_path):
                     checkpoint=CheckpointConfig(no_save_optim=True, no_save_rng=True))
     root = tmp_path / "ckpt"
     save_checkpoint(str(root), 3, [model], None, None, config, single_process_state(), 0, 0)
+    model.vocab_limit = ByteLevelTokenizer().vocab_size  # as the evaluation loads it
     return str(root), model.eval()
 
 
@@ -214,3 +215,25 @@ def test_main_missing_data_file(checkpoint, tmp_path, capsys):
         tasks_main.main(["--load", checkpoint[0], "--task", "LAMBADA", "--valid-data",
                          str(tmp_path / "missing.jsonl")])
     assert exit_info.value.code == 1 and "cannot read --valid-data" in capsys.readouterr().err
+
+
+def test_padding_rows_never_count_in_inference_losses(checkpoint):
+    """With vocab_limit (as every inference entry point loads models), padding ids get -inf
+    logits and the loss is the cross entropy over the tokenizer's vocabulary alone."""
+    _, model = checkpoint
+    limit = model.vocab_limit
+    assert limit < model.cfg.padded_vocab_size  # the fixture's vocabulary is padded
+    ids = ByteLevelTokenizer().tokenize("padding rows never win")
+    tokens, labels = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    positions = torch.arange(len(ids) - 1).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(tokens, positions)
+        model.vocab_limit = None
+        try:
+            raw = model(tokens, positions)
+        finally:
+            model.vocab_limit = limit
+        losses = model(tokens, positions, labels=labels)
+    assert torch.isinf(logits[..., limit:]).all() and torch.equal(logits[..., :limit], raw[..., :limit])
+    expected = torch.nn.functional.cross_entropy(raw[0, :, :limit].float(), labels[0], reduction="none")
+    torch.testing.assert_close(losses[0], expected, rtol=1e-5, atol=1e-6)
