@@ -10,6 +10,8 @@ import sys
 from typing import List, Optional, Sequence
 
 from megatron.arguments_help import HELP
+from megatron.compat import ATTENTION_BACKENDS, apply_compat
+from megatron.deepspeed_config import add_deepspeed_args
 from megatron.config import SECTIONS, Config, ConfigError
 
 def _flag(group, name, section, field=None, **kwargs):
@@ -170,10 +172,37 @@ def _add_logging_args(parser):
         _flag(g, name, "logging", action="store_true")
 
 
+def _add_compat_args(parser):
+    """Megatron-LM and Megatron-DeepSpeed spellings (mapped in megatron/compat.py)."""
+    g = parser.add_argument_group("Megatron-LM / Megatron-DeepSpeed compatibility")
+    _flag(g, "--recompute-activations", "model", "recompute_granularity",
+          action="store_const", const="selective")
+    _flag(g, "--recompute-method", "model", choices=["uniform", "block"], default=None)
+    _flag(g, "--recompute-num-layers", "model", "checkpoint_num_layers", type=int, default=None)
+    _flag(g, "--no-query-key-layer-scaling", "model", "apply_query_key_layer_scaling",
+          action="store_const", const=False)
+    _flag(g, "--use-flash-attn", "model", "attention_impl", action="store_const", const="sdpa")
+    _flag(g, "--attention-backend", "compat", choices=sorted(ATTENTION_BACKENDS), default=None)
+    _flag(g, "--data-impl", "compat", choices=["mmap", "infer", "lazy", "cached"], default=None)
+    _flag(g, "--mock-data", "data", action="store_true")
+    _flag(g, "--separate-last-epoch-threshold", "data", type=float, default=0.80)
+    for name in ("--log-params-norm", "--log-num-zeros-in-grad"):
+        _flag(g, name, "logging", action="store_true")
+    _flag(g, "--train-tokens", "training", type=int, default=None)
+    _flag(g, "--skip-train-iteration-range", "training", nargs="+", default=None)
+    _flag(g, "--lr-decay-tokens", "optimizer", type=int, default=None)
+    for name in ("--override-opt_param-scheduler", "--override-lr-scheduler"):
+        _flag(g, name, "optimizer", "override_opt_param_scheduler", action="store_true")
+    for name in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"):
+        _flag(g, name, "optimizer", "use_checkpoint_opt_param_scheduler", action="store_true")
+    _flag(g, "--universal-checkpoint", "checkpoint", action="store_true")
+    add_deepspeed_args(g, _flag)
+
+
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     for add in (_add_model_args, _add_architecture_args, _add_parallel_args, _add_training_args, _add_optimizer_args,
-                _add_data_args, _add_checkpoint_args, _add_logging_args):
+                _add_data_args, _add_checkpoint_args, _add_logging_args, _add_compat_args):
         add(parser)
     return parser
 
@@ -215,6 +244,8 @@ def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.Argum
     if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(ns.local_rank)
     try:
+        apply_compat(ns, parser, sys.argv[1:] if argv is None else argv,
+                     world_size or world_size_from_env())
         config = config_from_namespace(ns)
         config.check_layout(world_size or world_size_from_env())
     except ConfigError as err:

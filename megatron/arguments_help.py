@@ -125,4 +125,32 @@ HELP = {
     "--log-batch-size-to-tensorboard": "also log the global batch size",
     "--log-validation-ppl-to-tensorboard": "also log the validation perplexity",
     "--log-timers-to-tensorboard": "also log the per-phase timers",
+    # Megatron-LM / Megatron-DeepSpeed compatibility
+    "--recompute-activations": "Megatron-LM's selective recompute (attention core only)",
+    "--recompute-method": "with --recompute-granularity full: uniform (chunks of "
+                          "--recompute-num-layers) or block (the first N layers of each stage)",
+    "--recompute-num-layers": "layers per recomputed chunk (uniform) or recomputed layers (block)",
+    "--no-query-key-layer-scaling": "no 1/layer-number scaling of q.k (the default here)",
+    "--use-flash-attn": "fused attention: same as --attention-impl sdpa",
+    "--attention-backend": "Megatron-LM's name: flash -> sdpa, fused -> fused, unfused/local -> "
+                           "torch, auto -> auto (--attention-impl)",
+    "--data-impl": "mmap or infer (mmap is the only format; lazy/cached need re-preprocessing)",
+    "--mock-data": "random tokens instead of --data-path: benchmark a layout without data",
+    "--separate-last-epoch-threshold": "shuffle the last epoch apart when it is used for less "
+                                       "than this fraction (0.80 Megatron-LM, 0.95 Megatron-DeepSpeed)",
+    "--log-params-norm": "add the parameters' L2 norm to the log line",
+    "--log-num-zeros-in-grad": "add the number of zero gradient entries to the log line",
+    "--train-tokens": "stop after this many tokens (caps --train-iters / --train-samples)",
+    "--skip-train-iteration-range": "START-END ...: consume and drop these iterations' batches",
+    "--lr-decay-tokens": "decay the learning rate over this many tokens",
+    "--override-opt_param-scheduler": "on resume, the lr schedule comes from the flags",
+    "--override-lr-scheduler": "same as --override-opt_param-scheduler",
+    "--use-checkpoint-opt_param-scheduler": "on resume, the lr schedule comes from the checkpoint",
+    "--use-checkpoint-lr-scheduler": "same as --use-checkpoint-opt_param-scheduler",
+    "--universal-checkpoint": "load a checkpoint saved at another TP/PP layout by re-sharding it",
+    "--deepspeed": "accepted: DeepSpeed launch lines run on our own ZeRO-1 optimizer",
+    "--deepspeed_config": "DeepSpeed JSON whose batch, clipping, precision and ZeRO keys map onto flags",
+    "--zero-stage": "0: regular optimizer, 1 or 2: --use-distributed-optimizer, 3: unsupported",
+    "--deepspeed-activation-checkpointing": "accepted (activation checkpointing follows the recompute flags)",
+    "--partition-activations": "accepted (activation checkpointing follows the recompute flags)",
 }

@@ -299,7 +299,15 @@ def get_args(argv=None):
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--model-type", choices=["GPT"], default="GPT",
                         help="accepted for Megatron compatibility (GPT only)")
-    return parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # Megatron-LM's invocation also passes the model, tokenizer and source-layout flags
+    # (--tensor-model-parallel-size, --num-layers, --vocab-file, ...). The checkpoint
+    # holds what re-sharding needs; those flags are checked to be valid training flags
+    # (a typo is still an error) and otherwise not needed.
+    if rest:
+        from megatron.arguments import build_parser
+        build_parser("merge_mp_partitions.py (Megatron flags)").parse_args(rest)
+    return args
 
 
 def main(argv=None) -> int:

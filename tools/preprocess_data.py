@@ -275,7 +275,8 @@ def get_args(argv=None) -> argparse.Namespace:
                        help="count and skip malformed lines instead of stopping")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", default=None)
+    group.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None,
+                       help="vocabulary file (--vocab is Megatron's older spelling)")
     group.add_argument("--merge-file", default=None)
     group.add_argument("--tokenizer-name-or-path", default=None,
                        help="local directory for PretrainedFromHF")

@@ -77,6 +77,8 @@ def build_lr_scheduler(optimizer, opt_cfg, train_cfg) -> LRScheduler:
     else:
         decay_steps = opt_cfg.lr_decay_samples or train_cfg.train_samples
         warmup_steps = opt_cfg.lr_warmup_samples
+    if opt_cfg.lr_decay_samples_from_tokens is not None:  # --lr-decay-tokens
+        decay_steps = opt_cfg.lr_decay_samples_from_tokens
     if opt_cfg.lr_warmup_fraction is not None:
         warmup_steps = int(opt_cfg.lr_warmup_fraction * decay_steps)
     return LRScheduler(optimizer, max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr,

@@ -8,11 +8,13 @@ re-sharded checkpoints loadable.
 """
 import argparse
 import os
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron.arguments import config_from_namespace, fail, world_size_from_env
+from megatron.compat import apply_compat
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
@@ -92,6 +94,7 @@ def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[st
     if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(ns.local_rank)
     try:
+        apply_compat(ns, parser, sys.argv[1:] if argv is None else argv, world_size_from_env())
         config = config_from_namespace(ns)
         config.check_layout(world_size_from_env())
     except (ConfigError, TypeError) as err:

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
+from megatron.training.model_stats import log_line_extras
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
                                        print_rank_0, print_rank_last, total_iterations)
 
@@ -56,6 +57,9 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
     print_rank_0(f" training from iteration {state.iteration} to {total}")
     while state.iteration < total:
         trainer.microbatches.update(state.consumed_train)
+        if cfg.training.skipped_iteration(state.iteration + 1):
+            _skip_iteration(trainer, train_iters)
+            continue
         start = time.perf_counter()
         losses, grad_norm, skipped, nan = trainer.train_step(train_iters)
         state.iteration += 1
@@ -79,6 +83,19 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
     if cfg.checkpoint.save and state.iteration > 0 and not (
             cfg.checkpoint.save_interval and state.iteration % cfg.checkpoint.save_interval == 0):
         _save(trainer)
+
+
+def _skip_iteration(trainer: Trainer, train_iters) -> None:
+    """--skip-train-iteration-range: consume and drop this iteration's batches, untrained;
+    the iteration, consumed samples and lr schedule move on as if it had been trained."""
+    state = trainer.state
+    for _ in range(trainer.microbatches.num_micro_batches):
+        for chunk_iter in train_iters:
+            next(chunk_iter)
+    state.iteration += 1
+    state.consumed_train += trainer.microbatches.global_batch_size
+    trainer.scheduler.step(trainer.microbatches.global_batch_size)
+    print_rank_0(f" skipped iteration {state.iteration} (--skip-train-iteration-range)")
 
 
 class _LogWindow:
@@ -109,7 +126,8 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
     gbs = trainer.microbatches.global_batch_size
     print_rank_last(format_log_line(state.iteration, total, state.consumed_train,
                                     1000.0 * log.seconds / max(1, log.count), lr, gbs, losses,
-                                    scale, grad_norm, log.skipped, log.nans))
+                                    scale, grad_norm, log.skipped, log.nans,
+                                    log_line_extras(cfg, trainer.models, trainer.pstate)))
     timings = trainer.timers.pop_all()
     if timings and cfg.logging.timing_log_level > 0:
         print_rank_last(" time (ms) | " + " | ".join(
