@@ -36,8 +36,8 @@ if _REPO_ROOT not in sys.path:
 import torch  # noqa: E402
 
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER,  # noqa: E402
-                                             from_megatron_layout, read_tracker,
-                                             to_megatron_layout)
+                                             from_megatron_layout, read_model_file,
+                                             read_tracker, to_megatron_layout)
 from megatron.training.trainer import chunk_layers  # noqa: E402
 
 WORD = "language_model.embedding.word_embeddings.weight"
@@ -104,7 +104,7 @@ def read_source(root: str) -> Source:
     files = find_rank_dirs(directory) if os.path.isdir(directory) else {}
     if not files:
         raise ReshardError(f"no mp_rank_*/model_optim_rng.pt under {directory}")
-    states = {key: torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    states = {key: read_model_file(path, mmap=True)
               for key, path in files.items()}
     saved = states[min(states)].get("parallel", {})
     tp = max(saved.get("tensor_model_parallel_size", 1), max(t for t, _ in files) + 1)

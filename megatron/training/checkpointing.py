@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.optimizer.distributed import merge_optimizer_shards
+from megatron.training import megatron_format
 from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -160,6 +161,7 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not ckpt.no_save_rng:
         state["rng_state"] = rng_state()
+    megatron_format.add_megatron_entries(state, config, pstate, optimizer)
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
     if pstate.dp_rank == 0:
         _atomic_save(state, path)
@@ -207,9 +209,18 @@ def load_checkpoint_file(root: str, pstate) -> Optional[dict]:
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, release)
     if not os.path.isfile(path):
         raise CheckpointError(f"missing {path}: {_layout_hint(root, iteration, release)}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_model_file(path)
     state["_release"] = release
     return state
+
+
+def read_model_file(path: str, **kwargs) -> dict:
+    """One model_optim_rng.pt, ours or Megatron's (see megatron_format), in our layout."""
+    try:
+        state = megatron_format.safe_load(path, **kwargs)
+        return megatron_format.to_ours(state) if megatron_format.is_megatron_file(state) else state
+    except megatron_format.UnusableCheckpoint as err:
+        raise CheckpointError(str(err)) from None
 
 
 def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
@@ -231,15 +242,17 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     if ckpt.finetune or state["_release"]:
         return 0, 0, 0
     if not ckpt.no_load_optim:
-        _load_optimizer(root, state, optimizer, pstate)
+        _load_optimizer(root, state, optimizer, pstate, models)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not ckpt.no_load_rng and "rng_state" in state:
-        set_rng_state(state["rng_state"])
+        entry = state["rng_state"][0] if isinstance(state["rng_state"], list) else state["rng_state"]
+        set_rng_state(megatron_format.rng_entry_to_ours(entry, get_device_rng_state(),
+                                                        get_rng_tracker().get_states()))
     return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
             int(state.get("consumed_valid_samples", 0)))
 
 
-def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
+def _load_optimizer(root: str, state: dict, optimizer, pstate, models) -> None:
     """Load the regular or sharded optimizer state into either kind of optimizer."""
     iteration = int(state["iteration"])
     if state.get("distributed_optimizer"):
@@ -253,7 +266,7 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
             saved = consolidate_distributed_optimizer(root, pstate.tp_rank, pstate.pp_rank,
                                                       pstate.pp_size, iteration)
     elif "optimizer" in state:
-        saved = state["optimizer"]
+        saved = megatron_format.optimizer_to_ours(state["optimizer"], models)
     else:
         raise CheckpointError(f"{root} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")

@@ -20,13 +20,13 @@ from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.checkpointing import (TRACKER, CheckpointError, check_layout,
                                              from_megatron_layout, load_checkpoint_file,
-                                             read_tracker)
+                                             read_model_file, read_tracker)
 from megatron.training.trainer import build_model_chunks
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
                         "max_position_embeddings")
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path",
-                    "vocab_size")
+                    "vocab_size", "tokenizer_model")
 
 
 def checkpoint_file(root: str) -> str:
@@ -49,8 +49,8 @@ def checkpoint_file(root: str) -> str:
 
 def read_stored_config(root: str) -> Dict[str, Any]:
     """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
-    state = torch.load(checkpoint_file(root), map_location="cpu", weights_only=True, mmap=True)
-    config = state.get("config") or {}
+    state = read_model_file(checkpoint_file(root), mmap=True)
+    config = state.get("config") or state.get("megatron_config") or {}
     return config if isinstance(config, dict) else {}
 
 
@@ -126,7 +126,7 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
              "with --vocab-file and --merge-file")
     try:
         tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
-                                    d.tokenizer_name_or_path, d.vocab_size)
+                                    d.tokenizer_name_or_path, d.vocab_size, d.tokenizer_model)
     except (ValueError, OSError, ImportError) as err:
         fail(str(err).splitlines()[0])
     saved = stored.get("model", {}).get("padded_vocab_size") or 0
