@@ -42,7 +42,8 @@ setup(
     install_requires=["torch>=2.1", "numpy", "regex", "tensorboard", "pybind11", "ninja"],
     extras_require={
         "hf": ["tokenizers", "transformers"],
-        "test": ["pytest", "tokenizers", "transformers"],
+        "sentencepiece": ["sentencepiece", "tiktoken"],
+        "test": ["pytest", "tokenizers", "transformers", "sentencepiece", "tiktoken"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,

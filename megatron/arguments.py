@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 from megatron.arguments_help import HELP
 from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
+from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError
 
 def _flag(group, name, section, field=None, **kwargs):
@@ -141,9 +142,9 @@ def _add_data_args(parser):
     g = parser.add_argument_group("data and tokenizer")
     _flag(g, "--data-path", "data", nargs="*", default=[])
     _flag(g, "--split", "data", default="969,30,1")
-    _flag(g, "--tokenizer-type", "data", default=None,
-          choices=["GPT2BPETokenizer", "PretrainedFromHF", "NullTokenizer", "ByteLevelTokenizer"])
-    for name in ("--vocab-file", "--merge-file", "--tokenizer-name-or-path", "--data-cache-path"):
+    _flag(g, "--tokenizer-type", "data", default=None, choices=list(TOKENIZER_TYPES))
+    for name in ("--vocab-file", "--merge-file", "--tokenizer-name-or-path", "--tokenizer-model",
+                 "--data-cache-path"):
         _flag(g, name, "data", default=None)
     _flag(g, "--vocab-size", "data", type=int, default=None)
     _flag(g, "--dataloader-type", "data", choices=["single", "cyclic"], default="single")

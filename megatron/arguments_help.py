@@ -97,7 +97,11 @@ HELP = {
     # data
     "--data-path": "preprocessed prefix, or weight prefix weight prefix ... to blend",
     "--split": "train,valid,test weights over documents (default 969,30,1)",
-    "--tokenizer-type": "GPT2BPETokenizer, PretrainedFromHF, NullTokenizer or ByteLevelTokenizer",
+    "--tokenizer-type": "GPT2BPETokenizer, PretrainedFromHF / HuggingFaceTokenizer, SentencePieceTokenizer, "
+                        "GPTSentencePieceTokenizer, Llama2Tokenizer, Llama3Tokenizer, NullTokenizer "
+                        "or ByteLevelTokenizer",
+    "--tokenizer-model": "SentencePiece .model or tiktoken BPE file (Llama3Tokenizer), or the local "
+                         "directory of HuggingFaceTokenizer",
     "--vocab-file": "GPT-2 vocab.json",
     "--merge-file": "GPT-2 merges.txt",
     "--tokenizer-name-or-path": "local Hugging Face tokenizer directory (PretrainedFromHF)",

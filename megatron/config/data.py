@@ -14,6 +14,8 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     tokenizer_name_or_path: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    """SentencePiece / tiktoken model file, or HuggingFaceTokenizer's directory (--tokenizer-model)."""
     vocab_size: Optional[int] = None
     """Vocabulary size for the NullTokenizer."""
     data_cache_path: Optional[str] = None
