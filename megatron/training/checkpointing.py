@@ -229,7 +229,12 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     Returns (iteration, consumed_train_samples, consumed_valid_samples); zeros when
     there is no checkpoint, or with --finetune (weights only, counters reset).
     """
-    state = load_checkpoint_file(root, pstate)
+    state = None
+    if config.checkpoint.universal_checkpoint:
+        from megatron.training.universal import resharded_state
+        state = resharded_state(root, pstate, len(models))
+    if state is None:
+        state = load_checkpoint_file(root, pstate)
     if state is None:
         print(f" no checkpoint found at {root}; starting from scratch", flush=True)
         return 0, 0, 0
@@ -241,6 +246,8 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     ckpt = config.checkpoint
     if ckpt.finetune or state["_release"]:
         return 0, 0, 0
+    if "resharded_from" in state:
+        return _resume_resharded(root, state, scheduler, ckpt, pstate)
     if not ckpt.no_load_optim:
         _load_optimizer(root, state, optimizer, pstate, models)
         scheduler.load_state_dict(state["opt_param_scheduler"])
@@ -248,6 +255,19 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
         entry = state["rng_state"][0] if isinstance(state["rng_state"], list) else state["rng_state"]
         set_rng_state(megatron_format.rng_entry_to_ours(entry, get_device_rng_state(),
                                                         get_rng_tracker().get_states()))
+    return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
+            int(state.get("consumed_valid_samples", 0)))
+
+
+def _resume_resharded(root: str, state: dict, scheduler, ckpt, pstate):
+    """Counters and lr schedule of a re-sharded checkpoint; optimizer and RNG start fresh."""
+    tp, pp, _ = state["resharded_from"]
+    if pstate.rank == 0:
+        print(f" > --universal-checkpoint: re-sharded {root} from TP={tp} PP={pp} to "
+              f"TP={pstate.tp_size} PP={pstate.pp_size}; the optimizer state starts fresh",
+              flush=True)
+    if not ckpt.no_load_optim and "opt_param_scheduler" in state:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
     return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
             int(state.get("consumed_valid_samples", 0)))
 
