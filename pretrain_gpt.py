@@ -10,6 +10,7 @@ from megatron.config import ConfigError  # noqa: E402
 from megatron.data.batch import gpt_batch  # noqa: E402
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 from megatron.data.mock_dataset import build_mock_datasets  # noqa: E402
+from megatron.data.weighted_split import weighted_split_datasets  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
@@ -55,6 +56,13 @@ def build_datasets(config, vocab_size):
     if config.data.mock_data:
         return build_mock_datasets(split_sample_counts(config), config.model.seq_length,
                                    vocab_size, config.training.seed)
+    d = config.data
+    per_split = (d.train_weighted_split_paths, d.valid_weighted_split_paths,
+                 d.test_weighted_split_paths)
+    if any(per_split):
+        return weighted_split_datasets(per_split, split_sample_counts(config),
+                                       config.model.seq_length, config.training.seed,
+                                       d.data_cache_path, d.separate_last_epoch_threshold)
     if not config.data.data_path:
         fail("--data-path is required: a preprocessed prefix (see tools/preprocess_data.py), "
              "or --mock-data for synthetic tokens")

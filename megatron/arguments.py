@@ -186,6 +186,8 @@ def _add_compat_args(parser):
     _flag(g, "--attention-backend", "compat", choices=sorted(ATTENTION_BACKENDS), default=None)
     _flag(g, "--data-impl", "compat", choices=["mmap", "infer", "lazy", "cached"], default=None)
     _flag(g, "--mock-data", "data", action="store_true")
+    for split in ("train", "valid", "test"):
+        _flag(g, f"--{split}-weighted-split-paths", "data", nargs="*", default=None)
     _flag(g, "--separate-last-epoch-threshold", "data", type=float, default=0.80)
     for name in ("--log-params-norm", "--log-num-zeros-in-grad"):
         _flag(g, name, "logging", action="store_true")

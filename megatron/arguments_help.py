@@ -139,6 +139,10 @@ HELP = {
     "--attention-backend": "Megatron-LM's name: flash -> sdpa, fused -> fused, unfused/local -> "
                            "torch, auto -> auto (--attention-impl)",
     "--data-impl": "mmap or infer (mmap is the only format; lazy/cached need re-preprocessing)",
+    "--train-weighted-split-paths": "\"NAME: W START:END PREFIX, ...\": the train split blends "
+                                    "these document ranges (Megatron-DeepSpeed)",
+    "--valid-weighted-split-paths": "the same for the validation split",
+    "--test-weighted-split-paths": "the same for the test split",
     "--mock-data": "random tokens instead of --data-path: benchmark a layout without data",
     "--separate-last-epoch-threshold": "shuffle the last epoch apart when it is used for less "
                                        "than this fraction (0.80 Megatron-LM, 0.95 Megatron-DeepSpeed)",

@@ -24,6 +24,10 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    train_weighted_split_paths: Optional[List[str]] = None
+    """Megatron-DeepSpeed's per-split blend "NAME: W START:END PREFIX, ..." (and valid/test)."""
+    valid_weighted_split_paths: Optional[List[str]] = None
+    test_weighted_split_paths: Optional[List[str]] = None
     mock_data: bool = False
     """Synthetic random tokens instead of --data-path (--mock-data)."""
     separate_last_epoch_threshold: float = 0.80
