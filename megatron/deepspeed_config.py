@@ -10,6 +10,7 @@ A JSON value that contradicts a flag given on the command line is an error namin
 import json
 from typing import Any, Dict
 
+from megatron.arguments_help import HELP
 from megatron.config import ConfigError
 
 # JSON path -> (flag, namespace dest, conversion)
@@ -35,15 +36,10 @@ _KNOWN = {"gradient_accumulation_steps", "zero_optimization", "steps_per_print",
 def add_deepspeed_args(group, flag) -> None:
     flag(group, "--deepspeed", "compat", action="store_true")
     group.add_argument("--deepspeed_config", "--deepspeed-config", dest="compat.deepspeed_config",
-                       default=None, metavar="JSON", help=_help("--deepspeed_config"))
+                       default=None, metavar="JSON", help=HELP["--deepspeed_config"])
     flag(group, "--zero-stage", "compat", type=int, default=None)
     for name in ("--deepspeed-activation-checkpointing", "--partition-activations"):
         flag(group, name, "compat", action="store_true")
-
-
-def _help(name: str) -> str:
-    from megatron.arguments_help import HELP
-    return HELP[name]
 
 
 def read_deepspeed_config(path: str) -> Dict[str, Any]:
