@@ -11,6 +11,10 @@ temporary name and renamed; the tracker file is updated last, so an
 interrupted save leaves the previous checkpoint intact. Loading uses
 `torch.load(weights_only=True)`: a checkpoint cannot run code.
 
+Each file also carries what Megatron-LM's and Megatron-DeepSpeed's loaders read (`args`,
+`checkpoint_version`, `lr_scheduler`, Megatron's `rng_state` list), and Megatron's own files
+load here (see megatron_format.py); --universal-checkpoint re-shards another layout (universal.py).
+
 With the distributed optimizer the model file says `"distributed_optimizer": True`
 and has no "optimizer" entry; every DP rank writes its shard next to it:
 
