@@ -5,11 +5,13 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron.arguments import fail, parse_args  # noqa: E402
+from megatron.arguments import build_parser, fail, parse_args  # noqa: E402
 from megatron.config import ConfigError  # noqa: E402
 from megatron.data.batch import gpt_batch  # noqa: E402
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetError  # noqa: E402
+from megatron.data.mock_dataset import build_mock_datasets  # noqa: E402
+from megatron.data.weighted_split import weighted_split_datasets  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
@@ -51,12 +53,29 @@ def split_sample_counts(config):
     return train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size
 
 
-def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
+def build_datasets(config, vocab_size):
+    """(train, valid, test) from --data-path, or synthetic ones with --mock-data."""
+    if config.data.mock_data:
+        return build_mock_datasets(split_sample_counts(config), config.model.seq_length,
+                                   vocab_size, config.training.seed)
+    d = config.data
+    per_split = (d.train_weighted_split_paths, d.valid_weighted_split_paths,
+                 d.test_weighted_split_paths)
+    if any(per_split):
+        return weighted_split_datasets(per_split, split_sample_counts(config),
+                                       config.model.seq_length, config.training.seed,
+                                       d.data_cache_path, d.separate_last_epoch_threshold)
     if not config.data.data_path:
-        fail("--data-path is required: a preprocessed prefix (see tools/preprocess_data.py)")
-    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
+        fail("--data-path is required: a preprocessed prefix (see tools/preprocess_data.py), "
+             "or --mock-data for synthetic tokens")
+    return build_train_valid_test_datasets(
         config.data.data_path, config.data.split, split_sample_counts(config),
-        config.model.seq_length, config.training.seed, config.data.data_cache_path, vocab_size)
+        config.model.seq_length, config.training.seed, config.data.data_cache_path, vocab_size,
+        separate_last_epoch_threshold=config.data.separate_last_epoch_threshold)
+
+
+def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
+    train_ds, valid_ds, test_ds = build_datasets(config, vocab_size)
     loader = partial(build_pretraining_data_loader, micro_batch_size=config.training.micro_batch_size,
                      data_parallel_rank=pstate.dp_rank, data_parallel_size=pstate.dp_size,
                      dataloader_type=config.data.dataloader_type, num_workers=config.data.num_workers,
@@ -70,9 +89,16 @@ def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
             None if test is None else iter(cyclic_iter(test)))
 
 
+def build_pretrain_parser():
+    """Our flags, with --tokenizer-type defaulting to GPT2BPETokenizer as in both Megatrons."""
+    parser = build_parser()
+    parser.set_defaults(**{"data.tokenizer_type": "GPT2BPETokenizer"})
+    return parser
+
+
 def setup(argv=None):
     """Parse flags and build the tokenizer; every problem here is one line and exit 2."""
-    config, _ = parse_args(argv, required=REQUIRED)
+    config, _ = parse_args(argv, parser=build_pretrain_parser(), required=REQUIRED)
     # Resuming: the embedding has the checkpoint's padded vocabulary (it may come
     # from a re-sharded checkpoint padded for another TP size).
     stored = {}

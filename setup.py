@@ -43,10 +43,11 @@ setup(
     install_requires=["torch>=2.1", "numpy", "regex", "tensorboard", "pybind11", "ninja"],
     extras_require={
         "hf": ["tokenizers", "transformers", "safetensors"],
+        "sentencepiece": ["sentencepiece", "tiktoken"],
         "serve": ["flask", "waitress"],
         "harness": ["lm_eval>=0.4,<0.5"],
-        "test": ["pytest", "tokenizers", "transformers", "safetensors", "flask", "waitress",
-                 "requests", "lm_eval>=0.4,<0.5"],
+        "test": ["pytest", "tokenizers", "transformers", "safetensors", "sentencepiece", "tiktoken",
+                 "flask", "waitress", "requests", "lm_eval>=0.4,<0.5"],
     },
     cmdclass=cmdclass,
     ext_modules=ext_modules,

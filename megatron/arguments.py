@@ -11,6 +11,9 @@ import sys
 from typing import List, Optional, Sequence
 
 from megatron.arguments_help import HELP
+from megatron.compat import ATTENTION_BACKENDS, apply_compat
+from megatron.deepspeed_config import add_deepspeed_args
+from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError
 
 class OneLineParser(argparse.ArgumentParser):
@@ -152,9 +155,9 @@ def _add_data_args(parser):
     g = parser.add_argument_group("data and tokenizer")
     _flag(g, "--data-path", "data", nargs="*", default=[])
     _flag(g, "--split", "data", default="969,30,1")
-    _flag(g, "--tokenizer-type", "data", default=None,
-          choices=["GPT2BPETokenizer", "PretrainedFromHF", "NullTokenizer", "ByteLevelTokenizer"])
-    for name in ("--vocab-file", "--merge-file", "--tokenizer-name-or-path", "--data-cache-path"):
+    _flag(g, "--tokenizer-type", "data", default=None, choices=list(TOKENIZER_TYPES))
+    for name in ("--vocab-file", "--merge-file", "--tokenizer-name-or-path", "--tokenizer-model",
+                 "--data-cache-path"):
         _flag(g, name, "data", default=None)
     _flag(g, "--vocab-size", "data", type=int, default=None)
     _flag(g, "--dataloader-type", "data", choices=["single", "cyclic"], default="single")
@@ -194,11 +197,40 @@ def _add_reliability_args(parser):
     _off(g, "--no-verify-checkpoint", "checkpoint", "verify_checkpoint")
 
 
+def _add_compat_args(parser):
+    """Megatron-LM and Megatron-DeepSpeed spellings (mapped in megatron/compat.py)."""
+    g = parser.add_argument_group("Megatron-LM / Megatron-DeepSpeed compatibility")
+    _flag(g, "--recompute-activations", "model", "recompute_granularity",
+          action="store_const", const="selective")
+    _flag(g, "--recompute-method", "model", choices=["uniform", "block"], default=None)
+    _flag(g, "--recompute-num-layers", "model", "checkpoint_num_layers", type=int, default=None)
+    _flag(g, "--no-query-key-layer-scaling", "model", "apply_query_key_layer_scaling",
+          action="store_const", const=False)
+    _flag(g, "--use-flash-attn", "model", "attention_impl", action="store_const", const="sdpa")
+    _flag(g, "--attention-backend", "compat", choices=sorted(ATTENTION_BACKENDS), default=None)
+    _flag(g, "--data-impl", "compat", choices=["mmap", "infer", "lazy", "cached"], default=None)
+    _flag(g, "--mock-data", "data", action="store_true")
+    for split in ("train", "valid", "test"):
+        _flag(g, f"--{split}-weighted-split-paths", "data", nargs="*", default=None)
+    _flag(g, "--separate-last-epoch-threshold", "data", type=float, default=0.80)
+    for name in ("--log-params-norm", "--log-num-zeros-in-grad"):
+        _flag(g, name, "logging", action="store_true")
+    _flag(g, "--train-tokens", "training", type=int, default=None)
+    _flag(g, "--skip-train-iteration-range", "training", nargs="+", default=None)
+    _flag(g, "--lr-decay-tokens", "optimizer", type=int, default=None)
+    for name in ("--override-opt_param-scheduler", "--override-lr-scheduler"):
+        _flag(g, name, "optimizer", "override_opt_param_scheduler", action="store_true")
+    for name in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"):
+        _flag(g, name, "optimizer", "use_checkpoint_opt_param_scheduler", action="store_true")
+    _flag(g, "--universal-checkpoint", "checkpoint", action="store_true")
+    add_deepspeed_args(g, _flag)
+
+
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
     parser = OneLineParser(description=description, allow_abbrev=False)
     for add in (_add_model_args, _add_architecture_args, _add_parallel_args, _add_training_args,
                 _add_optimizer_args, _add_data_args, _add_checkpoint_args, _add_logging_args,
-                _add_reliability_args):
+                _add_reliability_args, _add_compat_args):
         add(parser)
     return parser
 
@@ -240,6 +272,8 @@ def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.Argum
     if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(ns.local_rank)
     try:
+        apply_compat(ns, parser, sys.argv[1:] if argv is None else argv,
+                     world_size or world_size_from_env())
         config = config_from_namespace(ns)
         config.check_layout(world_size or world_size_from_env())
     except ConfigError as err:

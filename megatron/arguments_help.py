@@ -97,7 +97,11 @@ HELP = {
     # data
     "--data-path": "preprocessed prefix, or weight prefix weight prefix ... to blend",
     "--split": "train,valid,test weights over documents (default 969,30,1)",
-    "--tokenizer-type": "GPT2BPETokenizer, PretrainedFromHF, NullTokenizer or ByteLevelTokenizer",
+    "--tokenizer-type": "GPT2BPETokenizer, PretrainedFromHF / HuggingFaceTokenizer, SentencePieceTokenizer, "
+                        "GPTSentencePieceTokenizer, Llama2Tokenizer, Llama3Tokenizer, NullTokenizer "
+                        "or ByteLevelTokenizer",
+    "--tokenizer-model": "SentencePiece .model or tiktoken BPE file (Llama3Tokenizer), or the local "
+                         "directory of HuggingFaceTokenizer",
     "--vocab-file": "GPT-2 vocab.json",
     "--merge-file": "GPT-2 merges.txt",
     "--tokenizer-name-or-path": "local Hugging Face tokenizer directory (PretrainedFromHF)",
@@ -134,4 +138,36 @@ HELP = {
                                         "(default 10; 0: never)",
     "--distributed-timeout-minutes": "collective timeout; a silent peer ends the run (default 10)",
     "--no-verify-checkpoint": "do not check the checksums of a checkpoint at --load",
+    # Megatron-LM / Megatron-DeepSpeed compatibility
+    "--recompute-activations": "Megatron-LM's selective recompute (attention core only)",
+    "--recompute-method": "with --recompute-granularity full: uniform (chunks of "
+                          "--recompute-num-layers) or block (the first N layers of each stage)",
+    "--recompute-num-layers": "layers per recomputed chunk (uniform) or recomputed layers (block)",
+    "--no-query-key-layer-scaling": "no 1/layer-number scaling of q.k (the default here)",
+    "--use-flash-attn": "fused attention: same as --attention-impl sdpa",
+    "--attention-backend": "Megatron-LM's name: flash -> sdpa, fused -> fused, unfused/local -> "
+                           "torch, auto -> auto (--attention-impl)",
+    "--data-impl": "mmap or infer (mmap is the only format; lazy/cached need re-preprocessing)",
+    "--train-weighted-split-paths": "\"NAME: W START:END PREFIX, ...\": the train split blends "
+                                    "these document ranges (Megatron-DeepSpeed)",
+    "--valid-weighted-split-paths": "the same for the validation split",
+    "--test-weighted-split-paths": "the same for the test split",
+    "--mock-data": "random tokens instead of --data-path: benchmark a layout without data",
+    "--separate-last-epoch-threshold": "shuffle the last epoch apart when it is used for less "
+                                       "than this fraction (0.80 Megatron-LM, 0.95 Megatron-DeepSpeed)",
+    "--log-params-norm": "add the parameters' L2 norm to the log line",
+    "--log-num-zeros-in-grad": "add the number of zero gradient entries to the log line",
+    "--train-tokens": "stop after this many tokens (caps --train-iters / --train-samples)",
+    "--skip-train-iteration-range": "START-END ...: consume and drop these iterations' batches",
+    "--lr-decay-tokens": "decay the learning rate over this many tokens",
+    "--override-opt_param-scheduler": "on resume, the lr schedule comes from the flags",
+    "--override-lr-scheduler": "same as --override-opt_param-scheduler",
+    "--use-checkpoint-opt_param-scheduler": "on resume, the lr schedule comes from the checkpoint",
+    "--use-checkpoint-lr-scheduler": "same as --use-checkpoint-opt_param-scheduler",
+    "--universal-checkpoint": "load a checkpoint saved at another TP/PP layout by re-sharding it",
+    "--deepspeed": "accepted: DeepSpeed launch lines run on our own ZeRO-1 optimizer",
+    "--deepspeed_config": "DeepSpeed JSON whose batch, clipping, precision and ZeRO keys map onto flags",
+    "--zero-stage": "0: regular optimizer, 1 or 2: --use-distributed-optimizer, 3: unsupported",
+    "--deepspeed-activation-checkpointing": "accepted (activation checkpointing follows the recompute flags)",
+    "--partition-activations": "accepted (activation checkpointing follows the recompute flags)",
 }

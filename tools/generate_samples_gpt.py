@@ -44,6 +44,8 @@ def get_parser():
     g.add_argument("--top_p", "--top-p", dest="top_p", type=float, default=0.0,
                    help="nucleus sampling threshold (0: off)")
     g.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    g.add_argument("--recompute", action="store_true",
+                   help="no KV cache: recompute the whole sequence for every new token (Megatron's flag)")
     g.add_argument("--sample-input-file", default=None, help="prompts, one per line")
     g.add_argument("--sample-output-file", "--genfile", dest="sample_output_file", default=None)
     g.add_argument("--num-samples", type=int, default=0,
@@ -94,7 +96,8 @@ def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams,
         new_tokens = min(ns.out_seq_length, max_positions - longest)
         outputs = generate(model, tokenizer, batch, new_tokens, greedy=params.greedy,
                            top_k=params.top_k, top_p=params.top_p,
-                           temperature=params.temperature, seed=config.training.seed + start)
+                           temperature=params.temperature, seed=config.training.seed + start,
+                           use_cache=not ns.recompute)
         for prompt, ids in zip(batch, outputs):
             records.append({"prompt": prompt, "text": tokenizer.detokenize(ids), "tokens": ids,
                             "finished": len(ids) < new_tokens})

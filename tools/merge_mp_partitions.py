@@ -46,8 +46,8 @@ from megatron.model import GPTModel  # noqa: E402
 from megatron.training.checkpoint_io import load_file, save_file, write_text  # noqa: E402
 
 from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER,  # noqa: E402
-                                             from_megatron_layout, read_tracker,
-                                             to_megatron_layout)
+                                             from_megatron_layout, read_model_file,
+                                             read_tracker, to_megatron_layout)
 from megatron.training.trainer import chunk_layers  # noqa: E402
 
 WORD = "language_model.embedding.word_embeddings.weight"
@@ -145,7 +145,8 @@ def read_source(root: str) -> Source:
     files = find_rank_dirs(directory) if os.path.isdir(directory) else {}
     if not files:
         raise ReshardError(f"no mp_rank_*/model_optim_rng.pt under {directory}")
-    states = {key: load_file(path, mmap=True) for key, path in files.items()}
+    states = {key: read_model_file(path, mmap=True)
+              for key, path in files.items()}
     saved = states[min(states)].get("parallel", {})
     tp = max(saved.get("tensor_model_parallel_size", 1), max(t for t, _ in files) + 1)
     pp = max(saved.get("pipeline_model_parallel_size", 1), max(p for _, p in files) + 1)
@@ -357,7 +358,15 @@ def get_args(argv=None):
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--model-type", choices=["GPT"], default="GPT",
                         help="accepted for Megatron compatibility (GPT only)")
-    return parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # Megatron-LM's invocation also passes the model, tokenizer and source-layout flags
+    # (--tensor-model-parallel-size, --num-layers, --vocab-file, ...). The checkpoint
+    # holds what re-sharding needs; those flags are checked to be valid training flags
+    # (a typo is still an error) and otherwise not needed.
+    if rest:
+        from megatron.arguments import build_parser
+        build_parser("merge_mp_partitions.py (Megatron flags)").parse_args(rest)
+    return args
 
 
 def main(argv=None) -> int:

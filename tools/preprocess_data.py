@@ -279,11 +279,14 @@ def get_args(argv=None) -> argparse.Namespace:
                        help="count and skip malformed lines instead of stopping")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", default=None)
+    group.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None,
+                       help="vocabulary file (--vocab is Megatron's older spelling)")
     group.add_argument("--merge-file", default=None)
     group.add_argument("--tokenizer-name-or-path", default=None,
                        help="local directory for PretrainedFromHF")
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model or tiktoken BPE file, or HuggingFaceTokenizer's directory")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document id to every document")
     group = parser.add_argument_group("output data")
@@ -319,7 +322,7 @@ def make_options(args) -> EncoderOptions:
     """Validate the tokenizer (and splitter) here, once, before starting workers."""
     kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                   merge_file=args.merge_file, tokenizer_name_or_path=args.tokenizer_name_or_path,
-                  vocab_size=args.vocab_size)
+                  vocab_size=args.vocab_size, tokenizer_model=args.tokenizer_model)
     tokenizer = build_tokenizer(**kwargs)
     if args.split_sentences:
         load_sentence_splitter()

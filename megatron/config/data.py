@@ -14,6 +14,8 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     tokenizer_name_or_path: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    """SentencePiece / tiktoken model file, or HuggingFaceTokenizer's directory (--tokenizer-model)."""
     vocab_size: Optional[int] = None
     """Vocabulary size for the NullTokenizer."""
     data_cache_path: Optional[str] = None
@@ -22,8 +24,20 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    train_weighted_split_paths: Optional[List[str]] = None
+    """Megatron-DeepSpeed's per-split blend "NAME: W START:END PREFIX, ..." (and valid/test)."""
+    valid_weighted_split_paths: Optional[List[str]] = None
+    test_weighted_split_paths: Optional[List[str]] = None
+    mock_data: bool = False
+    """Synthetic random tokens instead of --data-path (--mock-data)."""
+    separate_last_epoch_threshold: float = 0.80
+    """The last epoch is shuffled apart when it is used for less than this fraction of its
+    samples: 0.80 as Megatron-LM, 0.95 as Megatron-DeepSpeed."""
 
     def __post_init__(self):
+        require(0.0 <= self.separate_last_epoch_threshold <= 1.0,
+                f"--separate-last-epoch-threshold must be in [0, 1], "
+                f"got {self.separate_last_epoch_threshold}")
         require(self.dataloader_type in ("single", "cyclic"),
                 f"--dataloader-type {self.dataloader_type!r} is not single or cyclic")
         require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
@@ -55,6 +69,8 @@ class CheckpointConfig:
     finetune: bool = False
     verify_checkpoint: bool = True
     """Check each file's checksum at --load (--no-verify-checkpoint skips)."""
+    universal_checkpoint: bool = False
+    """Load a checkpoint saved at another TP / PP layout by re-sharding it on load."""
 
     def __post_init__(self):
         require(self.save_interval is None or self.save_interval > 0,

@@ -48,6 +48,9 @@ class ModelConfig:
     """Layers per recomputed chunk."""
     recompute_granularity: Optional[str] = None
     """'full' (whole layers) or 'selective' (attention core only)."""
+    recompute_method: Optional[str] = None
+    """With full recompute: 'uniform' (every chunk of checkpoint_num_layers layers) or 'block'
+    (only the first checkpoint_num_layers layers of each stage); None is uniform (Megatron-LM's)."""
     use_cpu_initialization: bool = False
     """Init full weights from the global seed and slice them: identical across layouts."""
     attention_impl: str = "auto"
@@ -123,6 +126,8 @@ class ModelConfig:
                 f"--attention-impl {self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
         require(self.recompute_granularity in (None, "full", "selective"),
                 f"--recompute-granularity {self.recompute_granularity!r} is not full or selective")
+        require(self.recompute_method in (None, "uniform", "block"),
+                f"--recompute-method {self.recompute_method!r} is not uniform or block")
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None or not self.group_query_attention:

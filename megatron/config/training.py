@@ -34,8 +34,13 @@ class TrainingConfig:
     """Stop at the first non-finite loss or gradient, naming the rank and parameter."""
     max_consecutive_nan_iterations: int = 10
     """Stop with a non-zero status after this many nan/inf iterations in a row (0: never)."""
+    train_tokens: Optional[int] = None
+    """Stop after this many tokens (Megatron-DeepSpeed's --train-tokens; caps the iterations)."""
+    skip_train_iteration_range: Optional[List[str]] = None
+    """START-END ranges of iterations whose batches are consumed and dropped, untrained."""
 
     def __post_init__(self):
+        self._check_skip_ranges()
         require(self.micro_batch_size > 0, f"--micro-batch-size must be positive, got {self.micro_batch_size}")
         self._check_counts()
         require((self.train_iters is None) != (self.train_samples is None),
@@ -62,6 +67,21 @@ class TrainingConfig:
         require(self.max_consecutive_nan_iterations >= 0,
                 f"--max-consecutive-nan-iterations must be >= 0, got {self.max_consecutive_nan_iterations}")
 
+    def _check_skip_ranges(self):
+        for text in self.skip_train_iteration_range or []:
+            start, _, end = str(text).partition("-")
+            require(start.isdigit() and end.isdigit() and 0 < int(start) <= int(end),
+                    f"--skip-train-iteration-range {text!r}: expected START-END with "
+                    f"1 <= START <= END, e.g. 101-200")
+
+    def skipped_iteration(self, iteration: int) -> bool:
+        """True when `iteration` (1-based) lies in a --skip-train-iteration-range."""
+        for text in self.skip_train_iteration_range or []:
+            start, _, end = str(text).partition("-")
+            if int(start) <= iteration <= int(end):
+                return True
+        return False
+
 
 @dataclass
 class OptimizerConfig:
@@ -86,8 +106,20 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    lr_decay_tokens: Optional[int] = None
+    """Decay over this many tokens (Megatron-DeepSpeed); see lr_decay_samples_from_tokens."""
+    lr_decay_samples_from_tokens: Optional[float] = None
+    """--lr-decay-tokens / --seq-length (set by the parser): the decay length in samples,
+    used whatever --train-iters or --train-samples say."""
+    override_opt_param_scheduler: bool = False
+    """On resume, take the lr schedule from the flags (--override-opt_param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, take the lr schedule from the checkpoint."""
 
     def __post_init__(self):
+        require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                "are exclusive; pick one")
         require(self.optimizer in ("adam", "sgd"), f"--optimizer {self.optimizer!r} is not adam or sgd")
         require(self.lr is not None and self.lr > 0, f"--lr must be given and positive, got {self.lr}")
         require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
@@ -139,6 +171,10 @@ class LoggingConfig:
     log_timers_to_tensorboard: bool = False
     timing_log_level: int = 0
     """0: iteration time only; 1: + forward/backward/optimizer; 2: + p2p and comm."""
+    log_params_norm: bool = False
+    """Add ' params norm: X |' to the log line."""
+    log_num_zeros_in_grad: bool = False
+    """Add ' num zeros: X |' (zero gradient entries) to the log line."""
 
     def __post_init__(self):
         require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")

@@ -11,8 +11,9 @@ arrays describe this and are cached as .npy files, named like Megatron's:
 - shuffle_idx  uint32 [num_samples]                 the order samples are served in
 
 All three come from one numpy.random.RandomState(seed), drawn in that order.
-When the last epoch is used less than 80%, its documents and samples are
-shuffled apart from the earlier epochs (so its partial use stays random).
+When the last epoch is used less than 80% (Megatron-LM; 95% in Megatron-DeepSpeed,
+--separate-last-epoch-threshold 0.95), its documents and samples are shuffled apart
+from the earlier epochs (so its partial use stays random).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import math
 import os
 import stat
 import zlib
+from functools import partial
 
 import numpy as np
 import torch
@@ -47,6 +49,7 @@ class DatasetError(IndexedDatasetError):
 
 SPLIT_NAMES = ("train", "valid", "test")
 _BLEND_SURPLUS = 1.005  # blended per-dataset sample counts get 0.5% extra, as in Megatron
+SEPARATE_LAST_EPOCH_LM = 0.80  # Megatron-LM's cutoff; Megatron-DeepSpeed's is 0.95
 
 
 # ----------------------------------------------------------------------------
@@ -93,8 +96,17 @@ def parse_data_prefix(data_prefix: list[str]) -> tuple[list[str], list[float]]:
         prefixes.append(str(prefix).strip())
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
-    total = sum(weights)
+    total = left_to_right_sum(weights)
     return prefixes, [w / total for w in weights]
+
+
+def left_to_right_sum(values) -> float:
+    """Plain float accumulation, as Megatron normalises blend weights (Python 3.12's sum()
+    is compensated and can differ in the last bit, changing sample counts and cache names)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def blended_num_samples(weights: list[float], num_samples: tuple[int, int, int]) -> list[list[int]]:
@@ -109,18 +121,23 @@ def blended_num_samples(weights: list[float], num_samples: tuple[int, int, int])
 def build_train_valid_test_datasets(data_prefix: list[str], splits_string: str,
                                     train_valid_test_num_samples: tuple[int, int, int],
                                     seq_length: int, seed: int, data_cache_path: str | None = None,
-                                    vocab_size: int | None = None):
+                                    vocab_size: int | None = None,
+                                    separate_last_epoch_threshold: float = SEPARATE_LAST_EPOCH_LM):
     """(train, valid, test) datasets for --data-path; a split with no documents gives None.
 
-    With `vocab_size`, a sample holding a token id >= vocab_size raises DatasetError."""
+    With `vocab_size`, a sample holding a token id >= vocab_size raises DatasetError.
+    separate_last_epoch_threshold: 0.80 orders samples as Megatron-LM, 0.95 as Megatron-DeepSpeed.
+    """
+    build = partial(_build_prefix_datasets, seq_length=seq_length, seed=seed,
+                    data_cache_path=data_cache_path, vocab_size=vocab_size,
+                    threshold=separate_last_epoch_threshold)
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples must hold 3 counts, got {train_valid_test_num_samples}")
     prefixes, weights = parse_data_prefix(list(data_prefix))
     if len(prefixes) == 1:
-        return _build_prefix_datasets(prefixes[0], splits_string, train_valid_test_num_samples,
-                                      seq_length, seed, data_cache_path, vocab_size)
+        return build(prefixes[0], splits_string, train_valid_test_num_samples)
     per_dataset = [
-        _build_prefix_datasets(prefix, splits_string, counts, seq_length, seed, data_cache_path, vocab_size)
+        build(prefix, splits_string, counts)
         for prefix, counts in zip(prefixes, blended_num_samples(weights, train_valid_test_num_samples))
     ]
     blended = []
@@ -146,7 +163,7 @@ def open_indexed_dataset(prefix: str):
 
 
 def _build_prefix_datasets(prefix, splits_string, num_samples, seq_length, seed, data_cache_path,
-                           vocab_size=None):
+                           vocab_size=None, threshold=SEPARATE_LAST_EPOCH_LM):
     indexed = open_indexed_dataset(prefix)
     bounds = get_train_valid_test_split_(splits_string, indexed.sizes.shape[0])
     logger.info("dataset %s: %d documents, split %s -> %s", prefix, indexed.sizes.shape[0], splits_string, bounds)
@@ -158,7 +175,7 @@ def _build_prefix_datasets(prefix, splits_string, num_samples, seq_length, seed,
             continue
         documents = np.arange(bounds[split], bounds[split + 1], dtype=np.int32)
         datasets.append(GPTDataset(name, prefix, documents, indexed, num_samples[split],
-                                   seq_length, seed, data_cache_path, vocab_size))
+                                   seq_length, seed, data_cache_path, vocab_size, threshold))
     return tuple(datasets)
 
 
@@ -188,7 +205,8 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, name: str, data_prefix: str, documents, indexed_dataset, num_samples: int,
                  seq_length: int, seed: int, data_cache_path: str | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None,
+                 separate_last_epoch_threshold: float = SEPARATE_LAST_EPOCH_LM):
         documents = np.asarray(documents)
         sizes = np.asarray(indexed_dataset.sizes)
         _check_dataset_args(name, documents, sizes, num_samples, seq_length)
@@ -198,7 +216,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.data_prefix = data_prefix
         self.vocab_size = vocab_size
         self._cache_files = build_index_mappings(name, data_prefix, documents, sizes, num_samples,
-                                                 seq_length, seed, data_cache_path)
+                                                 seq_length, seed, data_cache_path,
+                                                 separate_last_epoch_threshold)
         self._open()
 
     def _open(self) -> None:
@@ -321,14 +340,16 @@ def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> 
     return epochs
 
 
-def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, seq_length: int, num_samples: int) -> bool:
-    """True when the last epoch is used for less than 80% of its samples."""
+def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, seq_length: int, num_samples: int,
+                        threshold: float = SEPARATE_LAST_EPOCH_LM) -> bool:
+    """True when the last epoch is used for less than `threshold` of its samples
+    (Megatron-LM: 0.80, Megatron-DeepSpeed: 0.95)."""
     if num_epochs == 1:
         return False
     from_earlier_epochs = helpers.num_samples_for(num_epochs - 1, tokens_per_epoch, seq_length)
     last_epoch_samples = num_samples - from_earlier_epochs
     samples_per_epoch = (tokens_per_epoch - 1) // seq_length
-    return last_epoch_samples < int(0.80 * samples_per_epoch)
+    return last_epoch_samples < int(threshold * samples_per_epoch)
 
 
 def build_doc_idx(documents, num_epochs: int, rng: np.random.RandomState, separate_last: bool) -> np.ndarray:
@@ -354,13 +375,14 @@ def build_shuffle_idx(num_first: int, total: int, rng: np.random.RandomState) ->
     return np.concatenate((first, last))
 
 
-def build_index_arrays(documents, sizes, num_samples: int, seq_length: int, seed: int):
+def build_index_arrays(documents, sizes, num_samples: int, seq_length: int, seed: int,
+                       threshold: float = SEPARATE_LAST_EPOCH_LM):
     """(doc_idx, sample_idx, shuffle_idx) for the documents, computed in memory."""
     tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
     if tokens_per_epoch < 2:
         raise ValueError(f"the {len(documents)} documents hold {tokens_per_epoch} tokens: too few for any sample")
     num_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
-    separate = separate_last_epoch(num_epochs, tokens_per_epoch, seq_length, num_samples)
+    separate = separate_last_epoch(num_epochs, tokens_per_epoch, seq_length, num_samples, threshold)
     rng = np.random.RandomState(seed=seed)
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate)
     sample_idx = helpers.build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
@@ -394,7 +416,8 @@ def _cache_paths(file_prefix: str) -> dict[str, str]:
     return paths
 
 
-def _describe(data_prefix, documents, sizes, num_samples, seq_length, seed) -> dict:
+def _describe(data_prefix, documents, sizes, num_samples, seq_length, seed,
+              threshold=SEPARATE_LAST_EPOCH_LM) -> dict:
     """What the cached arrays depend on; a cache with another description is stale."""
     docs = np.ascontiguousarray(documents, dtype=np.int64)
     return {
@@ -406,6 +429,7 @@ def _describe(data_prefix, documents, sizes, num_samples, seq_length, seed) -> d
         "num_samples": int(num_samples),
         "seq_length": int(seq_length),
         "seed": int(seed),
+        "separate_last_epoch_threshold": float(threshold),
     }
 
 
@@ -483,18 +507,19 @@ def _distributed_rank() -> tuple[int, bool]:
 
 
 def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_length, seed,
-                         data_cache_path=None):
+                         data_cache_path=None, threshold=SEPARATE_LAST_EPOCH_LM):
     """Build (on global rank 0) or find the cached index arrays; returns the paths of the
     doc_idx, sample_idx and shuffle_idx .npy files, which every rank then memory-maps."""
     file_prefix = cache_file_prefix(data_prefix, name, num_samples, seq_length, seed, data_cache_path)
     paths = _cache_paths(file_prefix)
-    desc = _describe(data_prefix, documents, sizes, num_samples, seq_length, seed)
+    desc = _describe(data_prefix, documents, sizes, num_samples, seq_length, seed, threshold)
     rank, distributed = _distributed_rank()
     error = None
     if rank == 0:
         try:
             _build_cache_if_needed(paths, desc, data_cache_path, file_prefix,
-                                   lambda: build_index_arrays(documents, sizes, num_samples, seq_length, seed))
+                                   lambda: build_index_arrays(documents, sizes, num_samples, seq_length, seed,
+                                                              threshold))
         except Exception as exc:  # re-raised below, after the barrier, so no rank hangs
             error = exc
     if distributed:

@@ -269,9 +269,14 @@ class ParallelTransformer(torch.nn.Module):
 
     def forward(self, hidden, mask=None, inference_params=None):
         if self.cfg.recompute_granularity == "full" and self.training:
-            step = self.cfg.checkpoint_num_layers
-            for start in range(0, len(self.layers), step):
-                hidden = checkpoint(self._run(start, start + step), hidden, mask)
+            n = self.cfg.checkpoint_num_layers
+            if self.cfg.recompute_method == "block":  # recompute the first n layers only
+                for i in range(len(self.layers)):
+                    run = self._run(i, i + 1)
+                    hidden = checkpoint(run, hidden, mask) if i < n else run(hidden, mask)
+            else:  # uniform: every chunk of n layers
+                for start in range(0, len(self.layers), n):
+                    hidden = checkpoint(self._run(start, start + n), hidden, mask)
         else:
             hidden = self._run(0, len(self.layers), inference_params)(hidden, mask)
         if self.final_layernorm is not None:

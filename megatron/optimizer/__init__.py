@@ -8,7 +8,7 @@ from megatron.optimizer.optimizer import MegatronOptimizer
 def build_optimizer(config, models, pstate, reducers=None):
     """MegatronOptimizer, or with --use-distributed-optimizer the DP-sharded
     DistributedOptimizer (which needs the models' reduce-scattering `reducers`)."""
-    scaler = build_grad_scaler(config.optimizer, config.training.fp16)
+    scaler = build_grad_scaler(config.optimizer, config.training.fp16, config.training.bf16)
     if config.parallel.use_distributed_optimizer:
         if reducers is None:
             raise ValueError("--use-distributed-optimizer needs the models' gradient reducers")

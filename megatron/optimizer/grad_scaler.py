@@ -53,8 +53,11 @@ class DynamicGradScaler:
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
-def build_grad_scaler(opt_cfg, fp16: bool):
-    """None unless fp16 (bf16 and fp32 need no loss scaling)."""
+def build_grad_scaler(opt_cfg, fp16: bool, bf16: bool = False):
+    """None unless fp16 (bf16 and fp32 need no loss scaling), except that --loss-scale
+    with --bf16 gives a constant scaler, as in Megatron-DeepSpeed."""
+    if bf16 and opt_cfg.loss_scale is not None:
+        return ConstantGradScaler(opt_cfg.loss_scale)
     if not fp16:
         return None
     if opt_cfg.loss_scale is not None:

@@ -4,21 +4,36 @@ from typing import Optional
 from megatron.tokenizer.abstract import AbstractTokenizer
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf import PretrainedFromHF
+from megatron.tokenizer.sentencepiece import (GPTSentencePieceTokenizer, Llama2Tokenizer,
+                                               SentencePieceTokenizer)
 from megatron.tokenizer.simple import ByteLevelTokenizer, NullTokenizer
+from megatron.tokenizer.tiktoken_bpe import Llama3Tokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "PretrainedFromHF", "NullTokenizer", "ByteLevelTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "PretrainedFromHF", "HuggingFaceTokenizer",
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "Llama3Tokenizer", "NullTokenizer", "ByteLevelTokenizer")
+# --tokenizer-model FILE (or DIR for HuggingFaceTokenizer), as in Megatron-LM
+_MODEL_FILE_TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer,
+                          "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                          "Llama2Tokenizer": Llama2Tokenizer, "Llama3Tokenizer": Llama3Tokenizer}
 
 __all__ = ["AbstractTokenizer", "GPT2BPETokenizer", "PretrainedFromHF", "NullTokenizer",
-           "ByteLevelTokenizer", "TOKENIZER_TYPES", "build_tokenizer", "padded_vocab_size"]
+           "ByteLevelTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+           "Llama2Tokenizer", "Llama3Tokenizer", "TOKENIZER_TYPES", "build_tokenizer", "padded_vocab_size"]
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None,
-                    tokenizer_name_or_path=None, vocab_size=None) -> AbstractTokenizer:
-    """Build the tokenizer named by ``tokenizer_type`` (Megatron's flag values)."""
+                    tokenizer_name_or_path=None, vocab_size=None,
+                    tokenizer_model=None) -> AbstractTokenizer:
+    """Build the tokenizer named by ``tokenizer_type`` (Megatron-LM's and Megatron-DeepSpeed's
+    flag values). HuggingFaceTokenizer is Megatron-LM's name for PretrainedFromHF (its local
+    directory in --tokenizer-model or --tokenizer-name-or-path)."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type == "PretrainedFromHF":
-        return PretrainedFromHF(tokenizer_name_or_path)
+    if tokenizer_type in ("PretrainedFromHF", "HuggingFaceTokenizer"):
+        return PretrainedFromHF(tokenizer_name_or_path or tokenizer_model)
+    if tokenizer_type in _MODEL_FILE_TOKENIZERS:
+        return _MODEL_FILE_TOKENIZERS[tokenizer_type](tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     if tokenizer_type == "ByteLevelTokenizer":

@@ -174,13 +174,17 @@ def verify_checksum(path: str) -> None:
 
 
 def load_file(path: str, verify: bool = True, mmap: bool = False):
-    """torch.load(weights_only=True) of a checkpoint file; any problem is a one-line CheckpointError."""
+    """torch.load(weights_only=True) of a checkpoint file, with megatron_format's allowlist
+    (argparse.Namespace, numpy RNG states); any problem is a one-line CheckpointError."""
+    from megatron.training.megatron_format import UnusableCheckpoint, safe_load
     if os.path.isdir(path) or not os.path.exists(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
     if verify:
         verify_checksum(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return safe_load(path, mmap=mmap)
+    except UnusableCheckpoint as err:  # objects beyond plain data: named, never run
+        raise CheckpointError(str(err)) from None
     except Exception as err:  # truncated zip, hostile pickle, garbage: all unusable
         if not verify:
             verify_checksum(path)  # a corrupted file says so, rather than how torch failed

@@ -11,6 +11,10 @@ temporary name and renamed; the tracker file is updated last, so an
 interrupted save leaves the previous checkpoint intact. Loading uses
 `torch.load(weights_only=True)`: a checkpoint cannot run code.
 
+Each file also carries what Megatron-LM's and Megatron-DeepSpeed's loaders read (`args`,
+`checkpoint_version`, `lr_scheduler`, Megatron's `rng_state` list), and Megatron's own files
+load here (see megatron_format.py); --universal-checkpoint re-shards another layout (universal.py).
+
 With the distributed optimizer the model file says `"distributed_optimizer": True`
 and has no "optimizer" entry; every DP rank writes its shard next to it:
 
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from megatron.optimizer.distributed import merge_optimizer_shards
 from megatron.training import checkpoint_io
 from megatron.training.checkpoint_io import CheckpointError  # noqa: F401 (re-exported)
+from megatron.training import megatron_format
 from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -166,6 +171,7 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not ckpt.no_save_rng:
         state["rng_state"] = rng_state()
+    megatron_format.add_megatron_entries(state, config, pstate, optimizer)
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
     if pstate.rank == 0:
         checkpoint_io.remove_stale_temp_files(root)
@@ -221,11 +227,18 @@ def load_checkpoint_file(root: str, pstate, verify: bool = True) -> Optional[dic
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, release)
     if not os.path.isfile(path):
         raise CheckpointError(f"missing {path}: {_layout_hint(root, iteration, release)}")
-    state = checkpoint_io.load_file(path, verify)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
+    state = read_model_file(path, verify)
     state["_release"] = release
     return state
+
+
+def read_model_file(path: str, verify: bool = True, mmap: bool = False) -> dict:
+    """One model_optim_rng.pt, ours or Megatron's (see megatron_format), in our layout;
+    checksum-verified unless `verify` is False. Any problem is a one-line CheckpointError."""
+    state = checkpoint_io.load_file(path, verify, mmap)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
+    return megatron_format.to_ours(state) if megatron_format.is_megatron_file(state) else state
 
 
 def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
@@ -234,7 +247,12 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     Returns (iteration, consumed_train_samples, consumed_valid_samples); zeros when
     there is no checkpoint, or with --finetune (weights only, counters reset).
     """
-    state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
+    state = None
+    if config.checkpoint.universal_checkpoint:
+        from megatron.training.universal import resharded_state
+        state = resharded_state(root, pstate, len(models))
+    if state is None:
+        state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
     if state is None:
         print(f" no checkpoint found at {root}; starting from scratch", flush=True)
         return 0, 0, 0
@@ -251,16 +269,33 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     ckpt = config.checkpoint
     if ckpt.finetune or state["_release"]:
         return 0, 0, 0
+    if "resharded_from" in state:
+        return _resume_resharded(root, state, scheduler, ckpt, pstate)
     if not ckpt.no_load_optim:
-        _load_optimizer(root, state, optimizer, pstate)
+        _load_optimizer(root, state, optimizer, pstate, models)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not ckpt.no_load_rng and "rng_state" in state:
-        set_rng_state(state["rng_state"])
+        entry = state["rng_state"][0] if isinstance(state["rng_state"], list) else state["rng_state"]
+        set_rng_state(megatron_format.rng_entry_to_ours(entry, get_device_rng_state(),
+                                                        get_rng_tracker().get_states()))
     return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
             int(state.get("consumed_valid_samples", 0)))
 
 
-def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
+def _resume_resharded(root: str, state: dict, scheduler, ckpt, pstate):
+    """Counters and lr schedule of a re-sharded checkpoint; optimizer and RNG start fresh."""
+    tp, pp, _ = state["resharded_from"]
+    if pstate.rank == 0:
+        print(f" > --universal-checkpoint: re-sharded {root} from TP={tp} PP={pp} to "
+              f"TP={pstate.tp_size} PP={pstate.pp_size}; the optimizer state starts fresh",
+              flush=True)
+    if not ckpt.no_load_optim and "opt_param_scheduler" in state:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
+            int(state.get("consumed_valid_samples", 0)))
+
+
+def _load_optimizer(root: str, state: dict, optimizer, pstate, models) -> None:
     """Load the regular or sharded optimizer state into either kind of optimizer."""
     iteration = int(state["iteration"])
     if state.get("distributed_optimizer"):
@@ -274,7 +309,7 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate) -> None:
             saved = consolidate_distributed_optimizer(root, pstate.tp_rank, pstate.pp_rank,
                                                       pstate.pp_size, iteration)
     elif "optimizer" in state:
-        saved = state["optimizer"]
+        saved = megatron_format.optimizer_to_ours(state["optimizer"], models)
     else:
         raise CheckpointError(f"{root} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")

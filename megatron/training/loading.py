@@ -8,24 +8,26 @@ re-sharded checkpoints loadable.
 """
 import argparse
 import os
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron.arguments import config_from_namespace, fail, world_size_from_env
+from megatron.compat import apply_compat
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.checkpoint_io import load_file
 from megatron.training.checkpointing import (TRACKER, CheckpointError, check_layout,
                                              from_megatron_layout, load_checkpoint_file,
-                                             read_tracker)
+                                             read_model_file, read_tracker)
 from megatron.training.trainer import build_model_chunks
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
                         "max_position_embeddings")
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path",
-                    "vocab_size")
+                    "vocab_size", "tokenizer_model")
 
 
 def checkpoint_file(root: str) -> str:
@@ -49,8 +51,8 @@ def checkpoint_file(root: str) -> str:
 def read_stored_config(root: str) -> Dict[str, Any]:
     """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
     # verified at the full load; here only the stored config is read
-    state = load_file(checkpoint_file(root), verify=False, mmap=True)
-    config = state.get("config") if isinstance(state, dict) else None
+    state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
+    config = state.get("config") or state.get("megatron_config") or {}
     return config if isinstance(config, dict) else {}
 
 
@@ -94,6 +96,7 @@ def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[st
     if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(ns.local_rank)
     try:
+        apply_compat(ns, parser, sys.argv[1:] if argv is None else argv, world_size_from_env())
         config = config_from_namespace(ns)
         config.check_layout(world_size_from_env())
     except (ConfigError, TypeError) as err:
@@ -153,7 +156,7 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
              "with --vocab-file and --merge-file")
     try:
         tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
-                                    d.tokenizer_name_or_path, d.vocab_size)
+                                    d.tokenizer_name_or_path, d.vocab_size, d.tokenizer_model)
     except (ValueError, OSError, ImportError) as err:
         fail(str(err).splitlines()[0])
     saved = stored.get("model", {}).get("padded_vocab_size") or 0

@@ -68,7 +68,7 @@ def _sync():
 
 def format_log_line(iteration: int, train_iters: int, consumed: int, ms_per_iter: float,
                     lr: float, global_batch: int, losses: Dict[str, float], loss_scale: float,
-                    grad_norm: Optional[float], skipped: int, nans: int) -> str:
+                    grad_norm: Optional[float], skipped: int, nans: int, extras: str = "") -> str:
     """The training log line, in Megatron's shape so existing parsers keep working."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed:12d} |"
@@ -80,6 +80,7 @@ def format_log_line(iteration: int, train_iters: int, consumed: int, ms_per_iter
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    line += extras  # " num zeros: N | params norm: X |" (--log-num-zeros-in-grad, --log-params-norm)
     line += f" number of skipped iterations: {skipped:3d} |"
     line += f" number of nan iterations: {nans:3d} |"
     return line

@@ -8,6 +8,7 @@ from megatron.training.checkpoint_io import check_writable
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
+from megatron.training.model_stats import log_line_extras
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
                                        print_rank_0, print_rank_last, total_iterations)
 
@@ -72,6 +73,9 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard) -> 
     print_rank_0(f" training from iteration {state.iteration} to {total}")
     while state.iteration < total:
         trainer.microbatches.update(state.consumed_train)
+        if cfg.training.skipped_iteration(state.iteration + 1):
+            _skip_iteration(trainer, train_iters)
+            continue
         start = time.perf_counter()
         with guard.hangs.watch(state.iteration + 1):
             losses, grad_norm, skipped, nan = trainer.train_step(train_iters)
@@ -104,6 +108,19 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard) -> 
     return False
 
 
+def _skip_iteration(trainer: Trainer, train_iters) -> None:
+    """--skip-train-iteration-range: consume and drop this iteration's batches, untrained;
+    the iteration, consumed samples and lr schedule move on as if it had been trained."""
+    state = trainer.state
+    for _ in range(trainer.microbatches.num_micro_batches):
+        for chunk_iter in train_iters:
+            next(chunk_iter)
+    state.iteration += 1
+    state.consumed_train += trainer.microbatches.global_batch_size
+    trainer.scheduler.step(trainer.microbatches.global_batch_size)
+    print_rank_0(f" skipped iteration {state.iteration} (--skip-train-iteration-range)")
+
+
 class _LogWindow:
     """Sums over one log interval."""
 
@@ -132,7 +149,8 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
     gbs = trainer.microbatches.global_batch_size
     print_rank_last(format_log_line(state.iteration, total, state.consumed_train,
                                     1000.0 * log.seconds / max(1, log.count), lr, gbs, losses,
-                                    scale, grad_norm, log.skipped, log.nans))
+                                    scale, grad_norm, log.skipped, log.nans,
+                                    log_line_extras(cfg, trainer.models, trainer.pstate)))
     timings = trainer.timers.pop_all()
     if timings and cfg.logging.timing_log_level > 0:
         print_rank_last(" time (ms) | " + " | ".join(

@@ -21,6 +21,7 @@ from megatron.config import ConfigError, OptimizerConfig, ParallelConfig
 from megatron.distributed.ddp import GradReducer, plan_buckets, shard_range
 from megatron.mpu import single_process_state
 from megatron.optimizer import DistributedOptimizer, MegatronOptimizer, merge_optimizer_shards
+from megatron.training import megatron_format
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
@@ -240,7 +241,7 @@ def _check_checkpoint_files(ckpt):
     rank_dir = os.path.join(ckpt, "iter_0000005", "mp_rank_00")
     files = ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt", "model_optim_rng.pt"]
     assert sorted(os.listdir(rank_dir)) == sorted(files + [f + ".sha256" for f in files])
-    state = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), weights_only=True)
+    state = megatron_format.safe_load(os.path.join(rank_dir, "model_optim_rng.pt"))
     assert state["distributed_optimizer"] is True and "optimizer" not in state
     assert state["opt_param_scheduler"]["num_steps"] == 5 * 8
     shards = [torch.load(os.path.join(rank_dir, f"distrib_optim_dp_{r:03d}.pt"), weights_only=True)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.config import Config, ModelConfig, ParallelConfig
 from megatron.model import GPTModel
+from megatron.training import megatron_format
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.mpu.layers import shard_of
 from megatron.training.checkpointing import from_megatron_layout, to_megatron_layout
@@ -94,7 +95,7 @@ def read_layout(root, iteration=5):
     for rank_dir in sorted(os.listdir(directory)):
         match = mmp.RANK_DIR.match(rank_dir)
         path = os.path.join(directory, rank_dir, "model_optim_rng.pt")
-        state = torch.load(path, weights_only=True)
+        state = megatron_format.safe_load(path)
         out[(int(match.group(1)), int(match.group(2) or 0))] = from_megatron_layout(state["model"])
     return out, state
 

@@ -1,0 +1,44 @@
+"""The optional log-line statistics --log-params-norm and --log-num-zeros-in-grad.
+
+Each counts a parameter once over the model-parallel group (see
+megatron.distributed.grads.counts_for_norm), as the gradient norm does.
+"""
+from typing import List
+
+import torch
+
+from megatron.distributed.grads import counts_for_norm, global_grad_norm, grad_of
+from megatron.mpu.mappings import all_reduce, group_rank
+
+
+def _counted(models, pstate) -> List[torch.nn.Parameter]:
+    tp_rank = group_rank(pstate.tp_group)
+    return [p for m in models for p in m.parameters() if counts_for_norm(p, tp_rank)]
+
+
+def params_norm(models, pstate) -> float:
+    """L2 norm of all model parameters (Megatron's ` params norm:`)."""
+    params = _counted(models, pstate)
+    return global_grad_norm(params, [p.detach() for p in params], pstate.tp_group, pstate.mp_group)
+
+
+def num_zeros_in_grad(models, pstate) -> int:
+    """Gradient entries equal to zero after the last step's reduction (` num zeros:`)."""
+    grads = [grad_of(p) for p in _counted(models, pstate)]
+    grads = [g for g in grads if g is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += (g == 0).sum()
+    all_reduce(total, pstate.mp_group)
+    return int(total.item())
+
+
+def log_line_extras(cfg, models, pstate) -> str:
+    """The ` params norm: X | num zeros: N |` fields the logging flags ask for."""
+    text = ""
+    if cfg.logging.log_num_zeros_in_grad:
+        text += f" num zeros: {num_zeros_in_grad(models, pstate):.1f} |"
+    if cfg.logging.log_params_norm:
+        text += f" params norm: {params_norm(models, pstate):.3f} |"
+    return text
