@@ -244,7 +244,7 @@ def _check_checkpoint_files(ckpt):
     state = megatron_format.safe_load(os.path.join(rank_dir, "model_optim_rng.pt"))
     assert state["distributed_optimizer"] is True and "optimizer" not in state
     assert state["opt_param_scheduler"]["num_steps"] == 5 * 8
-    shards = [torch.load(os.path.join(rank_dir, f"distrib_optim_dp_{r:03d}.pt"), weights_only=True)
+    shards = [megatron_format.safe_load(os.path.join(rank_dir, f"distrib_optim_dp_{r:03d}.pt"))
               for r in range(2)]
     numel = [sum(m.numel() for m in s["main_params"]) for s in shards]
     total = sum(torch.Size(shape).numel() for shape in shards[0]["param_shapes"])

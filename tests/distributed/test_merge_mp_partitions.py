@@ -376,8 +376,8 @@ def _logits_at(root, tp):
     """Logits (gathered over the vocabulary) and gradients of the TP = tp checkpoint under `root`."""
     from megatron.mpu import initialize_model_parallel
     pstate = initialize_model_parallel(tp, 1)
-    state = torch.load(os.path.join(root, "iter_0000005", f"mp_rank_{pstate.tp_rank:02d}",
-                                    "model_optim_rng.pt"), weights_only=True)
+    state = megatron_format.safe_load(os.path.join(root, "iter_0000005",
+                                                   f"mp_rank_{pstate.tp_rank:02d}", "model_optim_rng.pt"))
     cfg = Config.from_dict(state["config"]).model
     model = GPTModel(cfg, tp_group=pstate.tp_group, parallel_output=False)
     model.load_state_dict(from_megatron_layout(state["model"]))

@@ -13,8 +13,8 @@ import os
 from dataclasses import replace
 
 import pytest
-import torch
 
+from megatron.training.megatron_format import safe_load
 from tests.distributed.layouts import (Layout, check_losses, check_resume, checkpoint_dir,
                                        reference_losses, train_layouts)
 from tests.distributed.run_ranks import run_ranks
@@ -83,8 +83,7 @@ def test_spec_checkpoint_resumes_exactly(name, workdir, spawn2):
     layout = LAYOUTS[name]
     check_resume(name, layout, spawn2, workdir[1])
     folder = os.path.join(checkpoint_dir(workdir[1], name), "iter_0000005")
-    state = torch.load(os.path.join(folder, sorted(os.listdir(folder))[-1], "model_optim_rng.pt"),
-                       weights_only=True)
+    state = safe_load(os.path.join(folder, sorted(os.listdir(folder))[-1], "model_optim_rng.pt"))
     sharding = state["sharding"]
     layer = "language_model.encoder.layers.0."
     assert sharding[layer + "self_attention.query_key_value.weight"]["dim"] == 0

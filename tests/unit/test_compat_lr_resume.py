@@ -54,7 +54,7 @@ def test_resume_with_other_schedule_flags(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             pretrain_gpt.main(MOCK + ["--train-iters", "4", "--load", save])
         err = capsys.readouterr().err.strip().splitlines()
-        assert exit_info.value.code == 1 and len(err) == 1
+        assert exit_info.value.code == 2 and len(err) == 1
         assert "decay steps 4 but the flags give 8" in err[0]
         for flag in ("--override-lr-scheduler", "--use-checkpoint-opt_param-scheduler"):
             state = pretrain_gpt.main(MOCK + ["--train-iters", "4", "--load", save, flag])

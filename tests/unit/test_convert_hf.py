@@ -21,6 +21,7 @@ from megatron.training.checkpoint_io import save_file  # noqa: E402
 from tests.gpt_setup import one_thread  # noqa: E402
 from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
                              load_ours, position_ids, prompts, rel_err, save_hf_model)
+from megatron.training.megatron_format import safe_load  # noqa: E402
 from tools import convert_checkpoint  # noqa: E402
 
 
@@ -206,7 +207,7 @@ def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
 
     def weights(root, directory):
         path = os.path.join(root, directory, "mp_rank_00", "model_optim_rng.pt")
-        return from_megatron_layout(torch.load(path, weights_only=True)["model"])
+        return from_megatron_layout(safe_load(path)["model"])
     before, after = weights(ckpt, "release"), weights(str(tmp_path / "trained"), "iter_0000001")
     assert sorted(before) == sorted(after)
     for name in before:
@@ -273,7 +274,7 @@ def _without_hf_entry(ckpt: str, target) -> str:
     import shutil
     shutil.copytree(ckpt, target)
     path = os.path.join(target, "release", "mp_rank_00", "model_optim_rng.pt")
-    state = torch.load(path, weights_only=True)
+    state = safe_load(path)
     del state["config"]["hf"]
     save_file(state, path)  # with its checksum sidecar, as a save would
     return str(target)
@@ -305,7 +306,7 @@ def test_export_refuses_what_no_architecture_expresses(small_dirs, tmp_path, cap
     shutil.copytree(small_dirs / "gpt2", tmp_path / "hf")
     ckpt = _without_hf_entry(converted(str(tmp_path), "gpt2"), tmp_path / "ckpt")
     path = os.path.join(ckpt, "release", "mp_rank_00", "model_optim_rng.pt")
-    state = torch.load(path, weights_only=True)
+    state = safe_load(path)
     state["config"]["model"][field] = value
     save_file(state, path)  # with its checksum sidecar, as a save would
     code = convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
