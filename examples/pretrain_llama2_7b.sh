@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # LLaMA-2 7B (32 layers, hidden 4096, 32 heads, SwiGLU ffn 11008, RoPE, RMSNorm eps 1e-5,
 # untied embeddings, no biases, seq 4096) on one node of 8 GPUs: TP 2 x DP 4, bf16.
-# TOKENIZER is a Hugging Face tokenizer directory of LLaMA-2 (tokenizer.json, 32000 ids),
-# e.g. one converted with tools/convert_checkpoint.py (<save>/hf_files). To continue from
+# TOKENIZER is LLaMA-2's SentencePiece model file (tokenizer.model, 32000 ids), e.g. the one
+# in <save>/hf_files after tools/convert_checkpoint.py. To continue from
 # Meta's weights: tools/convert_checkpoint.py --from hf --to megatron --load Llama-2-7b-hf
 # --save checkpoints/llama2_7b --target-tensor-model-parallel-size 2, then run this script.
 # Launch once per node; set NNODES, NODE_RANK and MASTER_ADDR for several nodes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:?set DATA}
-TOKENIZER=${TOKENIZER:?set TOKENIZER to the LLaMA-2 tokenizer directory}
+TOKENIZER=${TOKENIZER:?set TOKENIZER to the LLaMA-2 tokenizer.model}
 CHECKPOINTS=${CHECKPOINTS:-checkpoints/llama2_7b}
 
 torchrun --nproc_per_node 8 --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
@@ -28,6 +28,6 @@ torchrun --nproc_per_node 8 --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 \
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --checkpoint-activations \
     --data-path $DATA --split 99,1,0 \
-    --tokenizer-type PretrainedFromHF --tokenizer-name-or-path "$TOKENIZER" \
+    --tokenizer-type Llama2Tokenizer --tokenizer-model "$TOKENIZER" \
     --log-interval 10 --save-interval 1000 --eval-interval 1000 --eval-iters 10 \
     --tensorboard-dir "$CHECKPOINTS/tensorboard" --save "$CHECKPOINTS" --load "$CHECKPOINTS" "$@"

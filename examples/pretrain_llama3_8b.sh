@@ -2,7 +2,8 @@
 # LLaMA-3 8B (32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU ffn 14336,
 # RoPE base 500000, RMSNorm eps 1e-5, untied embeddings, no biases, seq 8192,
 # vocabulary 128256) on one node of 8 GPUs: TP 2 x DP 4, bf16.
-# TOKENIZER is a Hugging Face tokenizer directory of LLaMA-3 (tokenizer.json), e.g. the
+# TOKENIZER is a Hugging Face tokenizer directory of LLaMA-3 (tokenizer.json; Megatron-LM's
+# --tokenizer-type HuggingFaceTokenizer), e.g. the
 # <save>/hf_files of tools/convert_checkpoint.py --from hf --to megatron --load Meta-Llama-3-8B.
 # Launch once per node; set NNODES, NODE_RANK and MASTER_ADDR for several nodes.
 set -euo pipefail
@@ -28,6 +29,6 @@ torchrun --nproc_per_node 8 --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 \
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --checkpoint-activations \
     --data-path $DATA --split 99,1,0 \
-    --tokenizer-type PretrainedFromHF --tokenizer-name-or-path "$TOKENIZER" \
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" \
     --log-interval 10 --save-interval 1000 --eval-interval 1000 --eval-iters 10 \
     --tensorboard-dir "$CHECKPOINTS/tensorboard" --save "$CHECKPOINTS" --load "$CHECKPOINTS" "$@"

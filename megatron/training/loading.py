@@ -125,6 +125,17 @@ MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
                         "add_bias_linear", "add_qkv_bias", "embed_layernorm", "qk_layernorm")
 
 
+# Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
+# tokenizer.model can be read as Llama2Tokenizer or through its Hugging Face directory.
+# Switching among them is allowed (the vocabulary size is still checked).
+_FILE_TOKENIZERS = {"PretrainedFromHF", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer"}
+
+
+def _tokenizer_kind(name: str) -> str:
+    return "tokenizer files" if name in _FILE_TOKENIZERS else name
+
+
 def check_model_matches(config, stored: Dict[str, Any]) -> None:
     """The model and tokenizer the flags describe are the checkpoint's (exit 2 naming both)."""
     model, data = stored.get("model") or {}, stored.get("data") or {}
@@ -138,7 +149,7 @@ def check_model_matches(config, stored: Dict[str, Any]) -> None:
             fail(f"--{name.replace('_', '-')} {given} does not match the checkpoint in {root}, "
                  f"which was saved with {saved}; use the checkpoint's model flags")
     saved, given = data.get("tokenizer_type"), config.data.tokenizer_type
-    if saved is not None and given is not None and saved != given:
+    if saved is not None and given is not None and _tokenizer_kind(saved) != _tokenizer_kind(given):
         fail(f"--tokenizer-type {given} does not match the checkpoint in {root}, which was "
              f"trained with {saved}; use the tokenizer the model was trained with")
 
