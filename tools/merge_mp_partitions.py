@@ -336,17 +336,22 @@ def reshard(load: str, save: str, tp: int, pp: int) -> str:
         raise ReshardError(f"--save {save} is the --load directory; write the re-sharded "
                            f"checkpoint elsewhere (the input is never modified)")
     source = read_source(load)
+    return write_checkpoint(save, source, resplit(source, tp, pp), tp, pp)
+
+
+def resplit(source: Source, tp: int, pp: int) -> Dict[Tuple[int, int], Flat]:
+    """The source checkpoint's weights cut for TP `tp` x PP `pp`, keyed by (tp rank, pp rank)
+    (also what --universal-checkpoint loads, in memory)."""
     shards, num_layers = [], None
     for t in range(source.tp):
         shard, num_layers = global_shard(source, t)
         shards.append(shard)
     sharding = source.sharding
     full = merge_tensor_parallel(shards, sharding)
-    config = source.states[(0, 0)].get("config") or {}
+    config = source.states[min(source.states)].get("config") or {}
     check_shapes(full, config)
     check_target(full, config, num_layers, tp, pp, sharding)
-    return write_checkpoint(save, source, split_for_target(full, num_layers, tp, pp, sharding),
-                            tp, pp)
+    return split_for_target(full, num_layers, tp, pp, sharding)
 
 
 def get_args(argv=None):

@@ -26,16 +26,11 @@ def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
         if num_chunks > 1:
             raise CheckpointError("--universal-checkpoint re-shards into one model chunk per "
                                   "stage; drop --num-layers-per-virtual-pipeline-stage")
-        shards = [mmp.global_shard(source, t) for t in range(source.tp)]
-        num_layers = shards[0][1]
-        full = mmp.merge_tensor_parallel([shard for shard, _ in shards])
-        mmp.check_target(full, first.get("config") or {}, num_layers, pstate.tp_size,
-                         pstate.pp_size)
-        flat = mmp.split_for_target(full, num_layers, pstate.tp_size, pstate.pp_size)
+        flat = mmp.resplit(source, pstate.tp_size, pstate.pp_size)
     except mmp.ReshardError as err:
         raise CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {err}") from None
     state = mmp.target_state(first, flat[(pstate.tp_rank, pstate.pp_rank)], pstate.tp_size,
-                             pstate.pp_size)
+                             pstate.pp_size, source.sharding)
     if "opt_param_scheduler" in first:
         state["opt_param_scheduler"] = first["opt_param_scheduler"]
     state["_release"] = source.release

@@ -198,9 +198,10 @@ def _logits_tp2_pp2(ckpt, tok_flags, tokens):
     config, _, stored = parse_inference_args(get_parser(), [
         "--load", ckpt, "--task", "LAMBADA", "--tensor-model-parallel-size", "2",
         "--pipeline-model-parallel-size", "2"] + tok_flags)
-    build_tokenizer_and_vocab(config, stored)
+    tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate = initialize_model_parallel(2, 2)
-    (model,), _ = load_inference_models(config, pstate, "cpu", parallel_output=False)
+    (model,), _ = load_inference_models(config, pstate, "cpu", parallel_output=False,
+                                        vocab_size=tokenizer.vocab_size)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
         if pstate.is_first_stage():
@@ -224,7 +225,8 @@ def _single_process(ckpt, tok_flags, tokens, wiki):
     config, ns, stored = parse_inference_args(get_parser(), argv)
     tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate = single_process_state()
-    (model,), _ = load_inference_models(config, pstate, "cpu", parallel_output=False)
+    (model,), _ = load_inference_models(config, pstate, "cpu", parallel_output=False,
+                                        vocab_size=tokenizer.vocab_size)
     dataset = build_dataset(ns, tokenizer, config.model.seq_length)
     loss = metrics_of("WIKITEXT103", dataset, evaluate(
         "WIKITEXT103", dataset, [model], config, pstate, "cpu", tokenizer.eod))["avg loss"]
