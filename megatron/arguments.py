@@ -165,8 +165,9 @@ def _add_logging_args(parser):
     _flag(g, "--tensorboard-dir", "logging", default=None)
     _flag(g, "--tensorboard-queue-size", "logging", type=int, default=1000)
     _flag(g, "--timing-log-level", "logging", type=int, choices=[0, 1, 2], default=0)
+    _flag(g, "--peak-flops", "logging", type=float, default=None)
     for name in ("--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-                 "--log-timers-to-tensorboard"):
+                 "--log-timers-to-tensorboard", "--log-throughput"):
         _flag(g, name, "logging", action="store_true")
 
 

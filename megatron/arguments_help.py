@@ -125,4 +125,6 @@ HELP = {
     "--log-batch-size-to-tensorboard": "also log the global batch size",
     "--log-validation-ppl-to-tensorboard": "also log the validation perplexity",
     "--log-timers-to-tensorboard": "also log the per-phase timers",
+    "--log-throughput": "TFLOP/s per device, tokens/s and MFU on every log line and to TensorBoard",
+    "--peak-flops": "peak TFLOP/s of one device for MFU (default: a matmul probe at start-up)",
 }

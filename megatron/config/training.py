@@ -87,8 +87,14 @@ class LoggingConfig:
     log_timers_to_tensorboard: bool = False
     timing_log_level: int = 0
     """0: iteration time only; 1: + forward/backward/optimizer; 2: + p2p and comm."""
+    log_throughput: bool = False
+    """TFLOP/s per device, tokens/s and MFU on every log line (--log-throughput)."""
+    peak_flops: Optional[float] = None
+    """Peak TFLOP/s of one device for MFU; a matmul probe at start-up when unset (--peak-flops)."""
 
     def __post_init__(self):
         require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
         require(self.timing_log_level in (0, 1, 2),
                 f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
+        require(self.peak_flops is None or self.peak_flops > 0,
+                f"--peak-flops must be a positive TFLOP/s value, got {self.peak_flops}")

@@ -4,10 +4,11 @@ import time
 from typing import Callable, Optional
 
 
+from megatron.training.flops import ThroughputMeter
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
-                                       print_rank_0, print_rank_last, total_iterations)
+                                       params_dtype, print_rank_0, print_rank_last, total_iterations)
 
 
 def pretrain(config, pstate, device, model_provider: Callable, data_provider: Callable,
@@ -32,7 +33,8 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
     valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
-    _train_loop(trainer, train_iters, valid_iters)
+    meter = _throughput_meter(config, pstate, device)
+    _train_loop(trainer, train_iters, valid_iters, meter)
     if valid_iters is not None and config.training.eval_iters > 0:
         _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
     if test_iter is not None and config.training.eval_iters > 0:
@@ -49,7 +51,16 @@ def _save(trainer: Trainer) -> None:
     print_rank_0(f" saved checkpoint at iteration {state.iteration:7d} to {cfg.checkpoint.save}")
 
 
-def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
+def _throughput_meter(config, pstate, device) -> Optional[ThroughputMeter]:
+    if not config.logging.log_throughput:
+        return None
+    meter = ThroughputMeter(config.model, device, params_dtype(config), pstate.dims.world_size,
+                            config.logging.peak_flops)
+    print_rank_0(meter.describe())
+    return meter
+
+
+def _train_loop(trainer: Trainer, train_iters, valid_iters, meter=None) -> None:
     cfg, state = trainer.config, trainer.state
     total = total_iterations(cfg)
     log = _LogWindow()
@@ -64,7 +75,7 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters) -> None:
             state.history.append(dict(losses, iteration=state.iteration))
         log.add(losses, time.perf_counter() - start, skipped, nan)
         if state.iteration % cfg.logging.log_interval == 0:
-            _log(trainer, log, grad_norm, total)
+            _log(trainer, log, grad_norm, total, meter)
         saving = cfg.checkpoint.save and cfg.checkpoint.save_interval
         if saving and state.iteration % cfg.checkpoint.save_interval == 0:
             _save(trainer)
@@ -99,7 +110,8 @@ class _LogWindow:
         self.nans += int(nan)
 
 
-def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: int) -> None:
+def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: int,
+         meter: Optional[ThroughputMeter] = None) -> None:
     cfg, state = trainer.config, trainer.state
     lr = trainer.scheduler.get_lr()
     scale = trainer.optimizer.loss_scale
@@ -107,14 +119,15 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
     normal = max(1, log.count - log.skipped - log.nans)
     losses = {key: value / normal for key, value in log.losses.items()}
     gbs = trainer.microbatches.global_batch_size
-    print_rank_last(format_log_line(state.iteration, total, state.consumed_train,
-                                    1000.0 * log.seconds / max(1, log.count), lr, gbs, losses,
-                                    scale, grad_norm, log.skipped, log.nans))
+    seconds = log.seconds / max(1, log.count)
+    text, scalars = meter.log_fields(gbs, seconds) if meter is not None else ("", {})
+    print_rank_last(format_log_line(state.iteration, total, state.consumed_train, 1000.0 * seconds,
+                                    lr, gbs, losses, scale, grad_norm, log.skipped, log.nans, text))
     timings = trainer.timers.pop_all()
     if timings and cfg.logging.timing_log_level > 0:
         print_rank_last(" time (ms) | " + " | ".join(
             f"{name}: {1000.0 * sec / max(1, log.count):.2f}" for name, sec in sorted(timings.items())))
-    scalars = {f"{key}": value for key, value in losses.items()}
+    scalars.update({f"{key}": value for key, value in losses.items()})
     scalars.update({"learning-rate": lr, "loss-scale": scale})
     if grad_norm is not None:
         scalars["grad-norm"] = grad_norm
