@@ -12,7 +12,7 @@ full s x s square (Megatron-LM's convention), also for causal attention.
 """
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -81,14 +81,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(device, dtype: torch.dtype, size: Optional[int] = None,
+def matmul_rate(device, dtype: torch.dtype, shape: Optional[Tuple[int, int, int]] = None,
                 seconds: float = 0.25) -> float:
-    """FLOP/s of a square matmul of `size` (default 1024 on CPU, 8192 on GPU) on
-    `device` in `dtype`: the best of repeated runs within about `seconds`."""
+    """FLOP/s of an [m, k] x [k, n] matmul on `device` in `dtype`, the best of
+    repeated runs within about `seconds`. Default shape: square, 1024 on CPUs, 8192 on GPUs."""
     device = torch.device(device)
-    size = size or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    side = 8192 if device.type == "cuda" else 1024
+    m, k, n = shape or (side, side, side)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
     torch.matmul(a, b)  # warm-up
     _sync(device)
     best, deadline = float("inf"), time.perf_counter() + seconds
@@ -99,7 +100,7 @@ def matmul_rate(device, dtype: torch.dtype, size: Optional[int] = None,
         best = min(best, time.perf_counter() - start)
         if time.perf_counter() > deadline:
             break
-    return 2.0 * size ** 3 / best
+    return 2.0 * m * k * n / best
 
 
 def throughput(flops_per_iteration: float, seconds_per_iteration: float, world_size: int,
