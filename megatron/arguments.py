@@ -108,6 +108,7 @@ def _add_training_args(parser):
     _flag(g, "--exit-interval", "training", type=int, default=None)
     _flag(g, "--fp16", "training", action="store_true")
     _flag(g, "--bf16", "training", action="store_true")
+    _flag(g, "--torch-compile", "training", action="store_true")
 
 
 def _add_optimizer_args(parser):

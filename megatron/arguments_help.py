@@ -126,5 +126,6 @@ HELP = {
     "--log-validation-ppl-to-tensorboard": "also log the validation perplexity",
     "--log-timers-to-tensorboard": "also log the per-phase timers",
     "--log-throughput": "TFLOP/s per device, tokens/s and MFU on every log line and to TensorBoard",
+    "--torch-compile": "torch.compile each transformer layer (off by default; compiles on the first step)",
     "--peak-flops": "peak TFLOP/s of one device for MFU (default: a matmul probe at start-up)",
 }

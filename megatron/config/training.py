@@ -24,6 +24,8 @@ class TrainingConfig:
     """Stop (after saving) when the iteration is a multiple of this."""
     fp16: bool = False
     bf16: bool = False
+    torch_compile: bool = False
+    """torch.compile each transformer layer (--torch-compile)."""
 
     def __post_init__(self):
         require(self.micro_batch_size > 0, f"--micro-batch-size must be positive, got {self.micro_batch_size}")
