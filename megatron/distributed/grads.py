@@ -71,11 +71,13 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
     or a nan), from one multi-tensor norm and one all-reduce of two numbers."""
     tp_rank = group_rank(tp_group)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    # Accumulated in float64: fp32 norms of large, mostly-zero gradients (the word
+    # embeddings') were off by 1e-4 relative on CPUs.
     device = pairs[0][1].device if pairs else torch.device("cpu")
     if not pairs:
         stats = torch.zeros(2, device=device)
     else:
-        norms = torch.stack(torch._foreach_norm([g for _, g in pairs])).float()
+        norms = torch.stack(torch._foreach_norm([g for _, g in pairs], 2, dtype=torch.float64))
         counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
         stats = torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
                              (~torch.isfinite(norms)).sum().float()])
