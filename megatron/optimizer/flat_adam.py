@@ -66,6 +66,14 @@ class FlatAdamW:
                                            "exp_avg_sq": exp_avg_sq[index]}
                 index += 1
 
+    def state_dict(self) -> dict:
+        """torch's AdamW state dict, each parameter with a step tensor of its own (one
+        tensor shared by a group would be advanced once per parameter by torch's AdamW)."""
+        state = self.optimizer.state_dict()
+        state["state"] = {key: dict(value, step=value["step"].clone())
+                          for key, value in state["state"].items()}
+        return state
+
     @torch.no_grad()
     def adopt_state(self) -> None:
         """Copy the state that `optimizer.load_state_dict` installed into the flat buffers."""

@@ -152,7 +152,7 @@ class MegatronOptimizer(OptimizerBase):
                 main_param.copy_(model_param)
 
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": (self.flat or self.optimizer).state_dict()}
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         if self.mixed:
