@@ -1,6 +1,6 @@
 """The launch scripts in examples/ pass flags that parse and fit their world size.
 
-Each script runs with `python` and `torchrun` replaced by stubs that record their
+Each script runs with `python`, `torchrun` and `srun` replaced by stubs that record their
 arguments; the recorded pretrain_gpt.py flags then go through pretrain_gpt's own
 parsing and layout checks, with the world size the launcher would create.
 """
