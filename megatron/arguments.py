@@ -124,6 +124,7 @@ def _add_training_args(parser):
     _flag(g, "--exit-interval", "training", type=int, default=None)
     _flag(g, "--fp16", "training", action="store_true")
     _flag(g, "--bf16", "training", action="store_true")
+    _flag(g, "--torch-compile", "training", action="store_true")
 
 
 def _add_optimizer_args(parser):
@@ -181,8 +182,9 @@ def _add_logging_args(parser):
     _flag(g, "--tensorboard-dir", "logging", default=None)
     _flag(g, "--tensorboard-queue-size", "logging", type=int, default=1000)
     _flag(g, "--timing-log-level", "logging", type=int, choices=[0, 1, 2], default=0)
+    _flag(g, "--peak-flops", "logging", type=float, default=None)
     for name in ("--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-                 "--log-timers-to-tensorboard"):
+                 "--log-timers-to-tensorboard", "--log-throughput"):
         _flag(g, name, "logging", action="store_true")
 
 

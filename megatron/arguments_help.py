@@ -170,4 +170,7 @@ HELP = {
     "--zero-stage": "0: regular optimizer, 1 or 2: --use-distributed-optimizer, 3: unsupported",
     "--deepspeed-activation-checkpointing": "accepted (activation checkpointing follows the recompute flags)",
     "--partition-activations": "accepted (activation checkpointing follows the recompute flags)",
+    "--log-throughput": "TFLOP/s per device, tokens/s and MFU on every log line and to TensorBoard",
+    "--torch-compile": "torch.compile each transformer layer (off by default; compiles on the first step)",
+    "--peak-flops": "peak TFLOP/s of one device for MFU (default: a matmul probe at start-up)",
 }

@@ -38,6 +38,8 @@ class TrainingConfig:
     """Stop after this many tokens (Megatron-DeepSpeed's --train-tokens; caps the iterations)."""
     skip_train_iteration_range: Optional[List[str]] = None
     """START-END ranges of iterations whose batches are consumed and dropped, untrained."""
+    torch_compile: bool = False
+    """torch.compile each transformer layer (--torch-compile)."""
 
     def __post_init__(self):
         self._check_skip_ranges()
@@ -175,6 +177,10 @@ class LoggingConfig:
     """Add ' params norm: X |' to the log line."""
     log_num_zeros_in_grad: bool = False
     """Add ' num zeros: X |' (zero gradient entries) to the log line."""
+    log_throughput: bool = False
+    """TFLOP/s per device, tokens/s and MFU on every log line (--log-throughput)."""
+    peak_flops: Optional[float] = None
+    """Peak TFLOP/s of one device for MFU; a matmul probe at start-up when unset (--peak-flops)."""
 
     def __post_init__(self):
         require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
@@ -182,3 +188,5 @@ class LoggingConfig:
                 f"--tensorboard-queue-size must be positive, got {self.tensorboard_queue_size}")
         require(self.timing_log_level in (0, 1, 2),
                 f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
+        require(self.peak_flops is None or self.peak_flops > 0,
+                f"--peak-flops must be a positive TFLOP/s value, got {self.peak_flops}")

@@ -10,7 +10,8 @@
   parameters on every rank, replicated ones on TP rank 0 only, and the last
   stage's embedding copy not at all.
 """
-from typing import List
+import math
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,16 +69,25 @@ def counts_for_norm(param, tp_rank: int) -> bool:
     return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
 
-def global_grad_norm(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
-                     tp_group, mp_group) -> float:
-    """L2 norm of all gradients of the model, summed over the model-parallel group."""
+def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
+                       tp_group, mp_group) -> Tuple[float, bool]:
+    """(the global L2 norm, whether any gradient of any model-parallel rank holds an inf
+    or a nan), from one multi-tensor norm and one all-reduce of two numbers."""
     tp_rank = group_rank(tp_group)
-    squares = [g.detach().float().pow(2).sum() for p, g in zip(params, grads)
-               if g is not None and counts_for_norm(p, tp_rank)]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=device)
-    all_reduce(total, mp_group)
-    return total.sqrt().item()
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    # Accumulated in float64: fp32 norms of large, mostly-zero gradients (the word
+    # embeddings') were off by 1e-4 relative on CPUs.
+    device = pairs[0][1].device if pairs else torch.device("cpu")
+    if not pairs:
+        stats = torch.zeros(2, device=device)
+    else:
+        norms = torch.stack(torch._foreach_norm([g for _, g in pairs], 2, dtype=torch.float64))
+        counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
+        stats = torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
+                             (~torch.isfinite(norms)).sum().float()])
+    all_reduce(stats, mp_group)
+    square, nonfinite = stats.tolist()
+    return math.sqrt(square), nonfinite > 0
 
 
 def clip_grads(grads: List[torch.Tensor], norm: float, max_norm: float) -> None:

@@ -3,10 +3,12 @@
 The full logits are never gathered: each rank holds [..., V / TP]; the max and
 the sum of exponentials are all-reduced over the group, and so is the logit of
 the target, which lives on exactly one rank. The math lives in static methods
-apart from the three all-reduces.
+apart from the three all-reduces. Without tensor parallelism it is torch's own
+cross entropy (one log-softmax, no extra copies of the logits).
 """
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 
@@ -69,4 +71,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, target, group=None, label_smoothing=0.0):
     """Per-token loss [...] from vocab-parallel logits [..., V/TP] and targets [...]."""
+    if group_size(group) == 1:
+        vocab = logits.shape[-1]
+        return F.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing)

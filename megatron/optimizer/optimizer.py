@@ -10,8 +10,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.grads import clip_grads, global_grad_norm
-from megatron.mpu.mappings import all_reduce
+from megatron.distributed.grads import norm_and_nonfinite
+from megatron.optimizer.flat_adam import FlatAdamW, fused_adamw_available
 
 
 def _param_groups(named_params, weight_decay):
@@ -86,50 +86,65 @@ class MegatronOptimizer(OptimizerBase):
         self._main_of = {id(mp): main for mp, main in zip(self.model_params, self.main_params)}
         groups = _param_groups([(n, self._main_of[id(p)]) for n, p in named], cfg.weight_decay)
         self.optimizer = torch_optimizer(cfg, groups)
+        # Adam over flat buffers where torch's fused kernel runs (fp32 main params on
+        # one CPU or GPU): the parameters become views of the flat buffer.
+        self.flat = (FlatAdamW(self.optimizer)
+                     if cfg.optimizer == "adam" and fused_adamw_available(self.main_params) else None)
 
     def _main_grads(self) -> List[torch.Tensor]:
+        """fp32 gradients of the main params: the reducer's `main_grad` views (or `.grad`),
+        copied into the flat buffer when the update is flat, else set as `.grad`."""
         grads = []
-        for model_param, main_param in zip(self.model_params, self.main_params):
+        for model_param in self.model_params:
             grad = getattr(model_param, "main_grad", None)
             if grad is None:
                 grad = model_param.grad
             if grad is not None and grad.dtype != torch.float32:
                 grad = grad.float()
-            main_param.grad = grad
             grads.append(grad)
+        if self.flat is not None:
+            return self.flat.gather_grads(self.main_params, grads)
+        for main_param, grad in zip(self.main_params, grads):
+            main_param.grad = grad
         return grads
 
-    def _unscale_and_check(self, grads) -> bool:
-        """Divide by the loss scale; True when any gradient is inf or nan on any rank."""
-        device = grads[0].device if grads else torch.device("cpu")
-        found = unscale_and_find_nonfinite(grads, self.grad_scaler, device)
-        all_reduce(found, self.pstate.mp_group, op=torch.distributed.ReduceOp.MAX)
-        return bool(found.item() > 0)
+    def _scale_grads(self, grads, factor: float, flat: bool) -> None:
+        if flat:
+            self.flat.flat_grads.mul_(factor)
+            return
+        for g in grads:
+            if g is not None:
+                g.mul_(factor)
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], bool]:
         """One update. Returns (applied, grad_norm, skipped_for_overflow)."""
         grads = self._main_grads()
+        flat = self.flat is not None
         try:
-            found_inf = self._unscale_and_check(grads)
+            if self.grad_scaler is not None:
+                self._scale_grads(grads, 1.0 / self.grad_scaler.scale.item(), flat)
+            norm, found_inf = norm_and_nonfinite(self.model_params, grads, self.pstate.tp_group,
+                                                 self.pstate.mp_group)
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, True
-            norm = global_grad_norm(self.main_params, grads, self.pstate.tp_group,
-                                    self.pstate.mp_group)
             if not math.isfinite(norm):  # finite grads whose norm overflows: a nan iteration
                 return False, norm, True
-            clip_grads(grads, norm, self.cfg.clip_grad)
-            self.optimizer.step()
+            if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+                self._scale_grads(grads, self.cfg.clip_grad / (norm + 1e-6), flat)
+            if flat:
+                self.flat.step()
+            else:
+                self.optimizer.step()
         finally:
             # The grads are views of the reducer's buffer: never let the next
             # backward accumulate into them through `.grad`.
             for main_param in self.main_params:
                 main_param.grad = None
         if self.mixed:
-            for model_param, main_param in zip(self.model_params, self.main_params):
-                model_param.copy_(main_param)
+            torch._foreach_copy_(self.model_params, self.main_params)
         return True, norm, False
 
     @torch.no_grad()
@@ -140,7 +155,7 @@ class MegatronOptimizer(OptimizerBase):
                 main_param.copy_(model_param)
 
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": (self.flat or self.optimizer).state_dict()}
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         if self.mixed:
@@ -150,6 +165,8 @@ class MegatronOptimizer(OptimizerBase):
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.flat is not None:
+            self.flat.adopt_state()
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self.mixed and "fp32_from_fp16_params" in state:

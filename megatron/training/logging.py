@@ -68,11 +68,15 @@ def _sync():
 
 def format_log_line(iteration: int, train_iters: int, consumed: int, ms_per_iter: float,
                     lr: float, global_batch: int, losses: Dict[str, float], loss_scale: float,
-                    grad_norm: Optional[float], skipped: int, nans: int, extras: str = "") -> str:
-    """The training log line, in Megatron's shape so existing parsers keep working."""
+                    grad_norm: Optional[float], skipped: int, nans: int,
+                    throughput: str = "", extras: str = "") -> str:
+    """The training log line, in Megatron's shape so existing parsers keep working.
+    `throughput`: the --log-throughput fields, placed after the iteration time as Megatron-LM;
+    `extras`: the --log-num-zeros-in-grad / --log-params-norm fields after the grad norm."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed:12d} |"
     line += f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
+    line += throughput
     line += f" learning rate: {lr:.3E} |"
     line += f" global batch size: {global_batch:5d} |"
     for key, value in losses.items():

@@ -7,7 +7,7 @@ from typing import List
 
 import torch
 
-from megatron.distributed.grads import counts_for_norm, global_grad_norm, grad_of
+from megatron.distributed.grads import counts_for_norm, grad_of, norm_and_nonfinite
 from megatron.mpu.mappings import all_reduce, group_rank
 
 
@@ -19,7 +19,9 @@ def _counted(models, pstate) -> List[torch.nn.Parameter]:
 def params_norm(models, pstate) -> float:
     """L2 norm of all model parameters (Megatron's ` params norm:`)."""
     params = _counted(models, pstate)
-    return global_grad_norm(params, [p.detach() for p in params], pstate.tp_group, pstate.mp_group)
+    norm, _ = norm_and_nonfinite(params, [p.detach() for p in params], pstate.tp_group,
+                                 pstate.mp_group)
+    return norm
 
 
 def num_zeros_in_grad(models, pstate) -> int:

@@ -5,12 +5,13 @@ from typing import Callable, Optional
 
 
 from megatron.training.checkpoint_io import check_writable
+from megatron.training.flops import ThroughputMeter
 from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
-                                       print_rank_0, print_rank_last, total_iterations)
+                                       params_dtype, print_rank_0, print_rank_last, total_iterations)
 
 
 def pretrain(config, pstate, device, model_provider: Callable, data_provider: Callable,
@@ -42,9 +43,10 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
     valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
+    meter = _throughput_meter(config, pstate, device)
     guard.stops.listen()
     try:
-        if _train_loop(trainer, train_iters, valid_iters, guard):
+        if _train_loop(trainer, train_iters, valid_iters, guard, meter):
             trainer.tensorboard.close()
             return state
     finally:
@@ -65,7 +67,16 @@ def _save(trainer: Trainer) -> None:
     print_rank_0(f" saved checkpoint at iteration {state.iteration:7d} to {cfg.checkpoint.save}")
 
 
-def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard) -> bool:
+def _throughput_meter(config, pstate, device) -> Optional[ThroughputMeter]:
+    if not config.logging.log_throughput:
+        return None
+    meter = ThroughputMeter(config.model, device, params_dtype(config), pstate.dims.world_size,
+                            config.logging.peak_flops)
+    print_rank_0(meter.describe())
+    return meter
+
+
+def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard, meter=None) -> bool:
     """Train to the last iteration; True when stopped early on request (after saving)."""
     cfg, state = trainer.config, trainer.state
     total = total_iterations(cfg)
@@ -85,7 +96,7 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard) -> 
             state.history.append(dict(losses, iteration=state.iteration))
         log.add(losses, time.perf_counter() - start, skipped, nan)
         if state.iteration % cfg.logging.log_interval == 0:
-            _log(trainer, log, grad_norm, total)
+            _log(trainer, log, grad_norm, total, meter)
         if guard.should_stop(state.iteration, losses, grad_norm, nan):
             if cfg.checkpoint.save:
                 _save(trainer)
@@ -139,7 +150,8 @@ class _LogWindow:
         self.nans += int(nan)
 
 
-def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: int) -> None:
+def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: int,
+         meter: Optional[ThroughputMeter] = None) -> None:
     cfg, state = trainer.config, trainer.state
     lr = trainer.scheduler.get_lr()
     scale = trainer.optimizer.loss_scale
@@ -147,15 +159,16 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
     normal = max(1, log.count - log.skipped - log.nans)
     losses = {key: value / normal for key, value in log.losses.items()}
     gbs = trainer.microbatches.global_batch_size
-    print_rank_last(format_log_line(state.iteration, total, state.consumed_train,
-                                    1000.0 * log.seconds / max(1, log.count), lr, gbs, losses,
-                                    scale, grad_norm, log.skipped, log.nans,
+    seconds = log.seconds / max(1, log.count)
+    text, scalars = meter.log_fields(gbs, seconds) if meter is not None else ("", {})
+    print_rank_last(format_log_line(state.iteration, total, state.consumed_train, 1000.0 * seconds,
+                                    lr, gbs, losses, scale, grad_norm, log.skipped, log.nans, text,
                                     log_line_extras(cfg, trainer.models, trainer.pstate)))
     timings = trainer.timers.pop_all()
     if timings and cfg.logging.timing_log_level > 0:
         print_rank_last(" time (ms) | " + " | ".join(
             f"{name}: {1000.0 * sec / max(1, log.count):.2f}" for name, sec in sorted(timings.items())))
-    scalars = {f"{key}": value for key, value in losses.items()}
+    scalars.update({f"{key}": value for key, value in losses.items()})
     scalars.update({"learning-rate": lr, "loss-scale": scale})
     if grad_norm is not None:
         scalars["grad-norm"] = grad_norm

@@ -65,7 +65,16 @@ def build_model_chunks(config, pstate, device, model_provider: Callable) -> List
                                num_layers=count)
         model.init_weights(config.training.seed)
         models.append(model.to(device=device, dtype=params_dtype(config)))
+        if config.training.torch_compile:
+            compile_layers(model)
     return models
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """--torch-compile: each transformer layer through torch.compile, in place (the
+    parameters and their names stay those of the module)."""
+    for layer in model.language_model.encoder.layers:
+        layer.compile()
 
 
 class ReplayIterators:

@@ -1,6 +1,6 @@
 """The launch scripts in examples/ pass flags that parse and fit their world size.
 
-Each script runs with `python` and `torchrun` replaced by stubs that record their
+Each script runs with `python`, `torchrun` and `srun` replaced by stubs that record their
 arguments; the recorded pretrain_gpt.py flags then go through pretrain_gpt's own
 parsing and layout checks, with the world size the launcher would create.
 """
@@ -16,26 +16,29 @@ from tests.conftest import ROOT
 
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B.sh",
            "megatron_11b.sh", "pretrain_llama2_7b.sh", "pretrain_llama3_8b.sh",
-           "pretrain_bloom_176b.sh"]
+           "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
 def recorded_launch(tmp_path: Path, script: str) -> list:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("python", "torchrun"):
+    for name in ("python", "torchrun", "srun"):
         (bin_dir / name).write_text(STUB)
         (bin_dir / name).chmod(0o755)
     record = tmp_path / "argv"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record),
                DATA="data/prefix", VOCAB="vocab.json", MERGE="merges.txt",
-               TOKENIZER="tokenizer_dir", MASTER_ADDR="node0")
+               TOKENIZER="tokenizer_dir", MASTER_ADDR="node0", RDZV_ENDPOINT="node0:29400")
     subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, check=True, timeout=60)
     return record.read_text().splitlines()
 
 
-def _value(args: list, flag: str, default: int) -> int:
-    return int(args[args.index(flag) + 1]) if flag in args else default
+def _value(args: list, flags: tuple, default: int) -> int:
+    for flag in flags:
+        if flag in args:
+            return int(args[args.index(flag) + 1])
+    return default
 
 
 def parsed_launch(tmp_path: Path, script: str):
@@ -43,7 +46,9 @@ def parsed_launch(tmp_path: Path, script: str):
     args = recorded_launch(tmp_path, script)
     assert "pretrain_gpt.py" in args, args
     launcher, flags = args[:args.index("pretrain_gpt.py")], args[args.index("pretrain_gpt.py") + 1:]
-    world = _value(launcher, "--nproc_per_node", 1) * _value(launcher, "--nnodes", 1)
+    # torchrun's processes per node x nodes, or srun's tasks per node x nodes
+    world = (_value(launcher, ("--nproc_per_node", "--ntasks-per-node"), 1)
+             * _value(launcher, ("--nnodes", "--nodes"), 1))
     config, _ = parse_args(flags, world_size=world, required=pretrain_gpt.REQUIRED)
     return config, world
 

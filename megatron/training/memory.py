@@ -1,0 +1,210 @@
+"""Per-rank memory and step time of a training run, predicted from its Config.
+
+What this framework keeps (tests/unit/test_estimate.py holds the numbers against
+a built model, its optimizer and the tensors autograd saves):
+
+- parameters of the rank's pipeline stage (its chunks), sharded over TP;
+- gradients: the reducer's buffer, fp32 for 16-bit models;
+- optimizer: fp32 main parameters (16-bit models), Adam's two moments, and the
+  flat gradient copy of the flat Adam; all but the last sharded over DP with the
+  distributed optimizer (which keeps its own fp32 main shard for every model);
+- activations of one micro batch, what autograd saves in the forward (SDPA
+  attention or the explicit softmax; full / selective recomputation; sequence
+  parallelism), times the micro batches the schedule keeps in flight on the rank.
+
+Element counts per layer, one micro batch of b sequences of s tokens, TP = t,
+s' = s / t under sequence parallelism (else s), q = heads x kv_channels,
+k = query groups x kv_channels (per rank: at least one group), f = ffn width:
+  norm inputs 2 s' b h; linear inputs after the norms 2 s b h (all-gathered under SP);
+  QKV output s b (q + 2k) / t; attention output (SDPA) s b q / t; its copy for the
+  dense layer s b q / t; MLP: activation input and output 2 s b f / t (gated: 4);
+  explicit softmax: the probabilities b (heads / t) s^2.
+"""
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from megatron.pipeline.schedule import interleaved_num_warmup, num_warmup_microbatches
+from megatron.training.flops import model_flops, recompute_flops
+
+GiB = 2 ** 30
+
+
+@dataclass
+class Layout:
+    """Where the estimate is made: one rank's place in the layout."""
+    world_size: int
+    pp_rank: int = 0
+    device_type: str = "cuda"
+
+
+def _bytes_per(config) -> int:
+    return 2 if (config.training.fp16 or config.training.bf16) else 4
+
+
+def _kv_per_rank(m, tp: int) -> int:
+    return max(m.num_query_groups // tp, 1) * m.kv_channels
+
+
+def layer_params(m, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    h, q, f = m.hidden_size, m.query_projection_size, m.ffn_hidden_size
+    norm = h if m.normalization == "RMSNorm" else 2 * h
+    qkv_rows = q // tp + 2 * _kv_per_rank(m, tp)
+    up_rows = (2 if m.gated_mlp else 1) * f // tp
+    bias = m.add_bias_linear
+    params = 2 * norm + qkv_rows * h + q // tp * h + up_rows * h + f // tp * h
+    params += qkv_rows if (bias or m.add_qkv_bias) else 0
+    params += (h + up_rows + h) if bias else 0
+    if m.qk_layernorm:
+        params += 2 * (m.kv_channels if m.normalization == "RMSNorm" else 2 * m.kv_channels)
+    return params
+
+
+def stage_layers(config, pp_rank: int) -> int:
+    return config.model.num_layers // config.parallel.pipeline_model_parallel_size
+
+
+def stage_params(config, pp_rank: int) -> int:
+    """Parameters held by the rank at `pp_rank` (any TP / DP rank alike)."""
+    m, p = config.model, config.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    h, vocab = m.hidden_size, m.padded_vocab_size // tp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    norm = h if m.normalization == "RMSNorm" else 2 * h
+    params = stage_layers(config, pp_rank) * layer_params(m, tp)
+    if first:
+        params += vocab * h
+        params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+        params += norm if m.embed_layernorm else 0
+    if last:
+        params += norm
+        if m.untie_embeddings_and_output_weights or not first:
+            params += vocab * h  # the output layer, or the last stage's copy of the embeddings
+    return params
+
+
+def flat_adam(config, layout: Layout) -> bool:
+    """Whether MegatronOptimizer updates over flat buffers (and keeps a gradient copy)."""
+    return (config.optimizer.optimizer == "adam" and not config.parallel.use_distributed_optimizer
+            and layout.device_type in ("cpu", "cuda"))
+
+
+def state_bytes(config, layout: Layout) -> Dict[str, int]:
+    """Parameters, gradients and optimizer state of one rank, in bytes."""
+    p = config.parallel
+    n = stage_params(config, layout.pp_rank)
+    dp = layout.world_size // p.model_parallel_size
+    mixed = config.training.fp16 or config.training.bf16
+    grads = 4 * n if (mixed or p.accumulate_allreduce_grads_in_fp32) else _bytes_per(config) * n
+    moments = 8 * n if config.optimizer.optimizer == "adam" else 4 * n
+    if p.use_distributed_optimizer:
+        optimizer = (4 * n + moments) // dp
+    else:
+        optimizer = (4 * n if mixed else 0) + moments + (4 * n if flat_adam(config, layout) else 0)
+    return {"parameters": _bytes_per(config) * n, "gradients": grads, "optimizer": optimizer}
+
+
+def _uses_sdpa(m, device_type: str) -> bool:
+    if m.attention_impl == "sdpa":
+        return True
+    cpu_dropout = m.attention_dropout > 0 and device_type == "cpu"
+    return m.attention_impl == "auto" and not cpu_dropout
+
+
+def layer_activation_elements(config, micro_batch: int, device_type: str) -> float:
+    """Elements one transformer layer saves for backward over one micro batch."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    s, b, h = m.seq_length, micro_batch, m.hidden_size
+    sp = s // tp if m.sequence_parallel else s
+    if m.recompute_granularity == "full":
+        return sp * b * h / m.checkpoint_num_layers
+    q, k, f = m.query_projection_size // tp, _kv_per_rank(m, tp), m.ffn_hidden_size // tp
+    heads = m.num_attention_heads // tp
+    elements = 2 * sp * b * h + 2 * s * b * h + s * b * (q + 2 * k) + s * b * q
+    elements += s * b * f * (4 if m.gated_mlp else 2)
+    elements += 4 * sp * b  # the norms' mean and 1 / std
+    selective = m.recompute_granularity == "selective"
+    if _uses_sdpa(m, device_type):
+        elements += 0 if selective else s * b * q + b * heads * s  # output, log-sum-exp
+    elif not selective:
+        elements += b * heads * s * s  # the probabilities
+    return elements
+
+
+def head_activation_elements(config, micro_batch: int) -> float:
+    """The last stage's final norm, output layer and cross entropy."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    s, b, h = m.seq_length, micro_batch, m.hidden_size
+    sp = s // tp if m.sequence_parallel else s
+    return sp * b * h + s * b * h + s * b * m.padded_vocab_size / tp
+
+
+def in_flight_micro_batches(config, pp_rank: int, num_microbatches: int) -> float:
+    """Micro batches whose activations the schedule holds at once on `pp_rank`
+    (in units of the stage's whole layer stack)."""
+    pp = config.parallel.pipeline_model_parallel_size
+    chunks = config.virtual_pipeline_size
+    if pp == 1:
+        return 1
+    if chunks:
+        return (interleaved_num_warmup(pp_rank, pp, chunks, num_microbatches) + 1) / chunks
+    return num_warmup_microbatches(pp_rank, pp, num_microbatches) + 1
+
+
+def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str, float]:
+    """Saved activations of one micro batch on the rank, and all it holds at the peak."""
+    m = config.model
+    b = config.training.micro_batch_size
+    pp = config.parallel.pipeline_model_parallel_size
+    per_micro = stage_layers(config, layout.pp_rank) * layer_activation_elements(config, b, layout.device_type)
+    if layout.pp_rank == pp - 1:
+        per_micro += head_activation_elements(config, b)
+    per_micro *= _bytes_per(config)
+    head_fp32 = 4 * m.seq_length * b * m.padded_vocab_size / config.parallel.tensor_model_parallel_size
+    if layout.pp_rank == pp - 1 and _bytes_per(config) == 2 and not m.fp16_lm_cross_entropy:
+        per_micro += head_fp32 / 2  # the cross entropy runs on fp32 logits
+    in_flight = in_flight_micro_batches(config, layout.pp_rank, num_microbatches)
+    return {"per_micro_batch": per_micro, "in_flight": in_flight, "total": per_micro * in_flight}
+
+
+def estimate(config, layout: Layout, device_flops: Optional[float] = None,
+             link_bandwidth: Optional[float] = None) -> Dict[str, float]:
+    """Memory (bytes) of one rank and, given a device rate (FLOP/s) and a link
+    bandwidth (bytes/s), a predicted step time (seconds)."""
+    t, p = config.training, config.parallel
+    dp = layout.world_size // p.model_parallel_size
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    out: Dict[str, float] = dict(state_bytes(config, layout))
+    acts = activation_bytes(config, layout, micro)
+    out["activations"] = acts["total"]
+    out["activations_per_micro_batch"] = acts["per_micro_batch"]
+    out["in_flight_micro_batches"] = acts["in_flight"]
+    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
+    if device_flops:
+        out.update(step_time(config, layout, micro, device_flops, link_bandwidth))
+    return out
+
+
+def step_time(config, layout: Layout, micro: int, device_flops: float,
+              link_bandwidth: Optional[float]) -> Dict[str, float]:
+    """Compute (hardware FLOPs / rate, with the pipeline bubble) plus the exposed
+    communication of TP (all-reduce per layer), DP (gradients) and PP (activations)."""
+    m, p, t = config.model, config.parallel, config.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = layout.world_size // p.model_parallel_size
+    flops = model_flops(m, t.global_batch_size) + recompute_flops(m, t.global_batch_size)
+    chunks = config.virtual_pipeline_size or 1
+    bubble = (pp - 1) / (chunks * micro)
+    compute = flops / (device_flops * layout.world_size) * (1 + bubble)
+    comm = 0.0
+    if link_bandwidth:
+        item = _bytes_per(config)
+        tokens = micro * t.micro_batch_size * m.seq_length
+        layers = m.num_layers // pp
+        # 2 all-reduces forward + 2 backward per layer, ring: 2 (t - 1) / t of the data each
+        comm += 4 * layers * tokens * m.hidden_size * item * 2 * (tp - 1) / tp / link_bandwidth
+        comm += 2 * (dp - 1) / dp * state_bytes(config, layout)["gradients"] / link_bandwidth
+        comm += 2 * micro * (pp - 1 > 0) * t.micro_batch_size * m.seq_length * m.hidden_size * item \
+            / tp ** (1 if m.sequence_parallel else 0) / link_bandwidth
+    return {"compute_seconds": compute, "communication_seconds": comm, "step_seconds": compute + comm,
+            "hardware_flops": flops}

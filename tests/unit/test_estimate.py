@@ -1,0 +1,171 @@
+"""tools/estimate.py's predictions against what a built model, its optimizer and
+autograd hold, across TP / PP / SP / recomputation (within 10%)."""
+import pytest
+import torch
+
+from megatron.arguments import parse_args
+from megatron.model import GPTModel
+from megatron.mpu import model_parallel_seed, single_process_state
+from megatron.training.memory import Layout, estimate, stage_params
+from megatron.training.trainer import Trainer, build_model_chunks, params_dtype
+from tests.distributed.run_ranks import run_ranks
+from tests.gpt_setup import one_thread
+
+VOCAB = 512
+
+
+def config_for(*flags, world_size=1):
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+            "--train-iters", "1", "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            *flags]
+    config, _ = parse_args(argv, world_size=world_size)
+    config.model.padded_vocab_size = VOCAB
+    config.model.sequence_parallel = config.parallel.sequence_parallel
+    return config
+
+
+def _storages(tensors):
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def saved_activation_bytes(model, b, s, h) -> int:
+    """Bytes of the unique storages autograd saves in one forward (parameters excluded)."""
+    params = _storages(model.parameters())
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, VOCAB, (b, s))
+    positions = torch.arange(s).expand(b, s)
+    model.train()
+    if not model.pre_process:
+        model.set_input_tensor(torch.randn(s, b, h, requires_grad=True))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions, labels=tokens if model.post_process else None)
+    return sum(saved.values())
+
+
+def measured_stage(config, pp_rank, pp_size, tp_group=None):
+    layers = config.model.num_layers // pp_size
+    model = GPTModel(config.model, tp_group=tp_group, pre_process=pp_rank == 0,
+                     post_process=pp_rank == pp_size - 1, layer_offset=pp_rank * layers, num_layers=layers,
+                     dtype=params_dtype(config))
+    params = sum(p.numel() for p in model.parameters())
+    m = config.model
+    return params, saved_activation_bytes(model, config.training.micro_batch_size, m.seq_length,
+                                          m.hidden_size)
+
+
+def measured_state(config, pstate):
+    """Bytes of parameters, gradient buffers and optimizer state of a Trainer's rank."""
+    model_parallel_seed(1234, pstate.tp_rank)
+    models = build_model_chunks(config, pstate, torch.device("cpu"),
+                                lambda **chunk: GPTModel(config.model, tp_group=pstate.tp_group, **chunk))
+    trainer = Trainer(config, pstate, torch.device("cpu"), models, forward_step=None)
+    trainer.optimizer.step()  # torch's optimizers create their state on the first step
+    params = _storages(p for m in models for p in m.parameters())
+    grads = _storages(r.buffer for r in trainer.reducers)
+    opt = trainer.optimizer
+    held = [t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    held += [p for g in opt.optimizer.param_groups for p in g["params"]]
+    flat = getattr(opt, "flat", None)
+    if flat is not None:
+        held.append(flat.flat_grads)
+    optimizer = {k: v for k, v in _storages(held).items() if k not in params and k not in grads}
+    return {"parameters": sum(params.values()), "gradients": sum(grads.values()),
+            "optimizer": sum(optimizer.values())}
+
+
+def _close(predicted, measured, what):
+    assert predicted == pytest.approx(measured, rel=0.10), f"{what}: {predicted} vs {measured}"
+
+
+ONE_PROCESS = [(), ("--recompute-granularity", "selective"), ("--recompute-granularity", "full"),
+               ("--attention-impl", "torch"), ("--bf16",)]
+
+
+@pytest.mark.parametrize("flags", ONE_PROCESS, ids=lambda f: " ".join(f) or "plain")
+def test_one_process_memory(flags):
+    config = config_for(*flags)
+    with one_thread():
+        predicted = estimate(config, Layout(world_size=1, device_type="cpu"))
+        measured = measured_state(config, single_process_state())
+        for key in ("parameters", "gradients", "optimizer"):
+            _close(predicted[key], measured[key], key)
+        _, acts = measured_stage(config, 0, 1)
+    _close(predicted["activations_per_micro_batch"], acts, "activations")
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_pipeline_stage_params_and_activations(pp_rank):
+    """Each stage of PP = 2, built as that stage's module (no communication needed)."""
+    config = config_for("--pipeline-model-parallel-size", "2", "--global-batch-size", "8", world_size=2)
+    with one_thread():
+        params, acts = measured_stage(config, pp_rank, 2)
+    assert stage_params(config, pp_rank) == params
+    predicted = estimate(config, Layout(world_size=2, pp_rank=pp_rank, device_type="cpu"))
+    _close(predicted["activations_per_micro_batch"], acts, f"stage {pp_rank} activations")
+    assert predicted["in_flight_micro_batches"] == 2 - pp_rank  # 1F1B: PP - stage
+
+
+def _two_ranks(rank, world_size):
+    """TP = 2 (with and without SP) then DP = 2 with the distributed optimizer."""
+    from megatron.mpu import destroy_model_parallel, initialize_model_parallel
+    out = {}
+    for name, flags in (("tp", ("--tensor-model-parallel-size", "2")),
+                        ("tp-sp", ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+                        ("tp-full", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--recompute-granularity", "full"))):
+        config = config_for(*flags, world_size=2)
+        pstate = initialize_model_parallel(2, 1)
+        params, acts = measured_stage(config, 0, 1, pstate.tp_group)
+        out[name] = {"params": params, "activations": acts, **measured_state(config, pstate)}
+        destroy_model_parallel()
+    config = config_for("--use-distributed-optimizer", world_size=2)
+    out["dp-distopt"] = measured_state(config, initialize_model_parallel(1, 1))
+    destroy_model_parallel()
+    return out
+
+
+def test_tensor_sequence_and_data_parallel_memory():
+    results = run_ranks(_two_ranks, 2)
+    for name, flags in (("tp", ("--tensor-model-parallel-size", "2")),
+                        ("tp-sp", ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+                        ("tp-full", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--recompute-granularity", "full"))):
+        config = config_for(*flags, world_size=2)
+        predicted = estimate(config, Layout(world_size=2, device_type="cpu"))
+        for measured in results:
+            assert stage_params(config, 0) == measured[name]["params"]
+            _close(predicted["activations_per_micro_batch"], measured[name]["activations"], name)
+            for key in ("parameters", "gradients", "optimizer"):
+                _close(predicted[key], measured[name][key], f"{name} {key}")
+    config = config_for("--use-distributed-optimizer", world_size=2)
+    predicted = estimate(config, Layout(world_size=2, device_type="cpu"))
+    for measured in results:
+        for key in ("parameters", "gradients", "optimizer"):
+            _close(predicted[key], measured["dp-distopt"][key], f"distributed optimizer {key}")
+
+
+def test_cli_reads_pretrain_flags(capsys):
+    from tools import estimate as tool
+    tool.main(["--world-size", "4", "--device-flops", "1e12", "--link-bandwidth", "1e9", "--",
+               "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+               "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-4",
+               "--pipeline-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "1000"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["stage", "parameters", "gradients"]
+    assert [line.split()[0] for line in out[1:3]] == ["0", "1"]
+    assert out[-1].startswith("step time: ")
+    with pytest.raises(SystemExit):  # the layout does not fit: one line, exit 2
+        tool.main(["--world-size", "3", "--", "--num-layers", "4", "--hidden-size", "64",
+                   "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
+                   "64", "--train-iters", "1", "--lr", "1e-4", "--pipeline-model-parallel-size", "2",
+                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])

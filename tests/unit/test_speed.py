@@ -1,0 +1,73 @@
+"""The single-process fast paths give what the general ones give: the flat fused Adam,
+the norm-and-nonfinite check, and --torch-compile's compiled layers."""
+import copy
+
+import torch
+
+from megatron.arguments import parse_args
+from megatron.config import OptimizerConfig
+from megatron.distributed.grads import norm_and_nonfinite
+from megatron.model import GPTModel
+from megatron.mpu import single_process_state
+from megatron.optimizer import MegatronOptimizer
+from megatron.optimizer import optimizer as optimizer_module
+from megatron.training.trainer import build_model_chunks
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def _steps(optimizer, model, steps=3):
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        for p in model.parameters():
+            p.main_grad = torch.randn_like(p)
+        assert optimizer.step()[0]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_flat_adam_matches_torch_adamw_and_loads_its_state(monkeypatch):
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+    flat_model, torch_model = _model(), _model()
+    flat = MegatronOptimizer(cfg, [flat_model], single_process_state())
+    monkeypatch.setattr(optimizer_module, "fused_adamw_available", lambda params: False)
+    plain = MegatronOptimizer(cfg, [torch_model], single_process_state())  # torch.optim.AdamW
+    assert flat.flat is not None and plain.flat is None
+    for a, b in zip(_steps(flat, flat_model), _steps(plain, torch_model)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # A checkpoint of either loads into the other and training continues alike.
+    state = copy.deepcopy(plain.state_dict())
+    flat.load_state_dict(state)
+    with torch.no_grad():
+        for a, b in zip(flat_model.parameters(), torch_model.parameters()):
+            a.copy_(b)
+    for a, b in zip(_steps(flat, flat_model, 2), _steps(plain, torch_model, 2)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    saved = flat.state_dict()["optimizer"]["state"]
+    assert int(saved[0]["step"]) == 5
+    assert len({id(s["step"]) for s in saved.values()}) == len(saved)  # torch's AdamW advances each
+
+
+def test_norm_and_nonfinite():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    grads = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])]
+    assert norm_and_nonfinite(params, grads, None, None) == (5.0, False)
+    grads[1][0, 0] = float("nan")
+    assert norm_and_nonfinite(params, grads, None, None)[1]
+    params[0].shared_embedding = True  # not counted in the norm, still checked
+    grads = [torch.tensor([float("inf"), 0.0, 0.0]), torch.ones(2, 2)]
+    assert norm_and_nonfinite(params, grads, None, None) == (2.0, True)
+
+
+def test_torch_compile_flag_compiles_each_layer():
+    config, _ = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+                            "--seq-length", "16", "--max-position-embeddings", "16",
+                            "--train-iters", "1", "--lr", "1e-4", "--torch-compile"], world_size=1)
+    config.model.padded_vocab_size = 64
+    (model,) = build_model_chunks(config, single_process_state(), torch.device("cpu"),
+                                  lambda **chunk: GPTModel(config.model, **chunk))
+    layers = model.language_model.encoder.layers
+    assert len(layers) == 2 and all(layer._compiled_call_impl is not None for layer in layers)
+    assert "language_model.encoder.layers.1.mlp.dense_4h_to_h.weight" in model.state_dict()
