@@ -6,50 +6,27 @@ Each script runs with `python`, `torchrun` and `deepspeed` replaced by stubs tha
 their arguments; the recorded pretrain_gpt.py flags then go through `pretrain_gpt.setup`
 (flags, DeepSpeed JSON, layout checks, tokenizer) with WORLD_SIZE set as the launcher would.
 """
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
 import pretrain_gpt
 from tests.conftest import ROOT
 from tests.gpt_setup import BPE, have_reference_data
+from tests.unit.test_examples import launcher_world_size, recorded_launch
 
 COMPAT_SCRIPTS = {"megatron_deepspeed_gpt2.sh": 8, "deepspeed_zero1_gpt.sh": 8,
                   "megatron_lm_gpt_recompute.sh": 8}
-STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
-
-
-def recorded_launch(tmp_path: Path, script: str) -> list:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("python", "torchrun", "deepspeed"):
-        (bin_dir / name).write_text(STUB)
-        (bin_dir / name).chmod(0o755)
-    record = tmp_path / "argv"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record),
-               DATA="data/prefix", VOCAB=str(BPE / "vocab.json"), MERGE=str(BPE / "merges.txt"),
-               CHECKPOINTS=str(tmp_path / "ckpt"))
-    subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, check=True, timeout=60)
-    return record.read_text().splitlines()
-
-
-def world_size(launcher: list) -> int:
-    def value(flag, default):
-        return int(launcher[launcher.index(flag) + 1]) if flag in launcher else default
-    return value("--nproc_per_node", value("--num_gpus", 1)) * value("--nnodes", 1)
 
 
 @pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 @pytest.mark.parametrize("script", sorted(COMPAT_SCRIPTS))
 def test_megatron_style_scripts_parse_and_set_up(tmp_path, monkeypatch, capsys, script):
-    args = recorded_launch(tmp_path, script)
+    args = recorded_launch(tmp_path, script, VOCAB=str(BPE / "vocab.json"),
+                           MERGE=str(BPE / "merges.txt"), CHECKPOINTS=str(tmp_path / "ckpt"))
     split = args.index("pretrain_gpt.py")
     launcher, flags = args[:split], args[split + 1:]
-    assert world_size(launcher) == COMPAT_SCRIPTS[script]
+    assert launcher_world_size(launcher) == COMPAT_SCRIPTS[script]
     monkeypatch.chdir(ROOT)  # the scripts cd to the repository (ds_config path)
-    monkeypatch.setenv("WORLD_SIZE", str(world_size(launcher)))
+    monkeypatch.setenv("WORLD_SIZE", str(launcher_world_size(launcher)))
     monkeypatch.setenv("RANK", "0")
     config, tokenizer = pretrain_gpt.setup(flags)
     assert config.data.tokenizer_type == "GPT2BPETokenizer" and tokenizer.vocab_size > 0

@@ -1,6 +1,6 @@
 """The launch scripts in examples/ pass flags that parse and fit their world size.
 
-Each script runs with `python`, `torchrun` and `srun` replaced by stubs that record their
+Each script runs with `python`, `torchrun`, `srun` and `deepspeed` replaced by stubs that record their
 arguments; the recorded pretrain_gpt.py flags then go through pretrain_gpt's own
 parsing and layout checks, with the world size the launcher would create.
 """
@@ -20,16 +20,19 @@ SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
-def recorded_launch(tmp_path: Path, script: str) -> list:
+def recorded_launch(tmp_path: Path, script: str, **env) -> list:
+    """The arguments `script` passes to its launcher (python, torchrun, srun or deepspeed,
+    all stubbed); `env` overrides the script's environment."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("python", "torchrun", "srun"):
+    for name in ("python", "torchrun", "srun", "deepspeed"):
         (bin_dir / name).write_text(STUB)
         (bin_dir / name).chmod(0o755)
     record = tmp_path / "argv"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record),
-               DATA="data/prefix", VOCAB="vocab.json", MERGE="merges.txt",
-               TOKENIZER="tokenizer_dir", MASTER_ADDR="node0", RDZV_ENDPOINT="node0:29400")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(record),
+           "DATA": "data/prefix", "VOCAB": "vocab.json", "MERGE": "merges.txt",
+           "TOKENIZER": "tokenizer_dir", "MASTER_ADDR": "node0",
+           "RDZV_ENDPOINT": "node0:29400", **env}
     subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, check=True, timeout=60)
     return record.read_text().splitlines()
 
@@ -41,14 +44,18 @@ def _value(args: list, flags: tuple, default: int) -> int:
     return default
 
 
+def launcher_world_size(launcher: list) -> int:
+    """torchrun's processes per node (or srun's tasks, or deepspeed's GPUs) x nodes."""
+    return (_value(launcher, ("--nproc_per_node", "--ntasks-per-node", "--num_gpus"), 1)
+            * _value(launcher, ("--nnodes", "--nodes"), 1))
+
+
 def parsed_launch(tmp_path: Path, script: str):
     """(config, world size) of the pretrain_gpt.py launch a script makes."""
     args = recorded_launch(tmp_path, script)
     assert "pretrain_gpt.py" in args, args
     launcher, flags = args[:args.index("pretrain_gpt.py")], args[args.index("pretrain_gpt.py") + 1:]
-    # torchrun's processes per node x nodes, or srun's tasks per node x nodes
-    world = (_value(launcher, ("--nproc_per_node", "--ntasks-per-node"), 1)
-             * _value(launcher, ("--nnodes", "--nodes"), 1))
+    world = launcher_world_size(launcher)
     config, _ = parse_args(flags, world_size=world, required=pretrain_gpt.REQUIRED)
     return config, world
 
