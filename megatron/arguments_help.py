@@ -39,7 +39,7 @@ HELP = {
     "--embed-layernorm": "a norm right after the word embeddings (BLOOM)",
     "--swiglu": "gated SiLU MLP (LLaMA); same as --glu-activation swiglu",
     "--glu-activation": "gated MLP activation: geglu, liglu, reglu or swiglu",
-    "--openai-gelu": "the exact-erf GeLU instead of the tanh approximation",
+    "--openai-gelu": "OpenAI's tanh-approximated GeLU, unfused (the fused default computes the same)",
     "--squared-relu": "relu(x)^2 as the MLP activation",
     "--group-query-attention": "grouped-query attention: --num-query-groups key/value heads",
     "--num-query-groups": "key/value heads with --group-query-attention (1: multi-query)",

@@ -62,21 +62,26 @@ def _gelu_erf(x):
     return F.gelu(x)
 
 
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
 _GATES = {"swiglu": F.silu, "geglu": _gelu_erf, "reglu": F.relu, "liglu": lambda x: x}
-_PLAIN = {"openai_gelu": _gelu_erf, "squared_relu": _squared_relu}
+_PLAIN = {"openai_gelu": _gelu_tanh, "squared_relu": _squared_relu}
 
 
 def mlp_activation(cfg: ModelConfig):
     """f(x, bias) for the MLP's first output (bias may be None).
 
     gelu: tanh-approximated GeLU (the fused bias-GeLU path, GPT-2's);
-    openai_gelu: exact (erf) GeLU; squared_relu: relu(x)^2; gated ones take the
+    openai_gelu: the same tanh formula, unfused (Megatron's --openai-gelu, OpenAI's GPT-2
+    GeLU); squared_relu: relu(x)^2; gated ones (GeGLU with the erf GeLU) take the
     rank's [gate; up] halves and return act(gate) * up.
     """
     if cfg.activation == "gelu":
         if cfg.add_bias_linear:
             return lambda x, bias: fused.bias_gelu(bias, x, fusion=cfg.bias_gelu_fusion)
-        return lambda x, bias: F.gelu(x, approximate="tanh")
+        return lambda x, bias: _gelu_tanh(x)
     if cfg.gated_mlp:
         gate_fn = _GATES[cfg.activation]
 

@@ -119,7 +119,8 @@ def test_gated_mlp(activation, gate):
 
 
 @pytest.mark.parametrize("activation, fn", [
-    ("openai_gelu", lambda t: 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))),
+    ("openai_gelu",
+     lambda t: 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))),
     ("squared_relu", lambda t: torch.relu(t) ** 2)])
 def test_plain_activations(activation, fn):
     mlp = model_of(config(activation=activation)).language_model.encoder.layers[0].mlp
