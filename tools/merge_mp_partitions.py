@@ -31,6 +31,7 @@ import re
 import shutil
 import sys
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,8 +115,9 @@ class Source:
     pp: int
     states: Dict[Tuple[int, int], dict]
 
-    @property
+    @cached_property
     def sharding(self) -> Sharding:
+        """Every rank file's saved metadata (read once; the states do not change)."""
         saved: Dict[str, dict] = {}
         for state in self.states.values():
             saved.update(state.get("sharding") or {})

@@ -29,8 +29,8 @@ from megatron.convert.hf_files import (copy_other_files, other_files, read_confi
 from megatron.convert.layouts import pad_rows
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_save,
-                                             _atomic_write_text, checkpoint_path,
+from megatron.training.checkpoint_io import save_file, write_text
+from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER, checkpoint_path,
                                              to_megatron_layout)
 from tools import merge_mp_partitions as mmp
 
@@ -100,8 +100,8 @@ def write_release(root: str, flat: dict, config: dict, sharding: dict) -> None:
              "sharding": sharding, "consumed_train_samples": 0, "consumed_valid_samples": 0,
              "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                           "virtual_pipeline_model_parallel_size": 1}}
-    _atomic_save(state, checkpoint_path(root, 0, 0, 0, 1, release=True))
-    _atomic_write_text(os.path.join(root, TRACKER), "release")
+    save_file(state, checkpoint_path(root, 0, 0, 0, 1, release=True))
+    write_text(os.path.join(root, TRACKER), "release")
 
 
 def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
