@@ -67,14 +67,6 @@ def _shard_files(directory: str, from_rank: int = 0) -> list:
     return [os.path.join(directory, name) for rank, name in found if rank >= from_rank]
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    checkpoint_io.write_text(path, text)
-
-
-def _atomic_save(obj, path: str) -> None:
-    checkpoint_io.save_file(obj, path)
-
-
 # -- model state in Megatron's nested layout -----------------------------------
 _EMBEDDING = "language_model.embedding."
 _ENCODER = "language_model.encoder."
@@ -178,17 +170,17 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
     if dist.is_initialized():
         dist.barrier()
     if pstate.dp_rank == 0:
-        _atomic_save(state, path)
+        checkpoint_io.save_file(state, path)
         if sharded:  # shards of a larger DP size saved here before would confuse loading
             for stale in _shard_files(os.path.dirname(path), from_rank=pstate.dp_size):
                 os.remove(stale)
     if sharded:
-        _atomic_save(optimizer.state_dict(), distributed_optimizer_path(
+        checkpoint_io.save_file(optimizer.state_dict(), distributed_optimizer_path(
             root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, pstate.dp_rank))
     if dist.is_initialized():
         dist.barrier()
     if pstate.rank == 0:
-        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+        checkpoint_io.write_text(os.path.join(root, TRACKER), str(iteration))
     if dist.is_initialized():
         dist.barrier()
 

@@ -18,7 +18,6 @@ from megatron.compat import apply_compat
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.checkpoint_io import load_file
 from megatron.training.checkpointing import (TRACKER, CheckpointError, check_layout,
                                              from_megatron_layout, load_checkpoint_file,
                                              read_model_file, read_tracker)
@@ -132,6 +131,11 @@ _FILE_TOKENIZERS = {"PretrainedFromHF", "HuggingFaceTokenizer", "SentencePieceTo
                     "GPTSentencePieceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer"}
 
 
+# Fields whose flag is not --<field-name>.
+_FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--squared-relu",
+            "add_bias_linear": "--disable-bias-linear"}
+
+
 def _tokenizer_kind(name: str) -> str:
     return "tokenizer files" if name in _FILE_TOKENIZERS else name
 
@@ -146,7 +150,9 @@ def check_model_matches(config, stored: Dict[str, Any]) -> None:
     for name in names:
         saved, given = model.get(name), getattr(config.model, name)
         if saved is not None and saved != given:
-            fail(f"--{name.replace('_', '-')} {given} does not match the checkpoint in {root}, "
+            flag = _FLAG_OF.get(name)
+            shown = f"{name} {given} ({flag})" if flag else f"--{name.replace('_', '-')} {given}"
+            fail(f"{shown} does not match the checkpoint in {root}, "
                  f"which was saved with {saved}; use the checkpoint's model flags")
     saved, given = data.get("tokenizer_type"), config.data.tokenizer_type
     if saved is not None and given is not None and _tokenizer_kind(saved) != _tokenizer_kind(given):

@@ -86,6 +86,8 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard, met
         trainer.microbatches.update(state.consumed_train)
         if cfg.training.skipped_iteration(state.iteration + 1):
             _skip_iteration(trainer, train_iters)
+            if _interval_save_due(cfg, state.iteration):  # else a skipped last iteration is never saved
+                _save(trainer)
             continue
         start = time.perf_counter()
         with guard.hangs.watch(state.iteration + 1):
@@ -102,21 +104,26 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard, met
                 _save(trainer)
             print_rank_0(f" exiting program at iteration {state.iteration}: {guard.reason}")
             return True
-        saving = cfg.checkpoint.save and cfg.checkpoint.save_interval
-        if saving and state.iteration % cfg.checkpoint.save_interval == 0:
+        saved = _interval_save_due(cfg, state.iteration)
+        if saved:
             _save(trainer)
         if valid_iters is not None and cfg.training.eval_iters > 0 \
                 and state.iteration % cfg.training.eval_interval == 0 and state.iteration < total:
             _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
         if cfg.training.exit_interval and state.iteration % cfg.training.exit_interval == 0:
-            if cfg.checkpoint.save and not (saving and state.iteration % cfg.checkpoint.save_interval == 0):
+            if cfg.checkpoint.save and not saved:
                 _save(trainer)
             print_rank_0(f" exiting program at iteration {state.iteration}")
             return False
-    if cfg.checkpoint.save and state.iteration > 0 and not (
-            cfg.checkpoint.save_interval and state.iteration % cfg.checkpoint.save_interval == 0):
+    if cfg.checkpoint.save and state.iteration > 0 and not _interval_save_due(cfg, state.iteration):
         _save(trainer)
     return False
+
+
+def _interval_save_due(cfg, iteration: int) -> bool:
+    """--save-interval falls on this iteration (and there is a --save)."""
+    ckpt = cfg.checkpoint
+    return bool(ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0)
 
 
 def _skip_iteration(trainer: Trainer, train_iters) -> None:
