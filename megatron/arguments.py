@@ -15,6 +15,7 @@ from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError
+from megatron.config.model import GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with two fixes: an error is one line (no usage dump) and exit 2,
@@ -71,20 +72,20 @@ def _add_architecture_args(parser):
     """The declarative model spec: positions, norms, MLP, attention groups, bias, tying."""
     g = parser.add_argument_group("architecture")
     _flag(g, "--position-embedding-type", "model", default=None,
-          choices=["learned_absolute", "rope", "alibi", "none"])
+          choices=list(POSITION_EMBEDDING_TYPES))
     _flag(g, "--use-rotary-position-embeddings", "model", "position_embedding_type",
           action="store_const", const="rope")
     _flag(g, "--rotary-percent", "model", type=float, default=None)
     _flag(g, "--rotary-base", "model", type=int, default=None)
     _flag(g, "--rotary-seq-len-interpolation-factor", "model", type=float, default=None)
-    _flag(g, "--normalization", "model", choices=["LayerNorm", "RMSNorm"], default=None)
+    _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
     for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm",
                  "--group-query-attention", "--add-qkv-bias",
                  "--untie-embeddings-and-output-weights"):
         _flag(g, name, "model", action="store_true")
     _flag(g, "--glu-activation", "model", "activation", default=None,
-          choices=["geglu", "liglu", "reglu", "swiglu"])
+          choices=sorted(GLU_ACTIVATIONS))
     for name, activation in (("--swiglu", "swiglu"), ("--openai-gelu", "openai_gelu"),
                              ("--squared-relu", "squared_relu")):
         _flag(g, name, "model", "activation", action="store_const", const=activation)
