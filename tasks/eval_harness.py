@@ -49,8 +49,9 @@ Sample = Tuple[np.ndarray, np.ndarray]  # tokens [seq + 1], mask of scored label
 
 
 @torch.no_grad()
-def score_samples(model, samples: Sequence[Sample], vocab_size: int) -> List[Tuple[float, bool]]:
-    """(summed log-probability of the scored labels, all of them greedy) of each sample."""
+def score_samples(model, samples: Sequence[Sample]) -> List[Tuple[float, bool]]:
+    """(summed log-probability of the scored labels, all of them greedy) of each sample
+    (the model is loaded with `vocab_limit`, so padding ids have -inf logits)."""
     tokens = torch.from_numpy(np.stack([s[0] for s in samples]))
     mask = torch.from_numpy(np.stack([s[1] for s in samples])) > 0
     scored = mask.any(dim=0).nonzero()
@@ -60,7 +61,7 @@ def score_samples(model, samples: Sequence[Sample], vocab_size: int) -> List[Tup
     labels, mask = tokens[:, 1:length + 1].to(device), mask[:, :length].to(device)
     logits = forward_full(model, inputs).float()
     log_probs = F.log_softmax(logits, dim=-1).gather(-1, labels[..., None])[..., 0]
-    greedy = (logits[..., :vocab_size].argmax(dim=-1) == labels) | ~mask
+    greedy = (logits.argmax(dim=-1) == labels) | ~mask
     sums = (log_probs * mask).double().sum(dim=-1)
     return [(float(s), bool(g)) for s, g in zip(sums.tolist(), greedy.all(dim=-1).tolist())]
 
@@ -91,7 +92,7 @@ def harness_model_class():
         def _score(self, samples: List[Sample]) -> List[Tuple[float, bool]]:
             out = []
             for batch in _batched(samples, self.batch_size):
-                out += score_samples(self.model, batch, self.tokenizer.vocab_size)
+                out += score_samples(self.model, batch)
             return out
 
         def _pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:

@@ -136,12 +136,13 @@ def main(argv=None) -> Dict[str, float]:
     pstate, device = initialize_distributed(config)
     try:
         dataset = build_dataset(ns, tokenizer, seq_length)
-        models, _ = load_inference_models(config, pstate, device, parallel_output=False, vocab_size=tokenizer.vocab_size)
+        models, _ = load_inference_models(config, pstate, device, parallel_output=False,
+                                          vocab_size=tokenizer.vocab_size)
     except (TaskDataError, CheckpointError) as err:
         print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
         sys.exit(1)
     total = evaluate(ns.task, dataset, models, config, pstate, device, tokenizer.eod,
-                     vocab_size=tokenizer.vocab_size, log_interval=config.logging.log_interval)
+                     log_interval=config.logging.log_interval)
     metrics = metrics_of(ns.task, dataset, total)
     report(ns.task, metrics)
     if ns.results_json and is_last_rank():

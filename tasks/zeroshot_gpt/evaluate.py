@@ -64,7 +64,8 @@ def score(task: str, batch: dict, output: torch.Tensor, vocab_size: Optional[int
           progress: Optional[Progress] = None):
     """(score tensor, report) of one micro batch from the last stage's output.
 
-    LAMBADA's greedy prediction never picks a vocabulary-padding id (>= vocab_size).
+    LAMBADA's greedy prediction never picks a vocabulary-padding id (>= vocab_size);
+    models loaded for inference mask those ids already (`vocab_limit`).
     """
     if task == WIKITEXT:
         total = (output.float() * batch["loss_mask"]).sum()
@@ -79,12 +80,11 @@ def score(task: str, batch: dict, output: torch.Tensor, vocab_size: Optional[int
     return total, {"score": total.detach().double()}
 
 
-def forward_step(task: str, vocab_size: Optional[int], progress: Optional[Progress],
-                 data_iterator, model):
+def forward_step(task: str, progress: Optional[Progress], data_iterator, model):
     batch = next(data_iterator)
     labels = batch["labels"] if task == WIKITEXT else None
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=labels)
-    return output, partial(score, task, batch, vocab_size=vocab_size, progress=progress)
+    return output, partial(score, task, batch, progress=progress)
 
 
 def _communicator(config, pstate, device, num_chunks: int):
@@ -100,10 +100,10 @@ def _communicator(config, pstate, device, num_chunks: int):
 
 @torch.no_grad()
 def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
-             vocab_size: Optional[int] = None, log_interval: Optional[int] = None) -> float:
+             log_interval: Optional[int] = None) -> float:
     """Summed score of the task over the whole dataset (identical on every rank).
 
-    `vocab_size`: the tokenizer's (LAMBADA ignores padding ids above it);
+    The models are loaded with `vocab_limit`, so padding ids never count.
     `log_interval`: print a progress line every that many micro batches.
     """
     micro = config.training.micro_batch_size
@@ -118,7 +118,7 @@ def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
     progress = None if log_interval is None else Progress(
         count, log_interval, pstate.dp_size, "avg loss" if task == WIKITEXT else "avg accuracy")
     reports = forward_backward(
-        schedule, forward_step=partial(forward_step, task, vocab_size, progress),
+        schedule, forward_step=partial(forward_step, task, progress),
         data_iterators=ReplayIterators(batches, len(models)).all(), model_chunks=models,
         num_microbatches=count, comm=_communicator(config, pstate, device, len(models)),
         pp_rank=pstate.pp_rank, pp_size=pstate.pp_size, forward_only=True)

@@ -24,15 +24,14 @@ class Progress:
         self.start = time.perf_counter()
         self.batches = 0
         self.tokens = 0
-        self.score = torch.zeros((), dtype=torch.float64)
-        self.count = torch.zeros((), dtype=torch.float64)
+        self.score = self.count = 0.0  # device tensors after the first batch: synced when printed
 
     def update(self, num_tokens: int, score: torch.Tensor, count: torch.Tensor) -> None:
         """One micro batch of `num_tokens` input tokens scoring `score` over `count` items."""
         self.batches += 1
         self.tokens += num_tokens * self.dp_size
-        self.score += score.detach().double().cpu()
-        self.count += count.detach().double().cpu()
+        self.score = self.score + score.detach().double()
+        self.count = self.count + count.detach().double()
         if self.batches % self.interval == 0:
             print_rank_last(self.line())
 
