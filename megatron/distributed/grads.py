@@ -11,7 +11,7 @@
   stage's embedding copy not at all.
 """
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,14 +70,17 @@ def counts_for_norm(param, tp_rank: int) -> bool:
 
 
 def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
-                       tp_group, mp_group) -> Tuple[float, bool]:
+                       tp_group, mp_group, dp_group=None,
+                       device: Optional[torch.device] = None) -> Tuple[float, bool]:
     """(the global L2 norm, whether any gradient of any model-parallel rank holds an inf
-    or a nan), from one multi-tensor norm and one all-reduce of two numbers."""
+    or a nan), from one multi-tensor norm and an all-reduce of two numbers per group. With
+    `dp_group` (the distributed optimizer's DP shards) the sums also run over DP;
+    `device`: where the two numbers live when this rank holds no gradient."""
     tp_rank = group_rank(tp_group)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
     # Accumulated in float64: fp32 norms of large, mostly-zero gradients (the word
-    # embeddings') were off by 1e-4 relative on CPUs.
-    device = pairs[0][1].device if pairs else torch.device("cpu")
+    # embeddings') were off by 1e-4 relative on CPUs; finite gradients never overflow it.
+    device = pairs[0][1].device if pairs else (device or torch.device("cpu"))
     if not pairs:
         stats = torch.zeros(2, device=device)
     else:
@@ -85,15 +88,25 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
         counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
         stats = torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
                              (~torch.isfinite(norms)).sum().float()])
+    if dp_group is not None:
+        all_reduce(stats, dp_group)
     all_reduce(stats, mp_group)
     square, nonfinite = stats.tolist()
     return math.sqrt(square), nonfinite > 0
 
 
-def clip_grads(grads: List[torch.Tensor], norm: float, max_norm: float) -> None:
+def clip_coefficient(norm: float, max_norm: float) -> Optional[float]:
+    """The factor that brings the gradients' norm down to `max_norm`; None when no clipping
+    is needed (or --clip-grad is 0)."""
     if max_norm <= 0 or norm <= max_norm:
+        return None
+    return max_norm / (norm + 1e-6)
+
+
+def clip_grads(grads: List[torch.Tensor], norm: float, max_norm: float) -> None:
+    coeff = clip_coefficient(norm, max_norm)
+    if coeff is None:
         return
-    coeff = max_norm / (norm + 1e-6)
     for g in grads:
         if g is not None:
             g.mul_(coeff)

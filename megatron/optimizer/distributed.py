@@ -13,17 +13,15 @@ Adam and SGD are element-wise, so the sharded update equals the unsharded one.
 The gradient norm and the fp16 overflow check are computed on the local shard
 and reduced over DP and the model-parallel group.
 """
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.distributed.grads import clip_grads, counts_for_norm
-from megatron.mpu.mappings import all_reduce, group_rank, group_size
-from megatron.optimizer.optimizer import (OptimizerBase, torch_optimizer,
-                                          unscale_and_find_nonfinite)
+from megatron.distributed.grads import clip_grads, norm_and_nonfinite
+from megatron.mpu.mappings import group_rank, group_size
+from megatron.optimizer.optimizer import OptimizerBase, torch_optimizer
 
 
 @dataclass
@@ -87,28 +85,8 @@ class DistributedOptimizer(OptimizerBase):
             {"params": [p.main for p in self.pieces if not p.decays], "weight_decay": 0.0}])
 
     # -- the step ---------------------------------------------------------------------
-    def _reduce_over_replica(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Reduce over DP and the model-parallel group: every rank of the model replicas."""
-        all_reduce(value, self.dp_group, op=op)
-        all_reduce(value, self.pstate.mp_group, op=op)
-        return value
-
     def _device(self) -> torch.device:
         return self.model_params[0].device if self.model_params else torch.device("cpu")
-
-    def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
-        """Divide by the loss scale; True when any gradient is inf or nan on any rank."""
-        found = unscale_and_find_nonfinite(grads, self.grad_scaler, self._device())
-        return bool(self._reduce_over_replica(found, dist.ReduceOp.MAX).item() > 0)
-
-    def _grad_norm(self, grads: List[torch.Tensor]) -> float:
-        """L2 norm of the whole model's gradient: local shard squares summed over all ranks."""
-        tp_rank = group_rank(self.pstate.tp_group)
-        total = torch.zeros(1, device=self._device())
-        for piece, g in zip(self.pieces, grads):
-            if counts_for_norm(piece.param, tp_rank):
-                total += g.float().pow(2).sum()
-        return self._reduce_over_replica(total).sqrt().item()
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], bool]:
@@ -118,14 +96,19 @@ class DistributedOptimizer(OptimizerBase):
         try:
             for piece, g in zip(self.pieces, grads):
                 piece.main.grad = g
-            found_inf = self._unscale_and_check(grads)
+            if self.grad_scaler is not None:
+                inv = 1.0 / self.grad_scaler.scale.item()
+                for g in grads:
+                    g.mul_(inv)
+            # The local shard's squares and non-finite counts, summed over every rank of
+            # the model replicas (DP and the model-parallel group).
+            norm, found_inf = norm_and_nonfinite([p.param for p in self.pieces], grads,
+                                                 self.pstate.tp_group, self.pstate.mp_group,
+                                                 dp_group=self.dp_group, device=self._device())
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, True
-            norm = self._grad_norm(grads)
-            if not math.isfinite(norm):  # finite grads whose norm overflows: a nan iteration
-                return False, norm, True
             clip_grads(grads, norm, self.cfg.clip_grad)
             self.optimizer.step()
         finally:

@@ -5,12 +5,11 @@ Model parameters may be fp16/bf16; the optimizer then updates fp32 copies
 data-parallel reducer, and copies the result back into the model. With fp32
 models the main params are the model params themselves.
 """
-import math
 from typing import List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.grads import norm_and_nonfinite
+from megatron.distributed.grads import clip_coefficient, norm_and_nonfinite
 from megatron.optimizer.flat_adam import FlatAdamW, fused_adamw_available
 
 
@@ -25,20 +24,6 @@ def _param_groups(named_params, weight_decay):
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
-
-
-def unscale_and_find_nonfinite(grads, grad_scaler, device) -> torch.Tensor:
-    """Divide the gradients by the loss scale in place; returns a [1] tensor on
-    `device` that is 1 when any of them holds an inf or nan (no host sync per grad)."""
-    inv = None if grad_scaler is None else 1.0 / grad_scaler.scale.item()
-    found = torch.zeros(1, device=device)
-    for g in grads:
-        if g is None:
-            continue
-        if inv is not None:
-            g.mul_(inv)
-        found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
-    return found
 
 
 def torch_optimizer(cfg, groups) -> torch.optim.Optimizer:
@@ -108,8 +93,8 @@ class MegatronOptimizer(OptimizerBase):
             main_param.grad = grad
         return grads
 
-    def _scale_grads(self, grads, factor: float, flat: bool) -> None:
-        if flat:
+    def _scale_grads(self, grads, factor: float) -> None:
+        if self.flat is not None:
             self.flat.flat_grads.mul_(factor)
             return
         for g in grads:
@@ -120,21 +105,19 @@ class MegatronOptimizer(OptimizerBase):
     def step(self) -> Tuple[bool, Optional[float], bool]:
         """One update. Returns (applied, grad_norm, skipped_for_overflow)."""
         grads = self._main_grads()
-        flat = self.flat is not None
         try:
             if self.grad_scaler is not None:
-                self._scale_grads(grads, 1.0 / self.grad_scaler.scale.item(), flat)
+                self._scale_grads(grads, 1.0 / self.grad_scaler.scale.item())
             norm, found_inf = norm_and_nonfinite(self.model_params, grads, self.pstate.tp_group,
                                                  self.pstate.mp_group)
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, True
-            if not math.isfinite(norm):  # finite grads whose norm overflows: a nan iteration
-                return False, norm, True
-            if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-                self._scale_grads(grads, self.cfg.clip_grad / (norm + 1e-6), flat)
-            if flat:
+            coeff = clip_coefficient(norm, self.cfg.clip_grad)
+            if coeff is not None:
+                self._scale_grads(grads, coeff)
+            if self.flat is not None:
                 self.flat.step()
             else:
                 self.optimizer.step()

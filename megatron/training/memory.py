@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron.pipeline.schedule import interleaved_num_warmup, num_warmup_microbatches
-from megatron.training.flops import model_flops, recompute_flops
+from megatron.training.flops import hardware_flops
 
 GiB = 2 ** 30
 
@@ -60,7 +60,8 @@ def layer_params(m, tp: int) -> int:
     return params
 
 
-def stage_layers(config, pp_rank: int) -> int:
+def stage_layers(config) -> int:
+    """Transformer layers of one pipeline stage (every stage holds the same number)."""
     return config.model.num_layers // config.parallel.pipeline_model_parallel_size
 
 
@@ -71,7 +72,7 @@ def stage_params(config, pp_rank: int) -> int:
     h, vocab = m.hidden_size, m.padded_vocab_size // tp
     first, last = pp_rank == 0, pp_rank == pp - 1
     norm = h if m.normalization == "RMSNorm" else 2 * h
-    params = stage_layers(config, pp_rank) * layer_params(m, tp)
+    params = stage_layers(config) * layer_params(m, tp)
     if first:
         params += vocab * h
         params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
@@ -156,7 +157,7 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     m = config.model
     b = config.training.micro_batch_size
     pp = config.parallel.pipeline_model_parallel_size
-    per_micro = stage_layers(config, layout.pp_rank) * layer_activation_elements(config, b, layout.device_type)
+    per_micro = stage_layers(config) * layer_activation_elements(config, b, layout.device_type)
     if layout.pp_rank == pp - 1:
         per_micro += head_activation_elements(config, b)
     per_micro *= _bytes_per(config)
@@ -192,7 +193,7 @@ def step_time(config, layout: Layout, micro: int, device_flops: float,
     m, p, t = config.model, config.parallel, config.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     dp = layout.world_size // p.model_parallel_size
-    flops = model_flops(m, t.global_batch_size) + recompute_flops(m, t.global_batch_size)
+    flops = hardware_flops(m, t.global_batch_size)
     chunks = config.virtual_pipeline_size or 1
     bubble = (pp - 1) / (chunks * micro)
     compute = flops / (device_flops * layout.world_size) * (1 + bubble)
@@ -200,7 +201,7 @@ def step_time(config, layout: Layout, micro: int, device_flops: float,
     if link_bandwidth:
         item = _bytes_per(config)
         tokens = micro * t.micro_batch_size * m.seq_length
-        layers = m.num_layers // pp
+        layers = stage_layers(config)
         # 2 all-reduces forward + 2 backward per layer, ring: 2 (t - 1) / t of the data each
         comm += 4 * layers * tokens * m.hidden_size * item * 2 * (tp - 1) / tp / link_bandwidth
         comm += 2 * (dp - 1) / dp * state_bytes(config, layout)["gradients"] / link_bandwidth
