@@ -113,7 +113,8 @@ def main(argv=None):
     """Train; a bad checkpoint, dataset or setting ends the run with one line and exit 2."""
     try:
         return _run(argv)
-    except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError) as err:
+    except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError,
+            PermissionError) as err:
         fail(str(err))
     except RUN_FAILURES as err:
         exit_on_run_failure(err)

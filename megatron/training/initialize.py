@@ -7,6 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.config import ConfigError
 from megatron.mpu import initialize_model_parallel, model_parallel_seed
 
 
@@ -14,7 +15,8 @@ def choose_backend(requested):
     """nccl with CUDA, else gloo; an explicit --distributed-backend wins."""
     if requested:
         if requested == "nccl" and not torch.cuda.is_available():
-            raise ValueError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs")
+            raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPUs "
+                              "(or leave the flag out: nccl with CUDA, gloo otherwise)")
         return requested
     return "nccl" if torch.cuda.is_available() else "gloo"
 
