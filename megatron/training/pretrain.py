@@ -149,8 +149,9 @@ class _LogWindow:
         self.losses, self.count, self.seconds, self.skipped, self.nans = {}, 0, 0.0, 0, 0
 
     def add(self, losses, seconds, skipped, nan):
-        for key, value in losses.items():
-            self.losses[key] = self.losses.get(key, 0.0) + value
+        if not (skipped or nan):  # the averages are over applied steps only, as in Megatron
+            for key, value in losses.items():
+                self.losses[key] = self.losses.get(key, 0.0) + value
         self.count += 1
         self.seconds += seconds
         self.skipped += int(skipped)
