@@ -131,12 +131,73 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const
   return {dx, dw};
 }
 
+// x [rows, cols] and an optional bias [cols] of x's dtype.
+void check_bias_input(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  check_tensor(x, "input", 2, kCPU);
+  check_float_type(x, "input");
+  if (bias.has_value()) check_layer_norm_params(x, *bias, kCPU);
+}
+
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+at::Tensor bias_gelu_forward(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  check_bias_input(x, bias);
+  at::Tensor y = new_output(x.sizes(), x.options());
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::bias_gelu_forward<T>(x.data_ptr<T>(), data_or_null<T>(bias), y.data_ptr<T>(),
+                              x.size(0), x.size(1));
+  });
+  return y;
+}
+
+// Returns (dx, db); db is None without a bias.
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                      const c10::optional<at::Tensor>& bias) {
+  check_bias_input(x, bias);
+  check_tensor(grad, "grad", 2, kCPU);
+  check_same(grad, x, "bias_gelu backward");
+  at::Tensor dx = new_output(x.sizes(), x.options());
+  at::Tensor db = bias.has_value() ? new_output(bias->sizes(), bias->options()) : at::Tensor();
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::bias_gelu_backward<T>(grad.data_ptr<T>(), x.data_ptr<T>(), data_or_null<T>(bias),
+                               dx.data_ptr<T>(), db.defined() ? db.data_ptr<T>() : nullptr,
+                               x.size(0), x.size(1));
+  });
+  return {dx, db};
+}
+
+// In place: x <- exp(x - row_max); returns (row_max, row sums), float [rows]. Without
+// row_max each row's own max is used (and returned).
+std::tuple<at::Tensor, at::Tensor> exp_sum_(at::Tensor& x, const c10::optional<at::Tensor>& row_max) {
+  check_tensor(x, "input", 2, kCPU);
+  check_float_type(x, "input");
+  at::Tensor m;
+  if (row_max.has_value()) {
+    check_row_stat(*row_max, x, "row_max", kCPU);
+    m = *row_max;
+  } else {
+    m = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  }
+  at::Tensor sums = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::exp_sum_rows<T>(x.data_ptr<T>(), m.data_ptr<float>(), sums.data_ptr<float>(),
+                         x.size(0), x.size(1), row_max.has_value());
+  });
+  return {m, sums};
+}
+
 }  // namespace
 }  // namespace megatron_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace mf = megatron_fused;
-  m.doc() = "Megatron fused softmax, layer-norm and RMSNorm kernels (CPU)";
+  m.doc() = "Megatron fused softmax, layer-norm, RMSNorm, bias-GeLU and cross-entropy kernels (CPU)";
   m.def("scaled_upper_triang_masked_softmax_forward", &mf::upper_triang_forward,
         "causal softmax(scale * x) of [batches, sq, sq]");
   m.def("scaled_upper_triang_masked_softmax_backward", &mf::upper_triang_backward,
@@ -150,6 +211,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_backward", &mf::layer_norm_backward, "layer norm gradients -> (dx, dw, db)");
   m.def("rms_norm_forward", &mf::rms_norm_forward, "RMSNorm of [rows, cols] -> (y, rstd)");
   m.def("rms_norm_backward", &mf::rms_norm_backward, "RMSNorm gradients -> (dx, dw)");
+  m.def("bias_gelu_forward", &mf::bias_gelu_forward,
+        "tanh-approximated GeLU of x [rows, cols] + optional bias [cols]");
+  m.def("bias_gelu_backward", &mf::bias_gelu_backward, "bias-GeLU gradients -> (dx, db or None)");
+  m.def("exp_sum_", &mf::exp_sum_,
+        "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; },
         "fill outputs with NaN before kernels run (tests)");
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });

@@ -51,5 +51,21 @@ template <typename T>
 void rms_norm_backward(const T* dy, const T* x, const float* rstd, const T* w, T* dx, T* dw,
                        int64_t rows, int64_t cols);
 
+// y = gelu_tanh(x + b) over x [rows, cols], b [cols] or null.
+template <typename T>
+void bias_gelu_forward(const T* x, const T* b, T* y, int64_t rows, int64_t cols);
+
+// dx = g * gelu_tanh'(x + b); db [cols] (when b is given) is the column sum of dx,
+// summed in a fixed order.
+template <typename T>
+void bias_gelu_backward(const T* g, const T* x, const T* b, T* dx, T* db, int64_t rows,
+                        int64_t cols);
+
+// The softmax numerator of the cross entropy, in place: x [rows, cols] <- exp(x - max),
+// sums [rows] = row sums of the result (float). With given_max the float row_max [rows]
+// is read (the max over all TP shards), else each row's own max is written there.
+template <typename T>
+void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols, bool given_max);
+
 }  // namespace cpu
 }  // namespace megatron_fused

@@ -314,6 +314,50 @@ MF_CLONES void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, cons
   for (; i < n; ++i) dx[i] = rstd * (dy[i] * w[i] - x[i] * rstd * c);
 }
 
+// gelu_tanh(u) = 0.5 u (1 + tanh(z)), z = sqrt(2/pi) (u + 0.044715 u^3), written as
+// u * sigmoid(2z): the same function without cancellation near z = 0.
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+inline LaneVec gelu_sigmoid(const LaneVec& u) {
+  const LaneVec z = kGeluBeta * (u + kGeluKappa * u * u * u);
+  return 1.0f / (1.0f + exp_lanes(-2.0f * z));
+}
+
+inline LaneVec bias_lanes(const float* b, int64_t i, int64_t m) {
+  if (b == nullptr) return splat(0.0f);
+  return m == kLanes ? load(b + i) : load_part(b + i, m, 0.0f);
+}
+
+MF_CLONES void bias_gelu_row(float* y, const float* x, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int64_t m = n - i < kLanes ? n - i : kLanes;
+    const LaneVec u = (m == kLanes ? load(x + i) : load_part(x + i, m, 0.0f)) + bias_lanes(b, i, m);
+    const LaneVec out = u * gelu_sigmoid(u);
+    if (m == kLanes) store(y + i, out); else store_part(y + i, out, m);
+  }
+}
+
+// d/du [u s] with s = sigmoid(2z): s + 2 u s (1 - s) dz/du.
+MF_CLONES void bias_gelu_grad_row(float* dx, float* db, const float* g, const float* x,
+                                  const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int64_t m = n - i < kLanes ? n - i : kLanes;
+    const LaneVec u = (m == kLanes ? load(x + i) : load_part(x + i, m, 0.0f)) + bias_lanes(b, i, m);
+    const LaneVec gv = m == kLanes ? load(g + i) : load_part(g + i, m, 0.0f);
+    const LaneVec s = gelu_sigmoid(u);
+    const LaneVec dz = kGeluBeta * (1.0f + 3.0f * kGeluKappa * u * u);
+    const LaneVec d = gv * (s + 2.0f * u * s * (1.0f - s) * dz);
+    if (m == kLanes) {
+      store(dx + i, d);
+      if (db != nullptr) store(db + i, load(db + i) + d);
+    } else {
+      store_part(dx + i, d, m);
+      if (db != nullptr) store_part(db + i, load_part(db + i, m, 0.0f) + d, m);
+    }
+  }
+}
+
 MF_CLONES void add_inplace(float* acc, const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(acc + i, load(acc + i) + load(x + i));

@@ -57,6 +57,12 @@ void scaled_product(float* y, const float* x, const float* w, int64_t n, float s
 // then dx = rstd * (dy*w - xhat*c), and accumulates dgamma += dy*xhat. dx may alias dy.
 void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, const float* x,
                        const float* w, int64_t n, float rstd);
+// y[j] = gelu_tanh(x[j] + b[j]) (GPT-2's tanh-approximated GeLU); b may be null. y may alias x.
+void bias_gelu_row(float* y, const float* x, const float* b, int64_t n);
+// dx[j] = g[j] * gelu_tanh'(x[j] + b[j]); b may be null; db (may be null) += dx.
+// dx may alias g.
+void bias_gelu_grad_row(float* dx, float* db, const float* g, const float* x, const float* b,
+                        int64_t n);
 // acc[j] += x[j].
 void add_inplace(float* acc, const float* x, int64_t n);
 

@@ -21,7 +21,7 @@ from megatron.config import ModelConfig
 from megatron.model.sharding import parameter_meta
 from megatron.model.spec import make_norm
 from megatron.model.transformer import ParallelTransformer, dropout_rng_context
-from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.mpu.cross_entropy import LogitsBuffers, linear_cross_entropy
 from megatron.mpu.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_normal,
                                  init_parameters, set_parallel_attributes)
 from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region,
@@ -105,6 +105,7 @@ class GPTModel(torch.nn.Module):
                 init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
             self.word_embeddings_for_head.weight.shared_embedding = True
         self.input_tensor = None
+        self._logits_buffers = LogitsBuffers()
 
     # -- pipeline plumbing -------------------------------------------------
     def set_input_tensor(self, tensor):
@@ -170,12 +171,15 @@ class GPTModel(torch.nn.Module):
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         else:
             hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
-        logits = self._mask_padding(F.linear(hidden, self.head_weight()))  # [s, b, V / TP]
         if labels is None:
+            logits = self._mask_padding(F.linear(hidden, self.head_weight()))  # [s, b, V / TP]
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits.transpose(0, 1).contiguous()
-        if not self.cfg.fp16_lm_cross_entropy:
-            logits = logits.float()
-        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group)
+        limit = self.vocab_limit
+        if limit is not None and limit >= self.cfg.padded_vocab_size:
+            limit = None
+        losses = linear_cross_entropy(hidden, self.head_weight(), labels.transpose(0, 1),
+                                      self.tp_group, self._logits_buffers, limit,
+                                      float_loss=not self.cfg.fp16_lm_cross_entropy)
         return losses.transpose(0, 1).contiguous()

@@ -81,7 +81,7 @@ def mlp_activation(cfg: ModelConfig):
     if cfg.activation == "gelu":
         if cfg.add_bias_linear:
             return lambda x, bias: fused.bias_gelu(bias, x, fusion=cfg.bias_gelu_fusion)
-        return lambda x, bias: _gelu_tanh(x)
+        return lambda x, bias: fused.bias_gelu(None, x, fusion=cfg.bias_gelu_fusion)
     if cfg.gated_mlp:
         gate_fn = _GATES[cfg.activation]
 

@@ -2,10 +2,21 @@
 
 The full logits are never gathered: each rank holds [..., V / TP]; the max and
 the sum of exponentials are all-reduced over the group, and so is the logit of
-the target, which lives on exactly one rank. The math lives in static methods
-apart from the three all-reduces. Without tensor parallelism it is torch's own
-cross entropy (one log-softmax, no extra copies of the logits).
+the target, which lives on exactly one rank.
+
+The work happens in place on one logits-sized buffer: the forward turns it
+into exp(logit - max) (the softmax up to its row sums) and the backward turns
+that into the gradient. No other logits-sized tensor is ever made; the logits
+are by far the largest activation of a GPT.
+
+`linear_cross_entropy` is the head of the GPT: the output-layer matmul and the
+loss in one autograd function, so that the logits buffer, too, is the function's
+own. On CPUs it comes from a `LogitsBuffers` pool and is reused from step to
+step: there is no caching allocator there, and every fresh logits-sized tensor
+costs its size in page faults (~20 ms for 64 MiB on two cores).
 """
+from typing import Dict, List, Optional, Tuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,54 +30,71 @@ def vocab_range(per_partition: int, rank: int):
     return first, first + per_partition
 
 
+class _State:
+    """What the backward of `_forward_` needs besides the buffer."""
+
+    def __init__(self, sum_exp, local_target, on_rank, label_smoothing, vocab_size):
+        self.sum_exp = sum_exp
+        self.local_target = local_target
+        self.on_rank = on_rank
+        self.label_smoothing = label_smoothing
+        self.vocab_size = vocab_size
+
+
+def _forward_(buf: torch.Tensor, target: torch.Tensor, group, label_smoothing: float
+              ) -> Tuple[torch.Tensor, _State]:
+    """Per-row float losses [N] of logits `buf` [N, V / TP] (overwritten with
+    exp(logit - max)) and targets [N] (global vocabulary ids)."""
+    from megatron.model import fused
+    first, last = vocab_range(buf.shape[-1], group_rank(group))
+    vocab_size = buf.shape[-1] * group_size(group)
+    on_rank = (target >= first) & (target < last)
+    local_target = (target - first).masked_fill(~on_rank, 0)
+    target_logit = buf.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
+    logit_sum = buf.sum(dim=-1, dtype=torch.float32) if label_smoothing > 0 else None
+    row_max = None
+    if group_size(group) > 1:
+        row_max = all_reduce(buf.amax(dim=-1).float(), group, op=dist.ReduceOp.MAX)
+    row_max, sum_exp = fused.exp_sum_(buf, row_max)
+    sum_exp = all_reduce(sum_exp, group)
+    target_logit = all_reduce((target_logit - row_max).masked_fill_(~on_rank, 0.0), group)
+    log_sum_exp = sum_exp.log()
+    loss = log_sum_exp - target_logit
+    if label_smoothing > 0:
+        # (1 - eps) * nll + eps * mean over the vocabulary of -log p.
+        shifted_sum = all_reduce(logit_sum - buf.shape[-1] * row_max, group)
+        log_probs_sum = shifted_sum - vocab_size * log_sum_exp
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs_sum / vocab_size
+    return loss, _State(sum_exp, local_target, on_rank, label_smoothing, vocab_size)
+
+
+def _backward_(buf: torch.Tensor, state: _State, grad_loss: torch.Tensor) -> torch.Tensor:
+    """buf (exp(logit - max) from `_forward_`) <- d loss / d logits, given d out / d loss [N]."""
+    grad_loss = grad_loss.float()
+    eps = state.label_smoothing
+    buf.mul_((grad_loss / state.sum_exp).unsqueeze(-1))  # softmax * grad
+    picked = (-(1.0 - eps) * grad_loss).masked_fill_(~state.on_rank, 0.0)
+    buf.scatter_add_(-1, state.local_target.unsqueeze(-1), picked.unsqueeze(-1).to(buf.dtype))
+    if eps > 0:
+        buf.sub_((eps / state.vocab_size * grad_loss).unsqueeze(-1))
+    return buf
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing=0.0):
-        logits = logits.float()
-        local_max = logits.max(dim=-1)[0]
-        global_max = all_reduce(local_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits - global_max.unsqueeze(-1)
-        first, last = vocab_range(logits.shape[-1], group_rank(group))
-        target_logit, target_mask, local_target = _VocabParallelCrossEntropy.target_logits(
-            shifted, target, first, last)
-        target_logit = all_reduce(target_logit, group)
-        exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group)
-        loss = sum_exp.log() - target_logit
-        vocab_size = logits.shape[-1] * group_size(group)
-        if label_smoothing > 0:
-            loss = _VocabParallelCrossEntropy.smooth(
-                loss, shifted, sum_exp, label_smoothing, vocab_size, group)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, target_mask, local_target)
-        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
-        return loss
-
-    @staticmethod
-    def target_logits(shifted, target, first, last):
-        """The logit of each target on this rank's shard (0 where the target is elsewhere)."""
-        target_mask = (target < first) | (target >= last)
-        local_target = (target - first).masked_fill(target_mask, 0)
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        return picked.masked_fill(target_mask, 0.0), target_mask, local_target
-
-    @staticmethod
-    def smooth(loss, shifted, sum_exp, eps, vocab_size, group):
-        """(1 - eps) * nll + eps * mean over the vocabulary of -log p."""
-        log_probs_sum = all_reduce(shifted.sum(dim=-1), group) - vocab_size * sum_exp.log()
-        return (1.0 - eps) * loss - eps * log_probs_sum / vocab_size
+        # A float copy: the caller's logits stay as they are.
+        buf = logits.to(torch.float32, copy=True).reshape(-1, logits.shape[-1])
+        loss, ctx.state = _forward_(buf, target.reshape(-1), group, label_smoothing)
+        ctx.save_for_backward(buf)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, target_mask, local_target = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = softmax
-        one_hot = (~target_mask).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - eps) * one_hot.unsqueeze(-1))
-        if eps > 0:
-            grad.sub_(eps / ctx.vocab_size)
-        grad.mul_(grad_output.unsqueeze(-1))
-        return grad, None, None, None
+        buf, = ctx.saved_tensors
+        grad = _backward_(buf, ctx.state, grad_output.reshape(-1))
+        return grad.view(ctx.shape).to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, target, group=None, label_smoothing=0.0):
@@ -76,3 +104,82 @@ def vocab_parallel_cross_entropy(logits, target, group=None, label_smoothing=0.0
         return F.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1), reduction="none",
                                label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing)
+
+
+class LogitsBuffers:
+    """Logits-sized tensors kept from one step to the next on CPUs (other devices have
+    a caching allocator of their own: there `take` simply allocates). A buffer goes
+    back with `give` once its backward is done; several are out at once only while
+    a pipeline schedule holds several micro batches' logits."""
+
+    def __init__(self):
+        self._free: Dict[tuple, List[torch.Tensor]] = {}
+
+    def take(self, shape, dtype, device) -> torch.Tensor:
+        if device.type == "cpu":
+            free = self._free.get((tuple(shape), dtype, device))
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if buf.device.type == "cpu":
+            self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, group, buffers, vocab_limit, float_loss,
+                label_smoothing, for_backward):
+        rows, cols = hidden.shape[0], weight.shape[0]
+        logits = buffers.take((rows, cols), hidden.dtype, hidden.device)
+        torch.mm(hidden, weight.t(), out=logits)
+        if vocab_limit is not None:  # padding rows of the vocabulary never count
+            first = group_rank(group) * cols
+            logits[:, max(vocab_limit - first, 0):].fill_(float("-inf"))
+        buf = logits
+        if float_loss and logits.dtype != torch.float32:
+            buf = buffers.take((rows, cols), torch.float32, hidden.device)
+            buf.copy_(logits)
+            buffers.give(logits)
+        loss, state = _forward_(buf, target, group, label_smoothing)
+        if for_backward:
+            ctx.save_for_backward(hidden, weight, buf)
+            ctx.state, ctx.buffers = state, buffers
+        else:
+            buffers.give(buf)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.buffers is None:
+            raise RuntimeError("the fused output layer and cross entropy cannot run backward "
+                               "twice (its logits buffer was turned into the gradient)")
+        hidden, weight, buf = ctx.saved_tensors
+        buffers, ctx.buffers = ctx.buffers, None
+        grad = _backward_(buf, ctx.state, grad_loss)
+        if grad.dtype != hidden.dtype:
+            grad = buffers.take(buf.shape, hidden.dtype, buf.device).copy_(buf)
+            buffers.give(buf)
+        grad_hidden = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t().mm(hidden) if ctx.needs_input_grad[1] else None
+        buffers.give(grad)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         group=None, buffers: Optional[LogitsBuffers] = None,
+                         vocab_limit: Optional[int] = None, float_loss: bool = True,
+                         label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token losses [...] of `hidden` [..., h] through the vocab-parallel output
+    layer `weight` [V / TP, h] against targets [...] (global ids), without ever
+    returning the logits. `vocab_limit`: ids at or beyond it (vocabulary padding) get
+    probability 0. `float_loss`: 16-bit logits are converted to float32 for the loss
+    (Megatron's default; off is --fp16-lm-cross-entropy). The gradient is the same as
+    that of `vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`."""
+    buffers = buffers if buffers is not None else LogitsBuffers()
+    for_backward = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                     target.reshape(-1), group, buffers, vocab_limit,
+                                     float_loss, label_smoothing, for_backward)
+    return loss.view(target.shape)

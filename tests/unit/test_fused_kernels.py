@@ -330,6 +330,10 @@ def test_bad_arguments_give_clear_errors(kernels):
                                    torch.zeros(3).double(), 1e-5)
     with pytest.raises(RuntimeError, match="weight must be"):
         kernels.rms_norm_forward(torch.randn(2, 3), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.bias_gelu_forward(torch.randn(2, 3), torch.ones(4))
+    with pytest.raises(RuntimeError, match="row_max must be float32"):
+        kernels.exp_sum_(torch.randn(2, 3), torch.ones(3))
     with pytest.raises(RuntimeError, match="rstd must be float32"):
         kernels.rms_norm_backward(torch.randn(2, 3), torch.randn(2, 3), torch.ones(3),
                                   torch.ones(3))
@@ -425,12 +429,83 @@ def test_compiler_failure_falls_back_with_its_reason(tmp_path):
     assert "error: simulated failure" in warnings_seen[0]
 
 
+# ------------------------------------------------------- bias-GeLU, cross entropy
+
+def plain_bias_gelu(y, bias=None):
+    return torch.nn.functional.gelu(y.float() if bias is None else y.float() + bias.float(),
+                                    approximate="tanh")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_gelu_kernel(dtype, shape, with_bias):
+    torch.manual_seed(0)
+    y = (3 * torch.randn(shape)).to(dtype)
+    bias = torch.randn(shape[-1]).to(dtype) if with_bias else None
+    grad = torch.randn(shape).to(dtype)
+    inputs = [y, bias] if with_bias else [y]
+    assert fused.bias_gelu_fusable(y, bias)
+    out, grads = outputs_and_grads(lambda *t: fused.FusedBiasGeLU.apply(t[0], t[1] if with_bias else None),
+                                   inputs, grad)
+    # The reference in float64 from the same (rounded) inputs.
+    ref_out, ref_grads = outputs_and_grads(
+        lambda *t: plain_bias_gelu(*t).to(torch.float64), [t.double() for t in inputs],
+        grad.double())
+    tol = TOLERANCE[dtype]
+    assert rel_err(out, ref_out) < tol
+    for g, ref in zip(grads, ref_grads):
+        assert rel_err(g, ref) < 10 * tol
+
+
+def test_bias_gelu_dispatch_and_extremes():
+    y, bias = torch.tensor([[-100.0, -10.0, -1e-3, 0.0, 1e-3, 10.0, 100.0]]), torch.zeros(7)
+    out = fused.bias_gelu(bias, y)
+    assert torch.allclose(out, plain_bias_gelu(y), rtol=1e-6, atol=1e-7)
+    assert abs(out[0, 0]) < 1e-30 and out[0, -1] == 100.0
+    assert not fused.bias_gelu_fusable(y.double(), None)
+    assert not fused.bias_gelu_fusable(y, torch.zeros(6))
+    assert torch.allclose(fused.bias_gelu(bias, y, fusion=False), plain_bias_gelu(y))
+
+
+def test_bias_gelu_bias_grad_independent_of_thread_count():
+    torch.manual_seed(0)
+    y, bias, g = torch.randn(300, 96), torch.randn(96), torch.randn(300, 96)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(outputs_and_grads(fused.FusedBiasGeLU.apply, [y, bias], g)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("given_max", [False, True])
+def test_exp_sum_kernel(dtype, given_max):
+    torch.manual_seed(0)
+    x = (4 * torch.randn(37, 1003)).to(dtype)
+    x[:, 900:] = float("-inf")  # vocabulary padding
+    row_max = x.float().amax(dim=-1) + 0.5 if given_max else None
+    kernel_x, plain_x = x.clone(), x.float()
+    m, s = fused.exp_sum_(kernel_x, row_max)
+    m_ref, s_ref = fused.exp_sum_(plain_x, row_max, fusion=False)
+    assert m.dtype == s.dtype == torch.float32
+    assert torch.equal(m, m_ref)
+    assert rel_err(s, s_ref) < TOLERANCE[dtype]
+    assert rel_err(kernel_x.float(), plain_x) < TOLERANCE[dtype]
+    assert (kernel_x[:, 900:] == 0).all()
+
+
 # -------------------------------------------------------- element-wise (plain)
 
 def test_bias_gelu_and_bias_dropout_add():
     y, bias = torch.randn(4, 8), torch.randn(8)
     expected = torch.nn.functional.gelu(y + bias, approximate="tanh")
-    assert torch.allclose(fused.bias_gelu(bias, y), expected)
+    assert torch.allclose(fused.bias_gelu(bias, y), expected, rtol=1e-5, atol=1e-6)
     x, residual = torch.randn(4, 8), torch.randn(4, 8)
     assert torch.allclose(fused.bias_dropout_add(x, bias, residual, 0.5, False),
                           residual + x + bias)

@@ -1,0 +1,86 @@
+"""The GPT head's fused output layer + cross entropy against F.linear + F.cross_entropy
+(vocab-parallel layouts: tests/distributed/test_tensor_parallel.py and the layout tests)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.mpu.cross_entropy import LogitsBuffers, linear_cross_entropy
+
+
+def reference(hidden, weight, target, vocab_limit=None, label_smoothing=0.0):
+    logits = F.linear(hidden, weight).float()
+    if vocab_limit is not None:
+        logits = logits.masked_fill(torch.arange(weight.shape[0]) >= vocab_limit, float("-inf"))
+    return F.cross_entropy(logits.view(-1, weight.shape[0]), target.view(-1), reduction="none",
+                           label_smoothing=label_smoothing).view(target.shape)
+
+
+def losses_and_grads(fn, hidden, weight, target, upstream, **kwargs):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, target, **kwargs)
+    (loss * upstream).sum().backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype,float_loss,tol", [(torch.float32, True, 2e-6),
+                                                  (torch.bfloat16, True, 1e-6),
+                                                  (torch.bfloat16, False, 3e-2)])
+@pytest.mark.parametrize("vocab_limit,label_smoothing", [(None, 0.0), (None, 0.1), (50, 0.0)])
+def test_matches_linear_then_cross_entropy(dtype, float_loss, tol, vocab_limit, label_smoothing):
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(7, 3, 16).to(dtype), torch.randn(64, 16).to(dtype)
+    target, upstream = torch.randint(0, 50, (7, 3)), torch.randn(7, 3)
+    buffers = LogitsBuffers()
+    for _ in range(2):  # the second step reuses the first one's buffers
+        ours = losses_and_grads(linear_cross_entropy, hidden, weight, target, upstream,
+                                buffers=buffers, vocab_limit=vocab_limit, float_loss=float_loss,
+                                label_smoothing=label_smoothing)
+    ref = losses_and_grads(reference, hidden, weight, target, upstream, vocab_limit=vocab_limit,
+                           label_smoothing=label_smoothing)
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        assert err < (tol if a is not ours[0] else max(tol, 1e-6)), err
+
+
+def test_buffer_is_reused_across_steps_and_released_without_grad():
+    hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(32, 8)
+    target = torch.randint(0, 32, (4,))
+    buffers = LogitsBuffers()
+    linear_cross_entropy(hidden, weight, target, buffers=buffers).sum().backward()
+    (buf,) = buffers._free[((4, 32), torch.float32, torch.device("cpu"))]
+    pointer = buf.data_ptr()
+    linear_cross_entropy(hidden, weight, target, buffers=buffers).sum().backward()
+    assert [b.data_ptr() for b in buffers._free[((4, 32), torch.float32, torch.device("cpu"))]] == [pointer]
+    with torch.no_grad():  # nothing to keep for a backward: the buffer goes straight back
+        linear_cross_entropy(hidden, weight, target, buffers=buffers)
+    assert len(buffers._free[((4, 32), torch.float32, torch.device("cpu"))]) == 1
+
+
+def test_micro_batches_in_flight_get_buffers_of_their_own():
+    """A pipeline schedule runs several forwards before their backwards."""
+    torch.manual_seed(1)
+    weight = torch.randn(32, 8, requires_grad=True)
+    hiddens = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    targets = [torch.randint(0, 32, (4,)) for _ in range(3)]
+    buffers = LogitsBuffers()
+    losses = [linear_cross_entropy(h, weight, t, buffers=buffers) for h, t in zip(hiddens, targets)]
+    for loss in reversed(losses):
+        loss.sum().backward()
+    ours = [h.grad for h in hiddens] + [weight.grad]
+    for h in hiddens:
+        h.grad = None
+    weight.grad = None
+    for h, t in zip(hiddens, targets):
+        reference(h, weight, t).sum().backward()
+    for a, b in zip(ours, [h.grad for h in hiddens] + [weight.grad]):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert len(buffers._free[((4, 32), torch.float32, torch.device("cpu"))]) == 3
+
+
+def test_second_backward_is_a_clear_error():
+    hidden = torch.randn(4, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, torch.randn(32, 8), torch.randint(0, 32, (4,))).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot run backward twice"):
+        loss.backward()
