@@ -1,6 +1,6 @@
 """Speed of the fused softmax / layer-norm / RMSNorm kernels against plain PyTorch, same run.
 
-    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile] [--only rms_norm]
+    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile] [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy}]
 
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
@@ -8,8 +8,10 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - layer norm forward+backward on [8192, 1024]: fused vs F.layer_norm (target: >= 1x);
   - RMSNorm forward+backward on [8192, 1024], float32 and bfloat16: fused vs the
     plain path (float32 arithmetic, as Hugging Face's LlamaRMSNorm; target: >= 1x);
-  - bias_gelu forward+backward on [2048, 4096]: plain vs TorchScript (and
-    torch.compile with --compile), to decide whether fusing it pays on CPU.
+  - bias_gelu forward+backward on [2048, 4096]: plain vs our kernel (target: >= 1.5x),
+    and vs TorchScript (and torch.compile with --compile);
+  - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
+    [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x).
 CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
 with the achieved bandwidth against a device-to-device copy.
 Timings interleave the two sides and take medians, so both see the same load.
@@ -121,11 +123,35 @@ def bench_bias_gelu(repeat: int, with_compile: bool) -> None:
             fn(br, yr).backward(g)
         return run
 
+    report("CPU bias_gelu fwd+bwd [2048,4096] f32",
+           compare([step(_bias_gelu), step(fused.bias_gelu)], repeat, warmup=3), 1.5)
     report("CPU bias_gelu fwd+bwd [2048,4096]: TorchScript",
            compare([step(_bias_gelu), step(torch.jit.script(_bias_gelu))], repeat, warmup=3))
     if with_compile:
         report("CPU bias_gelu fwd+bwd [2048,4096]: torch.compile",
                compare([step(_bias_gelu), step(torch.compile(_bias_gelu))], repeat, warmup=3))
+
+
+def bench_cross_entropy(repeat: int) -> None:
+    """The GPT head: output matmul + cross entropy, fused in place (pooled logits buffer)
+    vs F.linear + F.cross_entropy, forward+backward."""
+    from megatron.mpu.cross_entropy import LogitsBuffers, linear_cross_entropy
+    hidden, weight = torch.randn(2048, 256), torch.randn(8064, 256) * 0.02
+    target = torch.randint(0, 8064, (2048,))
+    buffers = LogitsBuffers()
+
+    def step(fused_head):
+        def run():
+            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+            if fused_head:
+                loss = linear_cross_entropy(h, w, target, buffers=buffers)
+            else:
+                loss = F.cross_entropy(F.linear(h, w), target, reduction="none")
+            loss.mean().backward()
+        return run
+
+    report("CPU head matmul + cross entropy fwd+bwd [2048,256]x[256,8064] f32",
+           compare([step(False), step(True)], repeat), 1.1)
 
 
 def bench_cuda(repeat: int) -> None:
@@ -163,7 +189,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
-    parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu"),
+    parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
+                                           "cross_entropy"),
                         help="time one CPU benchmark only (CUDA ones run in full)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -174,6 +201,8 @@ def main() -> None:
     bench_cpu(args.repeat, args.only)
     if args.only in (None, "bias_gelu"):
         bench_bias_gelu(args.repeat, args.compile)
+    if args.only in (None, "cross_entropy"):
+        bench_cross_entropy(args.repeat)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
 

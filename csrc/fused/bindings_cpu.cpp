@@ -1,5 +1,8 @@
 // Python bindings of the CPU fused kernels (module built as megatron_fused_cpu).
 #include <tuple>
+#include <vector>
+
+#include <ATen/Parallel.h>
 
 #include "bindings_common.h"
 #include "cpu_kernels.h"
@@ -192,6 +195,77 @@ std::tuple<at::Tensor, at::Tensor> exp_sum_(at::Tensor& x, const c10::optional<a
   return {m, sums};
 }
 
+// q, k, v: float32 [sq, b, heads, hn] (any strides, hn contiguous, hn % 16 == 0).
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().type() == kCPU && t->scalar_type() == at::kFloat && t->dim() == 4,
+                "causal attention takes float32 CPU tensors [sq, b, heads, head_dim], got ",
+                t->sizes(), " of ", t->scalar_type());
+    TORCH_CHECK(t->sizes() == q.sizes(), "q, k and v shapes differ: ", q.sizes(), " vs ",
+                t->sizes());
+    TORCH_CHECK(t->stride(3) == 1, "the head dimension must be contiguous");
+  }
+  TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(3));
+}
+
+// (b, head) task -> offset of its first row in a [sq, b, heads, hn] tensor.
+inline int64_t head_offset(const at::Tensor& t, int64_t task) {
+  return (task / t.size(2)) * t.stride(1) + (task % t.size(2)) * t.stride(2);
+}
+
+// Returns (o [sq, b, heads, hn] contiguous, lse [b * heads, sq] float).
+std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q,
+                                                            const at::Tensor& k,
+                                                            const at::Tensor& v, double scale) {
+  check_attention_inputs(q, k, v);
+  const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
+  at::Tensor o = new_output(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = new_output({tasks, sq}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *op = o.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(cpu::causal_attention_work_floats(sq, hn));
+    for (int64_t t = begin; t < end; ++t) {
+      cpu::causal_attention_head_forward(qp + head_offset(q, t), q.stride(0),
+                                         kp + head_offset(k, t), k.stride(0),
+                                         vp + head_offset(v, t), v.stride(0),
+                                         op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
+                                         static_cast<float>(scale), work.data());
+    }
+  });
+  return {o, lse};
+}
+
+// Returns (dq, dk, dv), each [sq, b, heads, hn] contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& o, const at::Tensor& lse, double scale) {
+  check_attention_inputs(q, k, v);
+  check_attention_inputs(q, o, dout);
+  const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == tasks * sq,
+              "lse must be float32 [b * heads, sq]");
+  auto options = q.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor dq = new_output(q.sizes(), options);
+  at::Tensor dk = new_output(q.sizes(), options);
+  at::Tensor dv = new_output(q.sizes(), options);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *op = o.data_ptr<float>(), *gp = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(cpu::causal_attention_work_floats(sq, hn));
+    for (int64_t t = begin; t < end; ++t) {
+      cpu::causal_attention_head_backward(
+          qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
+          vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
+          gp + head_offset(dout, t), dout.stride(0), lp + t * sq, dqp + head_offset(dq, t),
+          dq.stride(0), dkp + head_offset(dk, t), dk.stride(0), dvp + head_offset(dv, t),
+          dv.stride(0), sq, hn, static_cast<float>(scale), work.data());
+    }
+  });
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace megatron_fused
 
@@ -216,6 +290,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_gelu_backward", &mf::bias_gelu_backward, "bias-GeLU gradients -> (dx, db or None)");
   m.def("exp_sum_", &mf::exp_sum_,
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
+  m.def("causal_attention_forward", &mf::causal_attention_forward,
+        "causal softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim] -> (out, lse)");
+  m.def("causal_attention_backward", &mf::causal_attention_backward,
+        "gradients of causal_attention_forward -> (dq, dk, dv)");
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; },
         "fill outputs with NaN before kernels run (tests)");
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });

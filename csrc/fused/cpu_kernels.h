@@ -67,5 +67,19 @@ void bias_gelu_backward(const T* g, const T* x, const T* b, T* dx, T* db, int64_
 template <typename T>
 void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols, bool given_max);
 
+// Causal self-attention of one (batch, head), float32 (attention_cpu.cpp): q, k, v, o, dout
+// rows [sq, hn] at the given row strides (hn contiguous, a multiple of 16); lse [sq] the
+// log-sum-exp of each row of scale * q k^T. `work` holds causal_attention_work_floats
+// floats. The backward writes dq, dk, dv.
+void causal_attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
+                                   const float* v, int64_t vs, float* o, int64_t os, float* lse,
+                                   int64_t sq, int64_t hn, float scale, float* work);
+void causal_attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,
+                                    const float* v, int64_t vs, const float* o, int64_t os,
+                                    const float* dout, int64_t dos, const float* lse, float* dq,
+                                    int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
+                                    int64_t sq, int64_t hn, float scale, float* work);
+int64_t causal_attention_work_floats(int64_t sq, int64_t hn);
+
 }  // namespace cpu
 }  // namespace megatron_fused

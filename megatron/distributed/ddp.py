@@ -3,8 +3,10 @@
 `GradReducer` (--DDP-impl local): every parameter gets a `main_grad` view into
 one contiguous buffer (fp32 for 16-bit models, so micro-batch gradients
 accumulate in full precision). A hook moves each freshly computed `.grad` into
-`main_grad`. Buckets are laid out in reverse parameter order, the order in
-which backward produces gradients; with `overlap_grad_reduce` each bucket's
+`main_grad` (layers that add their weight gradient to `main_grad` themselves, the
+GPT head, leave `.grad` None; the hook still marks the parameter done). Buckets
+are laid out in reverse parameter order, the order in which backward produces
+gradients; with `overlap_grad_reduce` each bucket's
 reduction starts as soon as its last gradient of the last micro batch is in,
 overlapping with the rest of backward. Buckets holding a parameter passed as
 `held` wait for `finish_grad_sync` instead: the tied word embeddings under the
@@ -129,8 +131,9 @@ class GradReducer:
         return buckets
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        if param.grad is not None:  # None: the layer added its gradient to main_grad itself
+            param.main_grad.add_(param.grad)
+            param.grad = None
         if not (self.overlap and self.sync_enabled):
             return
         bucket = self._bucket_of[param]

@@ -78,13 +78,12 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
     `device`: where the two numbers live when this rank holds no gradient."""
     tp_rank = group_rank(tp_group)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
-    # Accumulated in float64: fp32 norms of large, mostly-zero gradients (the word
-    # embeddings') were off by 1e-4 relative on CPUs; finite gradients never overflow it.
+    # Accumulated in float64 (see _float64_norms); finite gradients never overflow it.
     device = pairs[0][1].device if pairs else (device or torch.device("cpu"))
     if not pairs:
         stats = torch.zeros(2, device=device)
     else:
-        norms = torch.stack(torch._foreach_norm([g for _, g in pairs], 2, dtype=torch.float64))
+        norms = _float64_norms([g for _, g in pairs])
         counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
         stats = torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
                              (~torch.isfinite(norms)).sum().float()])
@@ -93,6 +92,33 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
     all_reduce(stats, mp_group)
     square, nonfinite = stats.tolist()
     return math.sqrt(square), nonfinite > 0
+
+
+_NORM_ROW = 2048
+"""Elements per float32 partial norm on CPUs (short enough to be accurate to ~1e-7)."""
+
+
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """sum(grad ** 2) in float64, from float32 norms of rows of _NORM_ROW elements."""
+    flat = grad.reshape(-1)
+    rows = flat.numel() // _NORM_ROW
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    if rows:
+        norms = torch.linalg.vector_norm(flat[:rows * _NORM_ROW].view(rows, _NORM_ROW), dim=1)
+        total = norms.double().square().sum()
+    if flat.numel() > rows * _NORM_ROW:
+        total = total + torch.linalg.vector_norm(flat[rows * _NORM_ROW:]).double().square()
+    return total
+
+
+def _float64_norms(grads: List[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each gradient, float64 [len(grads)]. On CPUs from float32 norms of
+    short rows added in float64 (`_square_sum`): converting every gradient to float64
+    first, as the multi-tensor norm does, costs a float64 copy of all of them, and one
+    float32 sum over a large, mostly-zero gradient (the word embeddings') was off by 1e-4."""
+    if grads[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    return torch.stack([_square_sum(g) for g in grads]).sqrt()
 
 
 def clip_coefficient(norm: float, max_norm: float) -> Optional[float]:

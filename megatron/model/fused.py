@@ -410,3 +410,45 @@ def exp_sum_(x, row_max=None, fusion=True):
             and x.is_contiguous() and x.dtype in KERNEL_DTYPES):
         return module.exp_sum_(x, None if row_max is None else row_max.float().contiguous())
     return _plain_exp_sum_(x, row_max)
+
+
+class FusedCausalAttention(torch.autograd.Function):
+    """softmax(scale * q k^T, causal) v of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads,
+    head_dim], flash-attention style on CPUs (saves the output and each row's log-sum-exp;
+    the backward recomputes the probabilities)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        out, lse = _ext(q).causal_attention_forward(q, k, v, float(scale))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = float(scale)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        dq, dk, dv = _ext(q).causal_attention_backward(grad, q, k, v, out, lse, ctx.scale)
+        return dq, dk, dv, None
+
+
+def causal_attention_fusable(q, k, v) -> bool:
+    """The CPU kernel applies: float32 q, k, v of one shape [sq, b, heads, head_dim] on a CPU
+    (self-attention, sq == sk), head_dim a multiple of 16 and contiguous."""
+    tensors = (q, k, v)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4
+           or t.shape != q.shape or t.stride(-1) != 1 for t in tensors):
+        return False
+    if q.shape[-1] % 16:
+        return False
+    module = fused_kernels.get_extension("cpu")
+    return module is not None and hasattr(module, "causal_attention_forward")
+
+
+def causal_attention(q, k, v, scale):
+    """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
+    with the CPU kernel (check `causal_attention_fusable` first)."""
+    sq, b, heads, dim = q.shape
+    return FusedCausalAttention.apply(q, k, v, scale).view(sq, b, heads * dim)

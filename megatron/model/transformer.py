@@ -43,6 +43,8 @@ class CoreAttention(torch.nn.Module):
     def forward(self, q, k, v, mask, bias=None):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
+        if self._use_cpu_kernel(q, k, v, mask, bias):
+            return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
             context = self._sdpa(q, k, v, mask, bias)
@@ -50,6 +52,14 @@ class CoreAttention(torch.nn.Module):
             context = self._explicit(q, k, v, mask, bias)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def _use_cpu_kernel(self, q, k, v, mask, bias):
+        """auto, with fusions on: our CPU flash-attention kernel for plain causal
+        self-attention in float32 without dropout (faster than SDPA's CPU kernel there:
+        benchmarks/bench_fused.py --only attention)."""
+        return (self.cfg.attention_impl == "auto" and self._fusion() and mask is None
+                and bias is None and not (self.training and self.dropout_p > 0)
+                and fused.causal_attention_fusable(q, k, v))
 
     def _use_sdpa(self, mask, q, bias):
         """auto: SDPA for plain causal attention, except where our path is faster or

@@ -127,6 +127,17 @@ class LogitsBuffers:
             self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
 
 
+def _main_grad_of(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The data-parallel reducer's gradient buffer of `weight` when the weight gradient can
+    be accumulated there directly (same dtype): no weight-sized tensor is made, and the
+    autograd gradient is None. A tied weight's other use (the input embedding) still
+    arrives through autograd and the reducer's hook."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not weight.requires_grad or main_grad.dtype != weight.dtype:
+        return None
+    return main_grad
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, group, buffers, vocab_limit, float_loss,
@@ -146,6 +157,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if for_backward:
             ctx.save_for_backward(hidden, weight, buf)
             ctx.state, ctx.buffers = state, buffers
+            ctx.main_grad = _main_grad_of(weight)
         else:
             buffers.give(buf)
         return loss
@@ -162,7 +174,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = buffers.take(buf.shape, hidden.dtype, buf.device).copy_(buf)
             buffers.give(buf)
         grad_hidden = grad.mm(weight) if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t().mm(hidden) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.main_grad is not None:  # straight into the fp32 gradient buffer
+            ctx.main_grad.addmm_(grad.t(), hidden)
+        elif ctx.needs_input_grad[1]:
+            grad_weight = grad.t().mm(hidden)
         buffers.give(grad)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 

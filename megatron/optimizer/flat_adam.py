@@ -11,7 +11,7 @@ param groups carry the learning rate the scheduler sets, and its state holds
 views of the flat moments, so `state_dict` keeps torch's format and checkpoints
 load into either implementation (`adopt_state` after `load_state_dict`).
 """
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -99,8 +99,13 @@ class FlatAdamW:
         return [self.grad_views[id(p)] for p in params]
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One AdamW update of every group from the flat gradients."""
+    def step(self, clip_coefficient: Optional[float] = None) -> None:
+        """One AdamW update of every group from the flat gradients, multiplied by
+        `clip_coefficient` inside the kernel (as its `grad_scale` divisor) when given."""
+        grad_scale = None
+        if clip_coefficient is not None:
+            grad_scale = torch.tensor(1.0 / clip_coefficient, dtype=torch.float32,
+                                      device=self.flat_grads.device)
         for (start, end), step, group in zip(self.group_spans, self.steps,
                                              self.optimizer.param_groups):
             step.add_(1)
@@ -109,4 +114,4 @@ class FlatAdamW:
                                 [self.exp_avg[start:end]], [self.exp_avg_sq[start:end]], [],
                                 [step], lr=group["lr"], beta1=beta1, beta2=beta2,
                                 weight_decay=group["weight_decay"], eps=group["eps"],
-                                amsgrad=False, maximize=False)
+                                amsgrad=False, maximize=False, grad_scale=grad_scale)

@@ -115,11 +115,11 @@ class MegatronOptimizer(OptimizerBase):
             if found_inf:
                 return False, None, True
             coeff = clip_coefficient(norm, self.cfg.clip_grad)
-            if coeff is not None:
-                self._scale_grads(grads, coeff)
-            if self.flat is not None:
-                self.flat.step()
+            if self.flat is not None:  # the clipping factor goes into the update's one pass
+                self.flat.step(clip_coefficient=coeff)
             else:
+                if coeff is not None:
+                    self._scale_grads(grads, coeff)
                 self.optimizer.step()
         finally:
             # The grads are views of the reducer's buffer: never let the next

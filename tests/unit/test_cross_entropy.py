@@ -84,3 +84,20 @@ def test_second_backward_is_a_clear_error():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="cannot run backward twice"):
         loss.backward()
+
+
+def test_weight_gradient_goes_straight_into_main_grad():
+    """With the reducer's fp32 buffer attached, the head adds its weight gradient there
+    (on top of what is in it) and hands autograd nothing; a 16-bit weight keeps `.grad`."""
+    torch.manual_seed(2)
+    hidden, target = torch.randn(6, 8), torch.randint(0, 32, (6,))
+    weight = torch.nn.Parameter(torch.randn(32, 8))
+    expected = losses_and_grads(reference, hidden, weight.detach(), target, torch.ones(6))[2]
+    weight.main_grad = torch.full((32, 8), 0.5)
+    linear_cross_entropy(hidden, weight, target).sum().backward()
+    assert weight.grad is None
+    torch.testing.assert_close(weight.main_grad, expected + 0.5)
+    half = torch.nn.Parameter(weight.detach().bfloat16())
+    half.main_grad = torch.zeros(32, 8)
+    linear_cross_entropy(hidden.bfloat16(), half, target).sum().backward()
+    assert half.grad is not None and not half.main_grad.any()

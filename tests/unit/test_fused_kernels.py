@@ -332,6 +332,11 @@ def test_bad_arguments_give_clear_errors(kernels):
         kernels.rms_norm_forward(torch.randn(2, 3), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="weight must be"):
         kernels.bias_gelu_forward(torch.randn(2, 3), torch.ones(4))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.causal_attention_forward(*(torch.randn(4, 1, 2, 8) for _ in range(3)), 1.0)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        kernels.causal_attention_forward(torch.randn(4, 1, 2, 16), torch.randn(5, 1, 2, 16),
+                                         torch.randn(4, 1, 2, 16), 1.0)
     with pytest.raises(RuntimeError, match="row_max must be float32"):
         kernels.exp_sum_(torch.randn(2, 3), torch.ones(3))
     with pytest.raises(RuntimeError, match="rstd must be float32"):
@@ -498,6 +503,64 @@ def test_exp_sum_kernel(dtype, given_max):
     assert rel_err(s, s_ref) < TOLERANCE[dtype]
     assert rel_err(kernel_x.float(), plain_x) < TOLERANCE[dtype]
     assert (kernel_x[:, 900:] == 0).all()
+
+
+# ------------------------------------------------------------- causal attention
+
+def sdpa_attention(q, k, v):
+    """Reference: torch's SDPA on [b, heads, s, d] views, back to [s, b, heads * d]."""
+    s, b, heads, dim = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+
+
+@pytest.mark.parametrize("s,b,heads,dim", [(256, 2, 4, 32), (13, 2, 3, 16), (37, 1, 2, 64),
+                                           (100, 3, 2, 48), (1, 1, 1, 16)])
+def test_causal_attention_kernel_matches_sdpa(s, b, heads, dim):
+    """q, k, v as the strided views of one fused QKV projection, as the model passes them."""
+    torch.manual_seed(s)
+    qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+    results = []
+    for attention in (sdpa_attention,
+                      lambda q, k, v: fused.causal_attention(q, k, v, dim ** -0.5)):
+        out, (dqkv,) = outputs_and_grads(lambda x: attention(*x.split(dim, dim=-1)), [qkv], grad)
+        results.append((out, dqkv))
+    assert fused.causal_attention_fusable(*qkv.split(dim, dim=-1))
+    (ref_out, ref_grad), (out, dqkv) = results
+    assert rel_err(out, ref_out) < 2e-6
+    assert rel_err(dqkv, ref_grad) < 5e-6
+
+
+def test_causal_attention_independent_of_thread_count():
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(40, 2, 3, 32) for _ in range(4))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(outputs_and_grads(
+                lambda *t: fused.FusedCausalAttention.apply(*t, 0.2), [q, k, v], g))
+    finally:
+        torch.set_num_threads(threads)
+    (out1, grads1), (out2, grads2) = results
+    assert torch.equal(out1, out2)
+    for a, b_ in zip(grads1, grads2):
+        assert torch.equal(a, b_)
+
+
+def test_causal_attention_dispatch():
+    q = torch.randn(8, 1, 2, 32)
+    assert fused.causal_attention_fusable(q, q, q)
+    assert not fused.causal_attention_fusable(q.double(), q.double(), q.double())
+    assert not fused.causal_attention_fusable(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    odd = torch.randn(8, 1, 2, 24)
+    assert not fused.causal_attention_fusable(odd, odd, odd)  # head_dim % 16
+    longer = torch.randn(9, 1, 2, 32)
+    assert not fused.causal_attention_fusable(q, longer, longer)  # a KV cache: sk > sq
+    strided = torch.randn(8, 1, 2, 64)[..., ::2]
+    assert not fused.causal_attention_fusable(strided, strided, strided)
 
 
 # -------------------------------------------------------- element-wise (plain)

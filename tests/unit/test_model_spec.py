@@ -161,6 +161,30 @@ def test_sdpa_with_alibi_matches_the_explicit_path():
     torch.testing.assert_close(sdpa(ids, pos), explicit(ids, pos), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt", "llama"])
+def test_cpu_attention_kernel_is_the_auto_choice_and_matches_sdpa(arch, monkeypatch):
+    """auto on a CPU in float32: our causal-attention kernel (losses and gradients as SDPA's)."""
+    from megatron.model import fused, fused_kernels
+    if not fused_kernels.load_fused_kernels():
+        pytest.skip("fused kernels unavailable")
+    calls = []
+    kernel = fused.causal_attention
+    monkeypatch.setattr(fused, "causal_attention", lambda *a: calls.append(1) or kernel(*a))
+    ids, pos = tokens_of()
+    labels = torch.roll(ids, -1, dims=1)
+    results = []
+    for impl in ("auto", "sdpa"):
+        model = model_of(config(attention_impl=impl, kv_channels=16, **arch)).train()
+        loss = model(ids, pos, labels=labels).mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert len(calls) == 2  # both layers of the auto model, none of the sdpa one
+    (auto_loss, auto_grads), (sdpa_loss, sdpa_grads) = results
+    torch.testing.assert_close(auto_loss, sdpa_loss, rtol=1e-6, atol=1e-6)
+    for a, b in zip(auto_grads, sdpa_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", [LLAMA, BLOOM, dict(qk_layernorm=True, apply_layernorm_1p=True)],
                          ids=["llama", "bloom", "qk-layernorm"])
 def test_kv_cache_decoding_equals_the_full_forward(arch):

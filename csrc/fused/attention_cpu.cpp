@@ -1,0 +1,265 @@
+// CPU kernel for causal self-attention, softmax(scale * q k^T, keys j <= query i) v,
+// in the manner of flash attention: one (batch, head) per task; the scores of a block
+// of query rows are computed, turned into probabilities and multiplied by v while they
+// sit in cache, and only each row's log-sum-exp is kept. The backward recomputes the
+// probabilities from it. Keys beyond a block's last query are never touched, so the
+// causal mask halves the work. q, k, v rows may be strided (views of the fused QKV
+// projection); the head size is a multiple of 16.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "cpu_kernels.h"
+#include "cpu_lanes.h"
+#include "cpu_math.h"
+
+namespace megatron_fused {
+namespace cpu {
+
+using namespace lanes;
+
+namespace {
+
+constexpr int kRows = 8;  // query rows per block
+
+// Everything below is inlined into the per-instruction-set clones of the two entry points
+// (a helper compiled on its own would get the baseline instruction set).
+#define MF_INLINE inline __attribute__((always_inline))
+
+MF_INLINE int64_t round_lanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// xt[d * ld + j] = x[j * stride + d] for j < n, zero for n <= j < ld.
+MF_INLINE void transpose_rows(float* xt, const float* x, int64_t n, int64_t stride, int64_t hn,
+                           int64_t ld) {
+  for (int64_t d = 0; d < hn; ++d) {
+    float* row = xt + d * ld;
+    for (int64_t j = 0; j < n; ++j) row[j] = x[j * stride + d];
+    for (int64_t j = n; j < ld; ++j) row[j] = 0.0f;
+  }
+}
+
+// s[r * ld + j] = scale * sum_d a[r * a_stride + d] * bt[d * ld + j] for r < R, j < n
+// (n a multiple of 16).
+template <int R>
+MF_INLINE void block_products(float* s, int64_t ld, const float* a, int64_t a_stride,
+                           const float* bt, int64_t n, int64_t hn, float scale) {
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    LaneVec acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = splat(0.0f);
+    for (int64_t d = 0; d < hn; ++d) {
+      const LaneVec b0 = load(bt + d * ld + j);
+      const LaneVec b1 = load(bt + d * ld + j + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float x = a[r * a_stride + d];
+        acc0[r] += x * b0;
+        acc1[r] += x * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store(s + r * ld + j, acc0[r] * scale);
+      store(s + r * ld + j + kLanes, acc1[r] * scale);
+    }
+  }
+  for (; j < n; j += kLanes) {
+    LaneVec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
+    for (int64_t d = 0; d < hn; ++d) {
+      const LaneVec b0 = load(bt + d * ld + j);
+      for (int r = 0; r < R; ++r) acc[r] += a[r * a_stride + d] * b0;
+    }
+    for (int r = 0; r < R; ++r) store(s + r * ld + j, acc[r] * scale);
+  }
+}
+
+// out[r * out_stride + c] = row_scale[r] * sum_{j < n} p[r * ld + j] * x[j * x_stride + c]
+// for r < R, c < hn.
+template <int R>
+MF_INLINE void block_combine(float* out, int64_t out_stride, const float* p, int64_t ld,
+                          const float* x, int64_t x_stride, int64_t n, int64_t hn,
+                          const float* row_scale) {
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= hn; c += 2 * kLanes) {
+    LaneVec acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = splat(0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const LaneVec x0 = load(x + j * x_stride + c);
+      const LaneVec x1 = load(x + j * x_stride + c + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float w = p[r * ld + j];
+        acc0[r] += w * x0;
+        acc1[r] += w * x1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store(out + r * out_stride + c, acc0[r] * row_scale[r]);
+      store(out + r * out_stride + c + kLanes, acc1[r] * row_scale[r]);
+    }
+  }
+  for (; c < hn; c += kLanes) {
+    LaneVec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const LaneVec x0 = load(x + j * x_stride + c);
+      for (int r = 0; r < R; ++r) acc[r] += p[r * ld + j] * x0;
+    }
+    for (int r = 0; r < R; ++r) store(out + r * out_stride + c, acc[r] * row_scale[r]);
+  }
+}
+
+// y[j * y_stride + c] += scale * sum_{r < R} w[r * ld + j] * a[r * a_stride + c] for j < n,
+// c < hn: the transposed product, accumulated over the blocks of query rows.
+template <int R>
+MF_INLINE void block_accumulate(float* y, int64_t y_stride, const float* w, int64_t ld,
+                             const float* a, int64_t a_stride, int64_t n, int64_t hn,
+                             float scale) {
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= hn; c += 2 * kLanes) {
+    LaneVec a0[R], a1[R];
+    for (int r = 0; r < R; ++r) {
+      a0[r] = load(a + r * a_stride + c) * scale;
+      a1[r] = load(a + r * a_stride + c + kLanes) * scale;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      LaneVec y0 = load(y + j * y_stride + c);
+      LaneVec y1 = load(y + j * y_stride + c + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float wr = w[r * ld + j];
+        y0 += wr * a0[r];
+        y1 += wr * a1[r];
+      }
+      store(y + j * y_stride + c, y0);
+      store(y + j * y_stride + c + kLanes, y1);
+    }
+  }
+  for (; c < hn; c += kLanes) {
+    LaneVec a0[R];
+    for (int r = 0; r < R; ++r) a0[r] = load(a + r * a_stride + c) * scale;
+    for (int64_t j = 0; j < n; ++j) {
+      LaneVec y0 = load(y + j * y_stride + c);
+      for (int r = 0; r < R; ++r) y0 += w[r * ld + j] * a0[r];
+      store(y + j * y_stride + c, y0);
+    }
+  }
+}
+
+struct Head {
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t qs, ks, vs;  // row (sequence) strides
+  int64_t sq, hn;
+  float scale;
+};
+
+template <int R>
+MF_INLINE void forward_block(const Head& h, int64_t i0, const float* kt, float* s, int64_t ld, float* o,
+                   int64_t os, float* lse) {
+  const int64_t n = i0 + R;  // keys 0 .. n-1 are visible to some row of the block
+  block_products<R>(s, ld, h.q + i0 * h.qs, h.qs, kt, round_lanes(n), h.hn, h.scale);
+  float inv[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t valid = i0 + r + 1;
+    float* row = s + r * ld;
+    const float m = scaled_max(row, valid, 1.0f);
+    const float l = scaled_exp_sum(row, row, valid, 1.0f, m);
+    fill_zero(row + valid, n - valid);
+    lse[i0 + r] = m + std::log(l);
+    inv[r] = 1.0f / l;
+  }
+  block_combine<R>(o + i0 * os, os, s, ld, h.v, h.vs, n, h.hn, inv);
+}
+
+template <int R>
+MF_INLINE void backward_block(const Head& h, int64_t i0, const float* kt, const float* vt, float* p,
+                    float* ds, int64_t ld, const float* dout, int64_t dos, const float* lse,
+                    const float* delta, float* dq, int64_t dqs, float* dk, int64_t dks,
+                    float* dv, int64_t dvs) {
+  const int64_t n = i0 + R;
+  const int64_t n16 = round_lanes(n);
+  block_products<R>(p, ld, h.q + i0 * h.qs, h.qs, kt, n16, h.hn, h.scale);
+  block_products<R>(ds, ld, dout + i0 * dos, dos, vt, n16, h.hn, 1.0f);
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = i0 + r;
+    float* prow = p + r * ld;
+    scaled_exp_sum(prow, prow, i + 1, 1.0f, lse[i]);  // the probabilities of row i
+    fill_zero(prow + i + 1, n16 - i - 1);
+    softmax_grad(ds + r * ld, ds + r * ld, prow, n16, delta[i], 1.0f);  // p * (dp - delta)
+  }
+  float scale[R];
+  for (int r = 0; r < R; ++r) scale[r] = h.scale;
+  block_combine<R>(dq + i0 * dqs, dqs, ds, ld, h.k, h.ks, n, h.hn, scale);
+  block_accumulate<R>(dv, dvs, p, ld, dout + i0 * dos, dos, n, h.hn, 1.0f);
+  block_accumulate<R>(dk, dks, ds, ld, h.q + i0 * h.qs, h.qs, n, h.hn, h.scale);
+}
+
+#define MF_ROWS_DISPATCH(rows, call) \
+  switch (rows) {                    \
+    case 8: call(8); break;          \
+    case 7: call(7); break;          \
+    case 6: call(6); break;          \
+    case 5: call(5); break;          \
+    case 4: call(4); break;          \
+    case 3: call(3); break;          \
+    case 2: call(2); break;          \
+    default: call(1); break;         \
+  }
+
+}  // namespace
+
+MF_CLONES void causal_attention_head_forward(const float* q, int64_t qs, const float* k,
+                                             int64_t ks, const float* v, int64_t vs, float* o,
+                                             int64_t os, float* lse, int64_t sq, int64_t hn,
+                                             float scale, float* work) {
+  const Head h{q, k, v, qs, ks, vs, sq, hn, scale};
+  const int64_t ld = round_lanes(sq);
+  float* kt = work;
+  float* s = kt + hn * ld;
+  transpose_rows(kt, k, sq, ks, hn, ld);
+  for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, sq - i0);
+#define MF_FORWARD(R) forward_block<R>(h, i0, kt, s, ld, o, os, lse)
+    MF_ROWS_DISPATCH(rows, MF_FORWARD)
+#undef MF_FORWARD
+  }
+}
+
+MF_CLONES void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
+                                              int64_t ks, const float* v, int64_t vs,
+                                              const float* o, int64_t os, const float* dout,
+                                              int64_t dos, const float* lse, float* dq,
+                                              int64_t dqs, float* dk, int64_t dks, float* dv,
+                                              int64_t dvs, int64_t sq, int64_t hn, float scale,
+                                              float* work) {
+  const Head h{q, k, v, qs, ks, vs, sq, hn, scale};
+  const int64_t ld = round_lanes(sq);
+  float* kt = work;
+  float* vt = kt + hn * ld;
+  float* p = vt + hn * ld;
+  float* ds = p + kRows * ld;
+  float* delta = ds + kRows * ld;
+  transpose_rows(kt, k, sq, ks, hn, ld);
+  transpose_rows(vt, v, sq, vs, hn, ld);
+  for (int64_t i = 0; i < sq; ++i) {
+    delta[i] = dot(dout + i * dos, o + i * os, hn);  // sum_j p_ij dp_ij
+    fill_zero(dk + i * dks, hn);
+    fill_zero(dv + i * dvs, hn);
+  }
+  for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, sq - i0);
+#define MF_BACKWARD(R) \
+  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dk, dks, dv, dvs)
+    MF_ROWS_DISPATCH(rows, MF_BACKWARD)
+#undef MF_BACKWARD
+  }
+}
+
+int64_t causal_attention_work_floats(int64_t sq, int64_t hn) {
+  const int64_t ld = round_lanes(sq);
+  return 2 * hn * ld + 2 * kRows * ld + sq;
+}
+
+}  // namespace cpu
+}  // namespace megatron_fused

@@ -1,0 +1,123 @@
+// LaneVec: 16 floats handled as one value through the GCC/Clang vector extension,
+// and the helpers the CPU kernels write their arithmetic with. Functions using them are
+// compiled per instruction set with MF_CLONES (AVX-512, AVX2, baseline) and the
+// compiler maps LaneVec to that target's registers; these helpers are inlined into
+// each clone.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__GNUC__) && !defined(__clang__)
+// The LaneVec helpers are inlined; GCC's note on passing 64-byte vectors by value
+// across an ABI boundary does not apply to them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define MF_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MF_CLONES
+#endif
+
+namespace megatron_fused {
+namespace cpu {
+namespace lanes {
+
+constexpr int kLanes = 16;
+typedef float LaneVec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t LaneInt __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t LaneU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t LaneU16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint8_t LaneU8 __attribute__((vector_size(kLanes * sizeof(uint8_t))));
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline LaneVec splat(float v) {
+  LaneVec out;
+  for (int k = 0; k < kLanes; ++k) out[k] = v;
+  return out;
+}
+
+inline LaneVec load(const float* p) {
+  LaneVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The first m (< kLanes) floats of p, the other lanes set to `fill`.
+inline LaneVec load_part(const float* p, int64_t m, float fill) {
+  LaneVec v = splat(fill);
+  std::memcpy(&v, p, sizeof(float) * m);
+  return v;
+}
+
+inline void store(float* p, const LaneVec& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_part(float* p, const LaneVec& v, int64_t m) {
+  std::memcpy(p, &v, sizeof(float) * m);
+}
+
+// -1 in the lanes whose mask byte is non-zero, 0 elsewhere; m bytes (m <= kLanes).
+inline LaneInt load_mask(const uint8_t* p, int64_t m = kLanes) {
+  LaneU8 bytes = {};
+  std::memcpy(&bytes, p, m);
+  return __builtin_convertvector(bytes, LaneInt) != 0;
+}
+
+// -1 in lanes [0, m), 0 elsewhere.
+inline LaneInt first_lanes(int64_t m) {
+  LaneInt index;
+  for (int k = 0; k < kLanes; ++k) index[k] = k;
+  return index < static_cast<int32_t>(m);
+}
+
+inline LaneVec select(const LaneInt& cond, const LaneVec& a, const LaneVec& b) {
+  return cond ? a : b;
+}
+
+inline LaneVec vmax(const LaneVec& a, const LaneVec& b) { return select(b > a, b, a); }
+
+inline float hsum(const LaneVec& v) {
+  float s = 0.0f;
+  for (int k = 0; k < kLanes; ++k) s += v[k];
+  return s;
+}
+
+inline float hmax(const LaneVec& v) {
+  float m = v[0];
+  for (int k = 1; k < kLanes; ++k) m = v[k] > m ? v[k] : m;
+  return m;
+}
+
+// exp(x): round x / ln2 to n, reduce to r = x - n ln2 (in two parts so that
+// n * kLn2Hi is exact), a degree-7 Taylor polynomial for exp(r), then scale by 2^n
+// through the exponent bits. 0 below the normal range; NaN stays NaN.
+inline LaneVec exp_lanes(const LaneVec& x) {
+  constexpr float kMin = -87.33f;  // exp(kMin) is just above the smallest normal float
+  constexpr float kMax = 88.37f;   // exp(kMax) is just below the largest float
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;  // 9 significant bits
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  LaneVec c = select(x < kMin, splat(kMin), x);
+  c = select(c > kMax, splat(kMax), c);
+  const LaneVec n = (c * kLog2e + kRound) - kRound;
+  const LaneVec r = (c - n * kLn2Hi) - n * kLn2Lo;
+  LaneVec p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const LaneInt bits = (__builtin_convertvector(n, LaneInt) + 127) << 23;
+  LaneVec pow2n;
+  std::memcpy(&pow2n, &bits, sizeof(pow2n));
+  return select(x < kMin, splat(0.0f), p * pow2n);
+}
+
+}  // namespace lanes
+}  // namespace cpu
+}  // namespace megatron_fused
