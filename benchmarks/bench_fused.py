@@ -1,6 +1,7 @@
-"""Speed of the fused softmax / layer-norm / RMSNorm kernels against plain PyTorch, same run.
+"""Speed of the fused CPU/CUDA kernels against plain PyTorch, same run.
 
-    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile] [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy}]
+    python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
+                                    [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy,attention}]
 
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
@@ -11,7 +12,9 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - bias_gelu forward+backward on [2048, 4096]: plain vs our kernel (target: >= 1.5x),
     and vs TorchScript (and torch.compile with --compile);
   - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
-    [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x).
+    [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x);
+  - causal self-attention forward+backward (seq 256 / head_dim 32 and seq 1024 / head_dim
+    64): SDPA vs our kernel (target: >= 1.1x).
 CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
 with the achieved bandwidth against a device-to-device copy.
 Timings interleave the two sides and take medians, so both see the same load.
@@ -154,6 +157,29 @@ def bench_cross_entropy(repeat: int) -> None:
            compare([step(False), step(True)], repeat), 1.1)
 
 
+def bench_attention(repeat: int) -> None:
+    """Causal self-attention forward+backward from the views of a fused QKV projection:
+    SDPA (what --attention-impl sdpa runs) vs our CPU kernel (what auto runs)."""
+    for s, b, heads, dim in ((256, 8, 8, 32), (1024, 2, 16, 64)):
+        qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+
+        def step(kernel):
+            def run():
+                x = qkv.detach().requires_grad_()
+                q, k, v = x.split(dim, dim=-1)
+                if kernel:
+                    out = fused.causal_attention(q, k, v, dim ** -0.5)
+                else:
+                    out = F.scaled_dot_product_attention(
+                        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+                    out = out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+                out.backward(grad)
+            return run
+
+        report(f"CPU causal attention fwd+bwd s{s} b{b} h{heads} d{dim} f32",
+               compare([step(False), step(True)], repeat), 1.1)
+
+
 def bench_cuda(repeat: int) -> None:
     sync = torch.cuda.synchronize
     x = torch.randn(64, 1, 2048, 2048, device="cuda")
@@ -190,7 +216,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
-                                           "cross_entropy"),
+                                           "cross_entropy", "attention"),
                         help="time one CPU benchmark only (CUDA ones run in full)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -203,6 +229,8 @@ def main() -> None:
         bench_bias_gelu(args.repeat, args.compile)
     if args.only in (None, "cross_entropy"):
         bench_cross_entropy(args.repeat)
+    if args.only in (None, "attention"):
+        bench_attention(args.repeat)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
 

@@ -118,7 +118,11 @@ def _float64_norms(grads: List[torch.Tensor]) -> torch.Tensor:
     float32 sum over a large, mostly-zero gradient (the word embeddings') was off by 1e-4."""
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-    return torch.stack([_square_sum(g) for g in grads]).sqrt()
+    norms = torch.stack([_square_sum(g) for g in grads]).sqrt()
+    for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
+        # A float32 overflow (|g| > ~1e19) or a real inf / nan: recount in float64.
+        norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
+    return norms
 
 
 def clip_coefficient(norm: float, max_norm: float) -> Optional[float]:

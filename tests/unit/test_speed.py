@@ -71,3 +71,17 @@ def test_torch_compile_flag_compiles_each_layer():
     layers = model.language_model.encoder.layers
     assert len(layers) == 2 and all(layer._compiled_call_impl is not None for layer in layers)
     assert "language_model.encoder.layers.1.mlp.dense_4h_to_h.weight" in model.state_dict()
+
+
+def test_cpu_gradient_norms_match_float64_without_float64_copies():
+    from megatron.distributed.grads import _float64_norms
+    torch.manual_seed(0)
+    grads = [torch.randn(8064, 64) * (torch.rand(8064, 1) < 0.05),  # mostly-zero embedding rows
+             torch.randn(1_000_003) * (torch.rand(1_000_003) < 0.01),  # a long 1-D shard
+             torch.randn(256), torch.randn(()), torch.full((3, 5), 1e30)]  # 1e30: fp32 squares overflow
+    expected = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+    torch.testing.assert_close(_float64_norms(grads), expected, rtol=1e-7, atol=0)
+    grads[2][7] = float("inf")
+    grads[3].fill_(float("nan"))
+    norms = _float64_norms(grads)
+    assert norms[2] == float("inf") and norms[3].isnan() and norms[4].isfinite()
