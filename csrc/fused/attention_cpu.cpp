@@ -145,6 +145,40 @@ MF_INLINE void block_accumulate(float* y, int64_t y_stride, const float* w, int6
   }
 }
 
+// max of row[0:valid].
+MF_INLINE float row_max(const float* row, int64_t valid) {
+  LaneVec acc = splat(-kInf);
+  int64_t j = 0;
+  for (; j + kLanes <= valid; j += kLanes) acc = vmax(acc, load(row + j));
+  if (j < valid) acc = vmax(acc, select(first_lanes(valid - j), load(row + j), splat(-kInf)));
+  return hmax(acc);
+}
+
+// row[j] = exp(row[j] - m) for j < valid, 0 for valid <= j < n16 (a multiple of 16);
+// returns the sum.
+MF_INLINE float exp_row(float* row, int64_t valid, int64_t n16, float m) {
+  LaneVec acc = splat(0.0f);
+  int64_t j = 0;
+  for (; j + kLanes <= valid; j += kLanes) {
+    const LaneVec e = exp_lanes(load(row + j) - m);
+    store(row + j, e);
+    acc += e;
+  }
+  if (j < valid) {
+    const LaneVec e = select(first_lanes(valid - j), exp_lanes(load(row + j) - m), splat(0.0f));
+    store(row + j, e);
+    acc += e;
+    j += kLanes;
+  }
+  for (; j < n16; j += kLanes) store(row + j, splat(0.0f));
+  return hsum(acc);
+}
+
+// ds[j] = p[j] * (ds[j] - delta) for j < n16: the softmax backward.
+MF_INLINE void softmax_grad_row(float* ds, const float* p, int64_t n16, float delta) {
+  for (int64_t j = 0; j < n16; j += kLanes) store(ds + j, load(p + j) * (load(ds + j) - delta));
+}
+
 struct Head {
   const float* q;
   const float* k;
@@ -163,9 +197,8 @@ MF_INLINE void forward_block(const Head& h, int64_t i0, const float* kt, float* 
   for (int r = 0; r < R; ++r) {
     const int64_t valid = i0 + r + 1;
     float* row = s + r * ld;
-    const float m = scaled_max(row, valid, 1.0f);
-    const float l = scaled_exp_sum(row, row, valid, 1.0f, m);
-    fill_zero(row + valid, n - valid);
+    const float m = row_max(row, valid);
+    const float l = exp_row(row, valid, round_lanes(n), m);
     lse[i0 + r] = m + std::log(l);
     inv[r] = 1.0f / l;
   }
@@ -184,9 +217,8 @@ MF_INLINE void backward_block(const Head& h, int64_t i0, const float* kt, const 
   for (int r = 0; r < R; ++r) {
     const int64_t i = i0 + r;
     float* prow = p + r * ld;
-    scaled_exp_sum(prow, prow, i + 1, 1.0f, lse[i]);  // the probabilities of row i
-    fill_zero(prow + i + 1, n16 - i - 1);
-    softmax_grad(ds + r * ld, ds + r * ld, prow, n16, delta[i], 1.0f);  // p * (dp - delta)
+    exp_row(prow, i + 1, n16, lse[i]);  // the probabilities of row i
+    softmax_grad_row(ds + r * ld, prow, n16, delta[i]);
   }
   float scale[R];
   for (int r = 0; r < R; ++r) scale[r] = h.scale;
