@@ -64,7 +64,8 @@ def build_datasets(config, vocab_size):
     if any(per_split):
         return weighted_split_datasets(per_split, split_sample_counts(config),
                                        config.model.seq_length, config.training.seed,
-                                       d.data_cache_path, d.separate_last_epoch_threshold)
+                                       d.data_cache_path, d.separate_last_epoch_threshold,
+                                       vocab_size)
     if not config.data.data_path:
         fail("--data-path is required: a preprocessed prefix (see tools/preprocess_data.py), "
              "or --mock-data for synthetic tokens")

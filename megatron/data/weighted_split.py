@@ -41,8 +41,10 @@ def parse_weighted_split_paths(flag: str, groups: List[str]) -> Tuple[str, List[
 
 def build_weighted_split_dataset(split: str, name: str, entries: List[Entry], num_samples: int,
                                  seq_length: int, seed: int, data_cache_path=None,
-                                 threshold: float = 0.80) -> Optional[BlendedDataset]:
-    """The blended dataset of one split's group (None when it needs no samples)."""
+                                 threshold: float = 0.80, vocab_size: Optional[int] = None
+                                 ) -> Optional[BlendedDataset]:
+    """The blended dataset of one split's group (None when it needs no samples). With
+    `vocab_size`, a sample holding a token id outside the vocabulary raises DatasetError."""
     if num_samples <= 0:
         return None
     total = left_to_right_sum(e[0] for e in entries)
@@ -57,12 +59,12 @@ def build_weighted_split_dataset(split: str, name: str, entries: List[Entry], nu
             raise ConfigError(f"{split} group {name}: {start}:{end} of {prefix} holds no documents")
         datasets.append(GPTDataset(f"{split}_{name}_{start:g}-{end:g}", prefix, documents, indexed,
                                    count, seq_length, seed, data_cache_path,
-                                   separate_last_epoch_threshold=threshold))
+                                   vocab_size=vocab_size, separate_last_epoch_threshold=threshold))
     return BlendedDataset(datasets, weights, num_samples)
 
 
 def weighted_split_datasets(flags, num_samples, seq_length: int, seed: int, data_cache_path,
-                            threshold: float):
+                            threshold: float, vocab_size: Optional[int] = None):
     """(train, valid, test): each split given by its --*-weighted-split-paths flag, else None."""
     out = []
     for split, groups, count in zip(("train", "valid", "test"), flags, num_samples):
@@ -71,6 +73,6 @@ def weighted_split_datasets(flags, num_samples, seq_length: int, seed: int, data
             continue
         name, entries = parse_weighted_split_paths(f"--{split}-weighted-split-paths", groups)
         out.append(build_weighted_split_dataset(split, name, entries, count, seq_length, seed,
-                                                data_cache_path, threshold))
+                                                data_cache_path, threshold, vocab_size))
     return tuple(out)
 

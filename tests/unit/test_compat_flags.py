@@ -190,6 +190,10 @@ def test_weighted_split_paths_blend_document_ranges_per_split(tmp_path):
     assert len(ds) == 20 and np.bincount(ds.dataset_index).tolist() == [6, 14]
     assert [d.doc_idx.min() for d in ds.datasets] == [0, 2]
     assert [d.doc_idx.max() for d in ds.datasets] == [1, 3]
+    small = build_weighted_split_dataset("train", "TRAIN", [(1.0, 0.0, 1.0, prefix)], 4, 16, 1234,
+                                         str(tmp_path / "cache"), vocab_size=100)
+    with pytest.raises(gd.DatasetError, match="outside the vocabulary of size 100"):
+        small[0]  # the bpe-8k ids of the corpus do not fit a vocabulary of 100
     argv = MODEL + ["--train-weighted-split-paths", f"TRAIN: 0.3 0:0.5 {prefix}, 0.7 0.5:1 {prefix}",
                     "--valid-weighted-split-paths", f"VALID: 1 0.5:1 {prefix}",
                     "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0",
