@@ -110,10 +110,11 @@ class LogitsBuffers:
     """Logits-sized tensors kept from one step to the next on CPUs (other devices have
     a caching allocator of their own: there `take` simply allocates). A buffer goes
     back with `give` once its backward is done; several are out at once only while
-    a pipeline schedule holds several micro batches' logits."""
+    a pipeline schedule holds several micro batches' logits. Only the latest shape of
+    each dtype is kept, so that evaluation over inputs of many lengths holds one size."""
 
     def __init__(self):
-        self._free: Dict[tuple, List[torch.Tensor]] = {}
+        self._free: Dict[tuple, List[torch.Tensor]] = {}  # (shape, dtype, device) -> buffers
 
     def take(self, shape, dtype, device) -> torch.Tensor:
         if device.type == "cpu":
@@ -123,8 +124,12 @@ class LogitsBuffers:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
-        if buf.device.type == "cpu":
-            self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+        if buf.device.type != "cpu":
+            return
+        key = (tuple(buf.shape), buf.dtype, buf.device)
+        for other in [k for k in self._free if k[1:] == key[1:] and k != key]:
+            del self._free[other]
+        self._free.setdefault(key, []).append(buf)
 
 
 def _main_grad_of(weight: torch.Tensor) -> Optional[torch.Tensor]:

@@ -101,3 +101,13 @@ def test_weight_gradient_goes_straight_into_main_grad():
     half.main_grad = torch.zeros(32, 8)
     linear_cross_entropy(hidden.bfloat16(), half, target).sum().backward()
     assert half.grad is not None and not half.main_grad.any()
+
+
+def test_only_the_latest_shape_is_kept():
+    """Evaluation over many lengths must not keep a logits buffer per length."""
+    weight, buffers = torch.randn(32, 8), LogitsBuffers()
+    with torch.no_grad():
+        for rows in (3, 4, 5):
+            linear_cross_entropy(torch.randn(rows, 8), weight, torch.randint(0, 32, (rows,)),
+                                 buffers=buffers)
+    assert list(buffers._free) == [((5, 32), torch.float32, torch.device("cpu"))]
