@@ -40,109 +40,101 @@ MF_INLINE void transpose_rows(float* xt, const float* x, int64_t n, int64_t stri
   }
 }
 
-// s[r * ld + j] = scale * sum_d a[r * a_stride + d] * bt[d * ld + j] for r < R, j < n
-// (n a multiple of 16).
+// The three products below work on chunks of V = 2 lane vectors (32 floats) and, for a
+// last 16, of V = 1; R rows times V vectors of accumulators stay in registers.
+
+// s[r * ld + j + c] = scale * sum_d a[r * a_stride + d] * bt[d * ld + j + c] for r < R,
+// c < 16 V.
+template <int R, int V>
+MF_INLINE void products_chunk(float* s, int64_t ld, const float* a, int64_t a_stride,
+                              const float* bt, int64_t j, int64_t hn, float scale) {
+  LaneVec acc[V][R];
+  for (int v = 0; v < V; ++v)
+    for (int r = 0; r < R; ++r) acc[v][r] = splat(0.0f);
+  for (int64_t d = 0; d < hn; ++d) {
+    LaneVec b[V];
+    for (int v = 0; v < V; ++v) b[v] = load(bt + d * ld + j + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float x = a[r * a_stride + d];
+      for (int v = 0; v < V; ++v) acc[v][r] += x * b[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store(s + r * ld + j + v * kLanes, acc[v][r] * scale);
+}
+
+// The products above for j < n (a multiple of 16).
 template <int R>
 MF_INLINE void block_products(float* s, int64_t ld, const float* a, int64_t a_stride,
-                           const float* bt, int64_t n, int64_t hn, float scale) {
+                              const float* bt, int64_t n, int64_t hn, float scale) {
   int64_t j = 0;
-  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
-    LaneVec acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = splat(0.0f);
-    for (int64_t d = 0; d < hn; ++d) {
-      const LaneVec b0 = load(bt + d * ld + j);
-      const LaneVec b1 = load(bt + d * ld + j + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float x = a[r * a_stride + d];
-        acc0[r] += x * b0;
-        acc1[r] += x * b1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      store(s + r * ld + j, acc0[r] * scale);
-      store(s + r * ld + j + kLanes, acc1[r] * scale);
-    }
-  }
-  for (; j < n; j += kLanes) {
-    LaneVec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
-    for (int64_t d = 0; d < hn; ++d) {
-      const LaneVec b0 = load(bt + d * ld + j);
-      for (int r = 0; r < R; ++r) acc[r] += a[r * a_stride + d] * b0;
-    }
-    for (int r = 0; r < R; ++r) store(s + r * ld + j, acc[r] * scale);
-  }
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes)
+    products_chunk<R, 2>(s, ld, a, a_stride, bt, j, hn, scale);
+  if (j < n) products_chunk<R, 1>(s, ld, a, a_stride, bt, j, hn, scale);
 }
 
-// out[r * out_stride + c] = row_scale[r] * sum_{j < n} p[r * ld + j] * x[j * x_stride + c]
-// for r < R, c < hn.
+// out[r * out_stride + c + i] = row_scale[r] * sum_{j < n} p[r * ld + j] *
+// x[j * x_stride + c + i] for r < R, i < 16 V.
+template <int R, int V>
+MF_INLINE void combine_chunk(float* out, int64_t out_stride, const float* p, int64_t ld,
+                             const float* x, int64_t x_stride, int64_t n, int64_t c,
+                             const float* row_scale) {
+  LaneVec acc[V][R];
+  for (int v = 0; v < V; ++v)
+    for (int r = 0; r < R; ++r) acc[v][r] = splat(0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    LaneVec xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = load(x + j * x_stride + c + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float w = p[r * ld + j];
+      for (int v = 0; v < V; ++v) acc[v][r] += w * xv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      store(out + r * out_stride + c + v * kLanes, acc[v][r] * row_scale[r]);
+}
+
+// The combination above for all c < hn (a multiple of 16).
 template <int R>
 MF_INLINE void block_combine(float* out, int64_t out_stride, const float* p, int64_t ld,
-                          const float* x, int64_t x_stride, int64_t n, int64_t hn,
-                          const float* row_scale) {
+                             const float* x, int64_t x_stride, int64_t n, int64_t hn,
+                             const float* row_scale) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= hn; c += 2 * kLanes) {
-    LaneVec acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = splat(0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const LaneVec x0 = load(x + j * x_stride + c);
-      const LaneVec x1 = load(x + j * x_stride + c + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float w = p[r * ld + j];
-        acc0[r] += w * x0;
-        acc1[r] += w * x1;
-      }
-    }
+  for (; c + 2 * kLanes <= hn; c += 2 * kLanes)
+    combine_chunk<R, 2>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
+  if (c < hn) combine_chunk<R, 1>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
+}
+
+// y[j * y_stride + c + i] += scale * sum_{r < R} w[r * ld + j] * a[r * a_stride + c + i] for
+// j < n, i < 16 V: the transposed product, accumulated over the blocks of query rows.
+template <int R, int V>
+MF_INLINE void accumulate_chunk(float* y, int64_t y_stride, const float* w, int64_t ld,
+                                const float* a, int64_t a_stride, int64_t n, int64_t c,
+                                float scale) {
+  LaneVec av[V][R];
+  for (int v = 0; v < V; ++v)
+    for (int r = 0; r < R; ++r) av[v][r] = load(a + r * a_stride + c + v * kLanes) * scale;
+  for (int64_t j = 0; j < n; ++j) {
+    LaneVec yv[V];
+    for (int v = 0; v < V; ++v) yv[v] = load(y + j * y_stride + c + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      store(out + r * out_stride + c, acc0[r] * row_scale[r]);
-      store(out + r * out_stride + c + kLanes, acc1[r] * row_scale[r]);
+      const float wr = w[r * ld + j];
+      for (int v = 0; v < V; ++v) yv[v] += wr * av[v][r];
     }
-  }
-  for (; c < hn; c += kLanes) {
-    LaneVec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const LaneVec x0 = load(x + j * x_stride + c);
-      for (int r = 0; r < R; ++r) acc[r] += p[r * ld + j] * x0;
-    }
-    for (int r = 0; r < R; ++r) store(out + r * out_stride + c, acc[r] * row_scale[r]);
+    for (int v = 0; v < V; ++v) store(y + j * y_stride + c + v * kLanes, yv[v]);
   }
 }
 
-// y[j * y_stride + c] += scale * sum_{r < R} w[r * ld + j] * a[r * a_stride + c] for j < n,
-// c < hn: the transposed product, accumulated over the blocks of query rows.
+// The accumulation above for all c < hn (a multiple of 16).
 template <int R>
 MF_INLINE void block_accumulate(float* y, int64_t y_stride, const float* w, int64_t ld,
-                             const float* a, int64_t a_stride, int64_t n, int64_t hn,
-                             float scale) {
+                                const float* a, int64_t a_stride, int64_t n, int64_t hn,
+                                float scale) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= hn; c += 2 * kLanes) {
-    LaneVec a0[R], a1[R];
-    for (int r = 0; r < R; ++r) {
-      a0[r] = load(a + r * a_stride + c) * scale;
-      a1[r] = load(a + r * a_stride + c + kLanes) * scale;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      LaneVec y0 = load(y + j * y_stride + c);
-      LaneVec y1 = load(y + j * y_stride + c + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float wr = w[r * ld + j];
-        y0 += wr * a0[r];
-        y1 += wr * a1[r];
-      }
-      store(y + j * y_stride + c, y0);
-      store(y + j * y_stride + c + kLanes, y1);
-    }
-  }
-  for (; c < hn; c += kLanes) {
-    LaneVec a0[R];
-    for (int r = 0; r < R; ++r) a0[r] = load(a + r * a_stride + c) * scale;
-    for (int64_t j = 0; j < n; ++j) {
-      LaneVec y0 = load(y + j * y_stride + c);
-      for (int r = 0; r < R; ++r) y0 += w[r * ld + j] * a0[r];
-      store(y + j * y_stride + c, y0);
-    }
-  }
+  for (; c + 2 * kLanes <= hn; c += 2 * kLanes)
+    accumulate_chunk<R, 2>(y, y_stride, w, ld, a, a_stride, n, c, scale);
+  if (c < hn) accumulate_chunk<R, 1>(y, y_stride, w, ld, a, a_stride, n, c, scale);
 }
 
 // max of row[0:valid].

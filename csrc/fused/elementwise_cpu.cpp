@@ -60,10 +60,11 @@ void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols,
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<float> buf = scratch<T>(cols);
     for (int64_t r = begin; r < end; ++r) {
-      float* xr = const_cast<float*>(load_row(x + r * cols, buf.data(), cols));
+      const float* xr = load_row(x + r * cols, buf.data(), cols);
+      float* yr = result_row(x + r * cols, buf.data());  // in place: xr itself
       if (!given_max) row_max[r] = scaled_max(xr, cols, 1.0f);
-      sums[r] = scaled_exp_sum(xr, xr, cols, 1.0f, row_max[r]);
-      store_row(x + r * cols, xr, cols);
+      sums[r] = scaled_exp_sum(yr, xr, cols, 1.0f, row_max[r]);
+      store_row(x + r * cols, yr, cols);
     }
   });
 }
