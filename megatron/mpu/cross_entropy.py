@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 
@@ -98,11 +97,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits, target, group=None, label_smoothing=0.0):
-    """Per-token loss [...] from vocab-parallel logits [..., V/TP] and targets [...]."""
-    if group_size(group) == 1:
-        vocab = logits.shape[-1]
-        return F.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1), reduction="none",
-                               label_smoothing=label_smoothing).view(target.shape)
+    """Per-token loss [...] from vocab-parallel logits [..., V/TP] and targets [...] (the
+    logits are left as they are; the GPT's head uses `linear_cross_entropy`)."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing)
 
 
