@@ -15,8 +15,8 @@ from megatron.data.weighted_split import weighted_split_datasets  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
-from megatron.training.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
-from megatron.training.checkpointing import CheckpointError, read_tracker  # noqa: E402
+from megatron.checkpointing.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
+from megatron.checkpointing.layout import CheckpointError, read_tracker  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402

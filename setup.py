@@ -18,7 +18,7 @@ def extensions():
 
     from torch.utils.cpp_extension import BuildExtension, CppExtension
     spec = importlib.util.spec_from_file_location(
-        "fused_kernels", os.path.join(os.path.dirname(__file__), "megatron", "model", "fused_kernels.py"))
+        "fused_kernels", os.path.join(os.path.dirname(__file__), "megatron", "fused", "kernels.py"))
     fused = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fused)
     ext = CppExtension(fused.CPU_EXTENSION, fused.fused_extension_sources(),

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.model import fused, fused_kernels  # noqa: E402
+from megatron import fused  # noqa: E402
+from megatron.fused import kernels as fused_kernels  # noqa: E402
 
 
 def timeit(fn, repeat: int, warmup: int = 2, sync=None) -> float:

@@ -39,10 +39,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron.arguments import build_parser, fail  # noqa: E402
 from megatron.text_generation import GenerationError, forward_full, generate  # noqa: E402
-from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpointing.layout import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.loading import (build_tokenizer_and_vocab,  # noqa: E402
-                                       load_inference_models, parse_inference_args)
+from megatron.checkpointing.loading import (build_tokenizer_and_vocab,  # noqa: E402
+                                            load_inference_models, parse_inference_args)
 from tasks.zeroshot_gpt.datasets import LambadaExamples, WikitextWindows  # noqa: E402
 
 Sample = Tuple[np.ndarray, np.ndarray]  # tokens [seq + 1], mask of scored labels [seq]

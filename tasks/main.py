@@ -26,9 +26,9 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from megatron.arguments import build_parser, fail  # noqa: E402
-from megatron.training.loading import (build_tokenizer_and_vocab,  # noqa: E402
-                                              load_inference_models, parse_inference_args)
-from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpointing.loading import (build_tokenizer_and_vocab,  # noqa: E402
+                                            load_inference_models, parse_inference_args)
+from megatron.checkpointing.layout import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.trainer import is_last_rank, print_rank_0, print_rank_last  # noqa: E402
 from tasks.zeroshot_gpt.datasets import TaskDataError, read_lambada, read_wikitext  # noqa: E402

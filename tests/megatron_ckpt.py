@@ -1,5 +1,5 @@
 """Megatron-LM / Megatron-DeepSpeed checkpoint files written and read by the documented format,
-key for key, independently of megatron/training/megatron_format.py (the code under test).
+key for key, independently of megatron/training/megatron_legacy.py (the code under test).
 
 Format (legacy, non-distributed `model_optim_rng.pt`), by checkpoint_version:
 - 3.0: model.language_model.{embedding, encoder}; `self_attention`; QKV rows [heads, (q,k,v), dim];

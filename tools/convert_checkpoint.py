@@ -20,10 +20,11 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from megatron.convert import ConversionError  # noqa: E402
-from megatron.convert.checkpoint import VocabOptions, hf_to_megatron, megatron_to_hf  # noqa: E402
-from megatron.training.checkpointing import CheckpointError  # noqa: E402
-from tools.merge_mp_partitions import ReshardError  # noqa: E402
+from megatron.checkpointing.hf import ConversionError  # noqa: E402
+from megatron.checkpointing.hf.convert import (VocabOptions, hf_to_megatron,  # noqa: E402
+                                               megatron_to_hf)
+from megatron.checkpointing.layout import CheckpointError  # noqa: E402
+from megatron.checkpointing.reshard import ReshardError  # noqa: E402
 
 DIRECTIONS = {("hf", "megatron"), ("megatron", "hf")}
 

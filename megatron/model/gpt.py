@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
-from megatron.model.sharding import parameter_meta
+from megatron.mpu.sharding import parameter_meta
 from megatron.model.spec import make_norm
 from megatron.model.transformer import ParallelTransformer, dropout_rng_context
 from megatron.mpu.cross_entropy import LogitsBuffers, linear_cross_entropy
@@ -133,7 +133,7 @@ class GPTModel(torch.nn.Module):
         return {rename(name): p for name, p in self.named_parameters()}
 
     def sharding_metadata(self) -> Dict[str, dict]:
-        """{state-dict name: how it is split over TP} (megatron.model.sharding)."""
+        """{state-dict name: how it is split over TP} (megatron.mpu.sharding)."""
         return {name: parameter_meta(p) for name, p in self.named_parameters()}
 
     def init_weights(self, seed: int) -> None:

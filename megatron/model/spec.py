@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
-from megatron.model import fused
+from megatron import fused
 from megatron.mpu.layers import layer_norm_init_attributes, set_parallel_attributes
 
 

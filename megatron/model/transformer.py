@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
-from megatron.model import fused
+from megatron import fused
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
-from megatron.model.sharding import qkv_meta
+from megatron.mpu.sharding import qkv_meta
 from megatron.model.spec import make_norm, mlp_activation
 from megatron.mpu import checkpoint, get_rng_tracker
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
@@ -115,7 +115,7 @@ class ParallelAttention(torch.nn.Module):
     QKV rows come in query groups, each [q heads of the group, k, v] (with one group
     per head, as GPT-2: [head, (q, k, v), head_dim]). A TP shard holds whole groups,
     or, when TP exceeds the groups, its query heads and a replica of its group's
-    k / v (megatron.model.sharding). Positions: RoPE rotates q and k, ALiBi biases
+    k / v (megatron.mpu.sharding). Positions: RoPE rotates q and k, ALiBi biases
     the scores; with `inference_params` (a KV cache) keys and values of earlier
     positions come from the cache and positions start at its length.
     """

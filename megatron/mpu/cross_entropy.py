@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron import fused
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 
 
@@ -44,7 +45,6 @@ def _forward_(buf: torch.Tensor, target: torch.Tensor, group, label_smoothing: f
               ) -> Tuple[torch.Tensor, _State]:
     """Per-row float losses [N] of logits `buf` [N, V / TP] (overwritten with
     exp(logit - max)) and targets [N] (global vocabulary ids)."""
-    from megatron.model import fused  # here: megatron.model imports this module
     first, last = vocab_range(buf.shape[-1], group_rank(group))
     vocab_size = buf.shape[-1] * group_size(group)
     on_rank = (target >= first) & (target < last)

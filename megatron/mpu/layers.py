@@ -21,6 +21,7 @@ from megatron.mpu.mappings import (
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
 from megatron.mpu.random import _MODEL_PARALLEL_SEED_OFFSET
+from megatron.mpu.sharding import full_shape, parameter_meta, shard_tensor
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -79,11 +80,10 @@ def init_parameters(named_params: Dict[str, torch.nn.Parameter], seed: int, tp_g
 
     Sharded parameters either get their slice of the full weight
     (`use_cpu_initialization`, identical across TP sizes; sliced by the
-    parameter's sharding metadata, megatron.model.sharding) or are initialised
+    parameter's sharding metadata, megatron.mpu.sharding) or are initialised
     directly with the model-parallel seed (seed + 2718 + tp_rank), which needs no
     full weight in memory.
     """
-    from megatron.model.sharding import full_shape, parameter_meta, shard_tensor
     rank, size = group_rank(tp_group), group_size(tp_group)
     for name, param in named_params.items():
         init = getattr(param, "init_method", _zeros)

@@ -4,9 +4,9 @@ import time
 from typing import Callable, Optional
 
 
-from megatron.training.checkpoint_io import check_writable
+from megatron.checkpointing.io import check_writable
 from megatron.training.flops import ThroughputMeter
-from megatron.training.checkpointing import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from megatron.checkpointing.layout import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras

@@ -17,6 +17,7 @@ from megatron.distributed.grads import (allreduce_embedding_grads,
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
+from megatron.pipeline.schedule import chunk_layers
 from megatron.training.logging import TensorBoard, Timers
 from megatron.training.microbatches import MicroBatches
 
@@ -39,18 +40,6 @@ def params_dtype(config) -> torch.dtype:
     if config.training.fp16:
         return torch.float16
     return torch.bfloat16 if config.training.bf16 else torch.float32
-
-
-def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int],
-                 vpp_rank: int):
-    """(global index of the first layer, number of layers) of one model chunk.
-
-    With V virtual stages, chunk v of stage r holds layers
-    [v * L/V + r * L/(P V), ... + L/(P V)) (Megatron's interleaved assignment).
-    """
-    chunks = vpp_size or 1
-    per_chunk = num_layers // (pp_size * chunks)
-    return vpp_rank * (num_layers // chunks) + pp_rank * per_chunk, per_chunk
 
 
 def build_model_chunks(config, pstate, device, model_provider: Callable) -> List[torch.nn.Module]:

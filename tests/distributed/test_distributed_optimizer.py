@@ -21,7 +21,7 @@ from megatron.config import ConfigError, OptimizerConfig, ParallelConfig
 from megatron.distributed.ddp import GradReducer, plan_buckets, shard_range
 from megatron.mpu import single_process_state
 from megatron.optimizer import DistributedOptimizer, MegatronOptimizer, merge_optimizer_shards
-from megatron.training import megatron_format
+from megatron.checkpointing import megatron_legacy
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
@@ -241,10 +241,10 @@ def _check_checkpoint_files(ckpt):
     rank_dir = os.path.join(ckpt, "iter_0000005", "mp_rank_00")
     files = ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt", "model_optim_rng.pt"]
     assert sorted(os.listdir(rank_dir)) == sorted(files + [f + ".sha256" for f in files])
-    state = megatron_format.safe_load(os.path.join(rank_dir, "model_optim_rng.pt"))
+    state = megatron_legacy.safe_load(os.path.join(rank_dir, "model_optim_rng.pt"))
     assert state["distributed_optimizer"] is True and "optimizer" not in state
     assert state["opt_param_scheduler"]["num_steps"] == 5 * 8
-    shards = [megatron_format.safe_load(os.path.join(rank_dir, f"distrib_optim_dp_{r:03d}.pt"))
+    shards = [megatron_legacy.safe_load(os.path.join(rank_dir, f"distrib_optim_dp_{r:03d}.pt"))
               for r in range(2)]
     numel = [sum(m.numel() for m in s["main_params"]) for s in shards]
     total = sum(torch.Size(shape).numel() for shape in shards[0]["param_shapes"])

@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from megatron.config import Config, ModelConfig, ParallelConfig
 from megatron.model import GPTModel
-from megatron.training import megatron_format
+from megatron.checkpointing import megatron_legacy
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.mpu.layers import shard_of
-from megatron.training.checkpointing import from_megatron_layout, to_megatron_layout
-from megatron.training.trainer import chunk_layers
+from megatron.checkpointing.layout import from_megatron_layout, to_megatron_layout
+from megatron.pipeline.schedule import chunk_layers
 from tests.conftest import shared_file
 from tests.distributed.run_ranks import run_ranks
+from megatron.checkpointing import reshard
 from tools import merge_mp_partitions as mmp
 
 LAYER = re.compile(r"^(language_model\.encoder\.layers\.)(\d+)(\..+)$")
@@ -71,7 +72,7 @@ def _chunk(full, num_layers, t, tp, p, pp, v, vpp):
     first, last = p == 0 and v == 0, p == pp - 1 and v == vpp - 1
     flat = {}
     for name, tensor in full.items():
-        dim = mmp.legacy_partition_dim(name)
+        dim = reshard.legacy_partition_dim(name)
         piece = tensor if dim is None else shard_of(tensor, dim, 1, t, tp)
         match = LAYER.match(name)
         if match:
@@ -83,8 +84,8 @@ def _chunk(full, num_layers, t, tp, p, pp, v, vpp):
                 flat[name] = piece
         elif first:
             flat[name] = piece
-        if name == mmp.WORD and last and not first:
-            flat[mmp.HEAD] = piece.clone()
+        if name == reshard.WORD and last and not first:
+            flat[reshard.HEAD] = piece.clone()
     return flat
 
 
@@ -93,9 +94,9 @@ def read_layout(root, iteration=5):
     directory = os.path.join(root, f"iter_{iteration:07d}")
     out, state = {}, None
     for rank_dir in sorted(os.listdir(directory)):
-        match = mmp.RANK_DIR.match(rank_dir)
+        match = reshard.RANK_DIR.match(rank_dir)
         path = os.path.join(directory, rank_dir, "model_optim_rng.pt")
-        state = megatron_format.safe_load(path)
+        state = megatron_legacy.safe_load(path)
         out[(int(match.group(1)), int(match.group(2) or 0))] = from_megatron_layout(state["model"])
     return out, state
 
@@ -117,7 +118,7 @@ def test_legacy_partition_dims_match_the_gpt2_model_attributes():
         meta = model.sharding_metadata()  # what new checkpoints store instead of the table
         for name, param in model.named_parameters():
             expected = param.partition_dim if param.tensor_model_parallel else None
-            assert mmp.legacy_partition_dim(name) == expected, name
+            assert reshard.legacy_partition_dim(name) == expected, name
             assert meta[name]["dim"] == expected and meta[name]["groups"] == 1, name
 
 
@@ -192,8 +193,8 @@ def _train_flags(data_prefix, vocab, merges, cache):
 def _logits_tp2_pp2(ckpt, tok_flags, tokens):
     """Logits of `tokens` from the TP=2 x PP=2 checkpoint, pipelined by hand."""
     from megatron.mpu import initialize_model_parallel
-    from megatron.training.loading import (build_tokenizer_and_vocab,
-                                                  load_inference_models, parse_inference_args)
+    from megatron.checkpointing.loading import (build_tokenizer_and_vocab,
+                                                load_inference_models, parse_inference_args)
     from tasks.main import get_parser
     config, _, stored = parse_inference_args(get_parser(), [
         "--load", ckpt, "--task", "LAMBADA", "--tensor-model-parallel-size", "2",
@@ -216,8 +217,8 @@ def _logits_tp2_pp2(ckpt, tok_flags, tokens):
 def _single_process(ckpt, tok_flags, tokens, wiki):
     """Rank 0 alone: logits, evaluation loss and greedy tokens of the merged TP=1 model."""
     from megatron.text_generation import generate
-    from megatron.training.loading import (build_tokenizer_and_vocab,
-                                                  load_inference_models, parse_inference_args)
+    from megatron.checkpointing.loading import (build_tokenizer_and_vocab,
+                                                load_inference_models, parse_inference_args)
     from tasks.main import build_dataset, get_parser, metrics_of
     from tasks.zeroshot_gpt.evaluate import evaluate
     argv = ["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", wiki,
@@ -342,7 +343,7 @@ def spec_config(arch) -> ModelConfig:
 
 def write_tp_layout(root, full, cfg, tp):
     """`full` saved at TP = tp (PP = 1) with its sharding metadata, as a training run saves it."""
-    from megatron.model.sharding import shard_tensor
+    from megatron.mpu.sharding import shard_tensor
     meta = GPTModel(cfg).sharding_metadata()
     for t in range(tp):
         flat = {name: shard_tensor(tensor, meta[name], t, tp).clone()
@@ -378,7 +379,7 @@ def _logits_at(root, tp):
     """Logits (gathered over the vocabulary) and gradients of the TP = tp checkpoint under `root`."""
     from megatron.mpu import initialize_model_parallel
     pstate = initialize_model_parallel(tp, 1)
-    state = megatron_format.safe_load(os.path.join(root, "iter_0000005",
+    state = megatron_legacy.safe_load(os.path.join(root, "iter_0000005",
                                                    f"mp_rank_{pstate.tp_rank:02d}", "model_optim_rng.pt"))
     cfg = Config.from_dict(state["config"]).model
     model = GPTModel(cfg, tp_group=pstate.tp_group, parallel_output=False)
@@ -401,7 +402,7 @@ def _spec_worker(rank, world_size, roots):
 def test_spec_models_reshard_tp2_to_1_to_4_with_equal_logits(tmp_path):
     """Also the gradients at TP 2 and TP 4 (whose LLaMA k / v rows are replicas) are
     the single-process gradients' shards."""
-    from megatron.model.sharding import shard_tensor
+    from megatron.mpu.sharding import shard_tensor
     roots, reference = {}, {}
     for arch in SPEC_ARCHS:
         cfg = spec_config(arch)

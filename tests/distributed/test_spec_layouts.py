@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron.training.megatron_format import safe_load
+from megatron.checkpointing.megatron_legacy import safe_load
 from tests.distributed.layouts import (Layout, check_losses, check_resume, checkpoint_dir,
                                        reference_losses, train_layouts)
 from tests.distributed.run_ranks import run_ranks

@@ -6,7 +6,8 @@ Outputs are poisoned with NaN before each kernel call to catch unwritten element
 import pytest
 import torch
 
-from megatron.model import fused, fused_kernels
+from megatron import fused
+from megatron.fused import kernels as fused_kernels
 from tests.fused_checks import DTYPES, outputs_and_grads, rel_err, TOLERANCE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,8 +15,8 @@ from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.optimizer import MegatronOptimizer, build_lr_scheduler
 from megatron.optimizer.optimizer import _param_groups
-from megatron.training.checkpointing import (CheckpointError, load_checkpoint, read_model_file,
-                                             save_checkpoint, to_megatron_layout)
+from megatron.checkpointing.layout import (CheckpointError, load_checkpoint, read_model_file,
+                                           save_checkpoint, to_megatron_layout)
 from tests.megatron_ckpt import (missing_megatron_entries, read_megatron_checkpoint,
                                  write_megatron_checkpoint)
 

@@ -17,11 +17,11 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
 from megatron.text_generation import generate  # noqa: E402
-from megatron.training.checkpoint_io import save_file  # noqa: E402
+from megatron.checkpointing.io import save_file  # noqa: E402
 from tests.gpt_setup import one_thread  # noqa: E402
 from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
                              load_ours, position_ids, prompts, rel_err, save_hf_model)
-from megatron.training.megatron_format import safe_load  # noqa: E402
+from megatron.checkpointing.megatron_legacy import safe_load  # noqa: E402
 from tools import convert_checkpoint  # noqa: E402
 
 
@@ -136,7 +136,7 @@ def test_megatron_to_hf_needs_a_converted_checkpoint(tmp_path, capsys):
 
 
 def test_linear_rope_scaling_maps_to_interpolation_factor():
-    from megatron.convert import llama
+    from megatron.checkpointing.hf import llama
     from tests.hf_models import build_hf_model
     hf = build_hf_model("llama").config.to_dict()
     hf["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
@@ -190,7 +190,7 @@ def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
     warm-up lr 0 saves them unchanged. The trained checkpoint (no "hf" entry, a GPT-2
     BPE tokenizer of 8000 ids) exports to an HF model with the original's logits."""
     import pretrain_gpt
-    from megatron.training.checkpointing import from_megatron_layout
+    from megatron.checkpointing.layout import from_megatron_layout
     from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
     if not have_reference_data():
         pytest.skip("../shared/data not available")
@@ -230,7 +230,7 @@ def test_tokenizer_files_travel_and_are_used(tmp_path):
     needs no tokenizer flags; the way back restores the files; a tokenizer larger than
     the vocabulary is refused."""
     from megatron.arguments import build_parser
-    from megatron.training.loading import build_tokenizer_and_vocab, parse_inference_args
+    from megatron.checkpointing.loading import build_tokenizer_and_vocab, parse_inference_args
     from tests.hf_models import save_word_tokenizer
     hf_dir = tmp_path / "hf"
     model = save_hf_model("gpt2", str(hf_dir))

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from megatron.model import fused, fused_kernels
+from megatron import fused
+from megatron.fused import kernels as fused_kernels
 from tests.fused_checks import DTYPES, outputs_and_grads, rel_err, TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -357,7 +358,8 @@ FALLBACK_SCRIPT = textwrap.dedent("""
     import os, sys, warnings
     warnings.simplefilter("default")
     import torch
-    from megatron.model import fused, fused_kernels
+    from megatron import fused
+    from megatron.fused import kernels as fused_kernels
     build_dir = fused_kernels.build_root()
     assert not fused_kernels.fused_kernels_available(), "loaded at import"
     assert not build_dir.exists(), "built at import"

@@ -11,7 +11,7 @@ from megatron.text_generation import (GenerationError, KVCache, SamplingParams, 
                                       forward_full, forward_with_cache, generate,
                                       mask_padded_vocab, sample, top_k_filter, top_p_filter)
 from megatron.tokenizer import ByteLevelTokenizer
-from megatron.training.checkpointing import save_checkpoint
+from megatron.checkpointing.layout import save_checkpoint
 from tools import generate_samples_gpt
 
 INF = float("-inf")

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from megatron.arguments import parse_args
 from megatron.config import ModelConfig
-from megatron.model import GPTModel, fused
+from megatron import fused
+from megatron.model import GPTModel
 from megatron.model.positions import AlibiBias, RotaryEmbedding, alibi_slopes, apply_rotary
-from megatron.model.sharding import merge_shards, qkv_meta, shard_tensor
+from megatron.mpu.sharding import merge_shards, qkv_meta, shard_tensor
 from megatron.mpu import model_parallel_seed
 from megatron.text_generation import KVCache, forward_full, forward_with_cache
 
@@ -164,7 +165,8 @@ def test_sdpa_with_alibi_matches_the_explicit_path():
 @pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt", "llama"])
 def test_cpu_attention_kernel_is_the_auto_choice_and_matches_sdpa(arch, monkeypatch):
     """auto on a CPU in float32: our causal-attention kernel (losses and gradients as SDPA's)."""
-    from megatron.model import fused, fused_kernels
+    from megatron import fused
+    from megatron.fused import kernels as fused_kernels
     if not fused_kernels.load_fused_kernels():
         pytest.skip("fused kernels unavailable")
     calls = []

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.training import checkpoint_io
-from megatron.training.checkpoint_io import CheckpointError
-from megatron.training.megatron_format import safe_load
+from megatron.checkpointing import io as checkpoint_io
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.megatron_legacy import safe_load
 from tests.gpt_setup import one_thread
 from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
 
@@ -192,7 +192,7 @@ def test_full_disk_on_a_small_tmpfs(tmp_path):
 
 
 def _save_forever(root, iteration, trainer, config, pstate):
-    from megatron.training.checkpointing import save_checkpoint
+    from megatron.checkpointing.layout import save_checkpoint
     torch.set_num_threads(1)
     while True:
         save_checkpoint(root, iteration, trainer.models, trainer.optimizer, trainer.scheduler,
@@ -205,7 +205,7 @@ def test_kill_during_save(tmp_path):
     always names a complete, checksum-valid checkpoint, and stale temp files are removed."""
     from megatron.arguments import parse_args
     from megatron.mpu import single_process_state
-    from megatron.training.checkpointing import load_checkpoint_file, read_tracker
+    from megatron.checkpointing.layout import load_checkpoint_file, read_tracker
     from megatron.training.trainer import Trainer, build_model_chunks
 
     config, _ = parse_args(tiny_argv("x", tmp_path, layers=2, hidden=64), world_size=1)
@@ -232,7 +232,7 @@ def test_kill_during_save(tmp_path):
         assert state["iteration"] == tracked[0] >= last
         last = tracked[0]
     assert last > 0 and inside >= 3, (last, inside)
-    from megatron.training.checkpointing import save_checkpoint
+    from megatron.checkpointing.layout import save_checkpoint
     save_checkpoint(root, last + 1, trainer.models, trainer.optimizer, trainer.scheduler, config,
                     pstate, 0, 0)
     assert not [n for _, _, names in os.walk(root) for n in names if ".tmp." in n]
@@ -259,7 +259,7 @@ def test_merge_mp_partitions_checks_every_shape(saved, tmp_path, capsys):
 def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
     """A GPT-2-sized checkpoint with a byte-level tokenizer (same tokenizer type stored)."""
     from megatron.arguments import parse_args
-    from megatron.training.loading import build_tokenizer_and_vocab
+    from megatron.checkpointing.loading import build_tokenizer_and_vocab
     config, _ = parse_args(tiny_argv("x", "c"), world_size=1)
     stored = {"model": {"padded_vocab_size": 50304, "make_vocab_size_divisible_by": 128},
               "data": {"tokenizer_type": "ByteLevelTokenizer"}}

@@ -141,7 +141,7 @@ def test_exit_interval_without_save_warns(data, capsys):
 
 def test_stale_build_lock_of_a_killed_build_is_cleared(tmp_path, monkeypatch):
     """torch's `lock` file outlives a killed build and would make the next one wait forever."""
-    from megatron.model import fused_kernels as fk
+    from megatron.fused import kernels as fk
     monkeypatch.setenv("MEGATRON_FUSED_BUILD_DIR", str(tmp_path))
     monkeypatch.delenv("MEGATRON_DISABLE_FUSED_BUILD", raising=False)
     name, spec = next(iter(fk._extension_specs().items()))

@@ -10,7 +10,7 @@ from megatron.config import CheckpointConfig, Config, DataConfig, ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.tokenizer import ByteLevelTokenizer
-from megatron.training.checkpointing import save_checkpoint
+from megatron.checkpointing.layout import save_checkpoint
 from tasks import main as tasks_main
 from tasks.zeroshot_gpt.datasets import (LambadaExamples, TaskDataError, WikitextWindows,
                                          read_lambada, split_last_word)

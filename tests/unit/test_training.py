@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.training import megatron_format
-from megatron.training.checkpointing import (CheckpointError, from_megatron_layout, load_checkpoint_file,
-                                             to_megatron_layout)
+from megatron.checkpointing import megatron_legacy
+from megatron.checkpointing.layout import (CheckpointError, from_megatron_layout, load_checkpoint_file,
+                                           to_megatron_layout)
 from megatron.mpu import single_process_state
 from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
 
@@ -67,7 +67,7 @@ def test_checkpoint_loads_with_weights_only_and_megatron_keys(wiki, tmp_path):
     save = str(tmp_path / "ckpt")
     pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--save", save, iters=1))
     path = os.path.join(save, "iter_0000001", "mp_rank_00", "model_optim_rng.pt")
-    state = megatron_format.safe_load(path)  # weights_only, with the Namespace allowlist
+    state = megatron_legacy.safe_load(path)  # weights_only, with the Namespace allowlist
     model = state["model"]["language_model"]
     assert set(model) == {"embedding", "encoder"}
     assert model["embedding"]["word_embeddings"]["weight"].shape == (8000, 64)

@@ -2,13 +2,14 @@
 
 Every rank reads all rank files of the checkpoint, merges the tensor-parallel shards into full
 tensors and cuts out its own piece for the current layout, with the functions of
-tools/merge_mp_partitions.py (used as a library, in memory). Weights, iteration, consumed
+reshard.py (in memory, as tools/merge_mp_partitions.py does on disk). Weights, iteration, consumed
 samples and the lr schedule carry over; the optimizer state starts fresh (with a notice), since
 its shards follow the saved layout. A change of the data-parallel size alone needs no flag.
 """
 from typing import Optional
 
-from megatron.training.checkpointing import CheckpointError, read_tracker
+from megatron.checkpointing import reshard
+from megatron.checkpointing.layout import CheckpointError, read_tracker
 
 
 def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
@@ -16,20 +17,19 @@ def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
     it was saved with the current TP / PP / virtual-pipeline layout."""
     if read_tracker(root) is None:
         return None
-    from tools import merge_mp_partitions as mmp
     try:
-        source = mmp.read_source(root)
+        source = reshard.read_source(root)
         first = source.states[min(source.states)]
-        saved = (source.tp, source.pp, len(mmp.model_chunks(first)))
+        saved = (source.tp, source.pp, len(reshard.model_chunks(first)))
         if saved == (pstate.tp_size, pstate.pp_size, num_chunks):
             return None
         if num_chunks > 1:
             raise CheckpointError("--universal-checkpoint re-shards into one model chunk per "
                                   "stage; drop --num-layers-per-virtual-pipeline-stage")
-        flat = mmp.resplit(source, pstate.tp_size, pstate.pp_size)
-    except mmp.ReshardError as err:
+        flat = reshard.resplit(source, pstate.tp_size, pstate.pp_size)
+    except reshard.ReshardError as err:
         raise CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {err}") from None
-    state = mmp.target_state(first, flat[(pstate.tp_rank, pstate.pp_rank)], pstate.tp_size,
+    state = reshard.target_state(first, flat[(pstate.tp_rank, pstate.pp_rank)], pstate.tp_size,
                              pstate.pp_size, source.sharding)
     if "opt_param_scheduler" in first:
         state["opt_param_scheduler"] = first["opt_param_scheduler"]

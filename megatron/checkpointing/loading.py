@@ -18,9 +18,9 @@ from megatron.compat import apply_compat
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.checkpointing import (TRACKER, CheckpointError, check_layout,
-                                             from_megatron_layout, load_checkpoint_file,
-                                             read_model_file, read_tracker)
+from megatron.checkpointing.layout import (TRACKER, CheckpointError, check_layout,
+                                           from_megatron_layout, load_checkpoint_file,
+                                           read_model_file, read_tracker)
 from megatron.training.trainer import build_model_chunks
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",

@@ -5,8 +5,8 @@ HF's Conv1D weights are [in, out] (ours are [out, in]) and c_attn's columns are
 """
 import torch
 
-from megatron.convert import common as c
-from megatron.convert.layouts import fuse_qkv, split_qkv, transposed
+from megatron.checkpointing.hf import common as c
+from megatron.checkpointing.hf.layouts import fuse_qkv, split_qkv, transposed
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

@@ -4,7 +4,7 @@ BLOOM's query_key_value rows are already per head [q, k, v] (ours); the head is
 tied to the word embeddings. BLOOM has no position table, so the converted
 model's max positions are --seq-length (default 2048, BLOOM's training length).
 """
-from megatron.convert import common as c
+from megatron.checkpointing.hf import common as c
 
 ARCHITECTURES = ("BloomForCausalLM",)
 P = "transformer."

@@ -174,9 +174,9 @@ def verify_checksum(path: str) -> None:
 
 
 def load_file(path: str, verify: bool = True, mmap: bool = False):
-    """torch.load(weights_only=True) of a checkpoint file, with megatron_format's allowlist
+    """torch.load(weights_only=True) of a checkpoint file, with megatron_legacy's allowlist
     (argparse.Namespace, numpy RNG states); any problem is a one-line CheckpointError."""
-    from megatron.training.megatron_format import UnusableCheckpoint, safe_load
+    from megatron.checkpointing.megatron_legacy import UnusableCheckpoint, safe_load
     if os.path.isdir(path) or not os.path.exists(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
     if verify:

@@ -5,8 +5,8 @@ our names and row layouts, the vocabulary is padded with rows of zeros, the
 result is checked against the model our ModelConfig builds (names, shapes) and
 written as a `release` checkpoint (what --load and --finetune accept) with the
 config, the sharding metadata and an "hf" entry in the config (architecture,
-the HF config, the real vocabulary rows), then re-sharded with
-tools/merge_mp_partitions.py. The HF directory's other files (tokenizer...) are
+the HF config, the real vocabulary rows), then re-sharded
+(reshard.py). The HF directory's other files (tokenizer...) are
 copied to <save>/hf_files.
 
 ours -> HF: the checkpoint is merged to full tensors, the padding rows dropped
@@ -20,19 +20,19 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.checkpointing import reshard
+from megatron.checkpointing.hf import ConversionError
+from megatron.checkpointing.hf.common import OUTPUT, WORD
+from megatron.checkpointing.hf.families import FAMILIES, family_of, hf_config_for
+from megatron.checkpointing.hf.hf_files import (copy_other_files, other_files, read_config,
+                                                read_weights, write_hf_dir)
+from megatron.checkpointing.hf.layouts import pad_rows
+from megatron.checkpointing.io import save_file, write_text
+from megatron.checkpointing.layout import (CHECKPOINT_VERSION, TRACKER, checkpoint_path,
+                                           to_megatron_layout)
 from megatron.config import Config, ConfigError, ModelConfig
-from megatron.convert import ConversionError
-from megatron.convert.common import OUTPUT, WORD
-from megatron.convert.families import FAMILIES, family_of, hf_config_for
-from megatron.convert.hf_files import (copy_other_files, other_files, read_config, read_weights,
-                                       write_hf_dir)
-from megatron.convert.layouts import pad_rows
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.checkpoint_io import save_file, write_text
-from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER, checkpoint_path,
-                                             to_megatron_layout)
-from tools import merge_mp_partitions as mmp
 
 HF_FILES = "hf_files"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -151,7 +151,7 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         staging = f"{os.path.abspath(save).rstrip(os.sep)}.tp1.tmp.{os.getpid()}"
         try:
             write_release(staging, flat, config, sharding)
-            mmp.reshard(staging, save, tp, pp)
+            reshard.reshard(staging, save, tp, pp)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     if files_dir:
@@ -161,10 +161,10 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
 
 def read_full_model(load: str):
     """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint."""
-    source = mmp.read_source(load)
-    shards = [mmp.global_shard(source, t)[0] for t in range(source.tp)]
-    full = mmp.merge_tensor_parallel(shards, source.sharding)
-    full.pop(mmp.HEAD, None)  # the last stage's copy of the tied embeddings
+    source = reshard.read_source(load)
+    shards = [reshard.global_shard(source, t)[0] for t in range(source.tp)]
+    full = reshard.merge_tensor_parallel(shards, source.sharding)
+    full.pop(reshard.HEAD, None)  # the last stage's copy of the tied embeddings
     return full, source.states[min(source.states)].get("config") or {}
 
 

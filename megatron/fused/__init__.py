@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model import fused_kernels
+from megatron.fused import kernels as fused_kernels
 
 MASKED_VALUE = -10000.0
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,6 +1,6 @@
 """The supported Hugging Face architectures, each with its mapping module."""
 from megatron.config import ConfigError, ModelConfig
-from megatron.convert import ConversionError, bloom, gpt2, llama
+from megatron.checkpointing.hf import ConversionError, bloom, gpt2, llama
 
 FAMILIES = {arch: module for module in (gpt2, llama, bloom) for arch in module.ARCHITECTURES}
 # The HF architecture a model of ours is exported as, by its position encoding.

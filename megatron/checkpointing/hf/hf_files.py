@@ -6,7 +6,7 @@ from typing import Dict
 
 import torch
 
-from megatron.convert import ConversionError
+from megatron.checkpointing.hf import ConversionError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -13,7 +13,7 @@ interrupted save leaves the previous checkpoint intact. Loading uses
 
 Each file also carries what Megatron-LM's and Megatron-DeepSpeed's loaders read (`args`,
 `checkpoint_version`, `lr_scheduler`, Megatron's `rng_state` list), and Megatron's own files
-load here (see megatron_format.py); --universal-checkpoint re-shards another layout (universal.py).
+load here (see megatron_legacy.py); --universal-checkpoint re-shards another layout (universal.py).
 
 With the distributed optimizer the model file says `"distributed_optimizer": True`
 and has no "optimizer" entry; every DP rank writes its shard next to it:
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.optimizer.distributed import merge_optimizer_shards
-from megatron.training import checkpoint_io
-from megatron.training.checkpoint_io import CheckpointError  # noqa: F401 (re-exported)
-from megatron.training import megatron_format
+from megatron.checkpointing import io as checkpoint_io
+from megatron.checkpointing.io import CheckpointError  # noqa: F401 (re-exported)
+from megatron.checkpointing import megatron_legacy
 from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -132,7 +132,7 @@ def _model_key(i: int, n: int) -> str:
 
 
 def sharding_of(models) -> Dict[str, dict]:
-    """How each parameter of this rank's chunks is split over TP (megatron.model.sharding);
+    """How each parameter of this rank's chunks is split over TP (megatron.mpu.sharding);
     the chunks share parameter names, so one dict serves them all."""
     meta: Dict[str, dict] = {}
     for model in models:
@@ -163,7 +163,7 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not ckpt.no_save_rng:
         state["rng_state"] = rng_state()
-    megatron_format.add_megatron_entries(state, config, pstate, optimizer)
+    megatron_legacy.add_megatron_entries(state, config, pstate, optimizer)
     path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
     if pstate.rank == 0:
         checkpoint_io.remove_stale_temp_files(root)
@@ -225,12 +225,12 @@ def load_checkpoint_file(root: str, pstate, verify: bool = True) -> Optional[dic
 
 
 def read_model_file(path: str, verify: bool = True, mmap: bool = False) -> dict:
-    """One model_optim_rng.pt, ours or Megatron's (see megatron_format), in our layout;
+    """One model_optim_rng.pt, ours or Megatron's (see megatron_legacy), in our layout;
     checksum-verified unless `verify` is False. Any problem is a one-line CheckpointError."""
     state = checkpoint_io.load_file(path, verify, mmap)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
-    return megatron_format.to_ours(state) if megatron_format.is_megatron_file(state) else state
+    return megatron_legacy.to_ours(state) if megatron_legacy.is_megatron_file(state) else state
 
 
 def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
@@ -241,7 +241,7 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     """
     state = None
     if config.checkpoint.universal_checkpoint:
-        from megatron.training.universal import resharded_state
+        from megatron.checkpointing.universal import resharded_state
         state = resharded_state(root, pstate, len(models))
     if state is None:
         state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
@@ -268,7 +268,7 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not ckpt.no_load_rng and "rng_state" in state:
         entry = state["rng_state"][0] if isinstance(state["rng_state"], list) else state["rng_state"]
-        set_rng_state(megatron_format.rng_entry_to_ours(entry, get_device_rng_state(),
+        set_rng_state(megatron_legacy.rng_entry_to_ours(entry, get_device_rng_state(),
                                                         get_rng_tracker().get_states()))
     return (int(state["iteration"]), int(state.get("consumed_train_samples", 0)),
             int(state.get("consumed_valid_samples", 0)))
@@ -301,7 +301,7 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate, models) -> None:
             saved = consolidate_distributed_optimizer(root, pstate.tp_rank, pstate.pp_rank,
                                                       pstate.pp_size, iteration)
     elif "optimizer" in state:
-        saved = megatron_format.optimizer_to_ours(state["optimizer"], models)
+        saved = megatron_legacy.optimizer_to_ours(state["optimizer"], models)
     else:
         raise CheckpointError(f"{root} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")

@@ -3,7 +3,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.convert import ConversionError
+from megatron.checkpointing.hf import ConversionError
 
 WORD = "language_model.embedding.word_embeddings.weight"
 POSITIONS = "language_model.embedding.position_embeddings.weight"

@@ -6,8 +6,8 @@ into our grouped QKV rows), untied head unless tie_word_embeddings.
 """
 import torch
 
-from megatron.convert import common as c
-from megatron.convert.layouts import fuse_qkv, split_qkv
+from megatron.checkpointing.hf import common as c
+from megatron.checkpointing.hf.layouts import fuse_qkv, split_qkv
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 P = "model.layers."

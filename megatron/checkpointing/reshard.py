@@ -1,0 +1,346 @@
+"""Re-sharding a checkpoint of our layout to another tensor / pipeline parallel layout.
+
+The source layout (TP, PP and virtual pipeline chunks) is read from the
+checkpoint's directory names and files. Every tensor-parallel shard set is
+merged into full tensors by the sharding metadata saved in the checkpoint
+("sharding": each parameter's split dimension and row grouping, including the
+gated MLP's [gate; up] rows and grouped-query QKV layouts; see
+megatron/mpu/sharding.py). Checkpoints saved before the metadata existed are
+read with the split rule of GPT-2's parameters:
+
+    word embeddings (and the last stage's head copy)   rows (dim 0, vocabulary)
+    attention query_key_value, mlp dense_h_to_4h       rows (dim 0), weight and bias
+    attention dense, mlp dense_4h_to_h                 columns (dim 1), weight only
+    everything else (layer norms, biases of row-parallel layers, positions)  replicated
+
+The full tensors are split again for the target TP, and the layers are
+redistributed over the target pipeline stages with local indices (embeddings on
+the first stage, final layer norm, output layer and head copy on the last). The
+padded vocabulary is kept, so it must divide by the target TP. The output holds
+the model only (no optimizer or RNG state), with the iteration, consumed samples
+and the updated config, in the same layout
+(iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt). It is written under a
+temporary directory and renamed, then the tracker file is written; the input is
+only read. `tools/merge_mp_partitions.py` is the command line; `--universal-checkpoint`
+(universal.py) and the Hugging Face export use `resplit` / `read_source` in memory.
+"""
+import os
+import re
+import shutil
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.checkpointing.io import save_file, write_text
+from megatron.checkpointing.layout import (CHECKPOINT_VERSION, TRACKER, from_megatron_layout,
+                                           read_model_file, read_tracker, to_megatron_layout)
+from megatron.config import ModelConfig
+from megatron.model import GPTModel
+from megatron.mpu.sharding import check_shardable, merge_shards, shard_tensor
+from megatron.pipeline.schedule import chunk_layers
+
+WORD = "language_model.embedding.word_embeddings.weight"
+HEAD = "word_embeddings_for_head.weight"
+OUTPUT = "language_model.output_layer."
+FINAL_NORM = "language_model.encoder.final_layernorm."
+LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+SPLIT_BY_ROWS = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+                 "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+SPLIT_BY_COLUMNS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+Flat = Dict[str, torch.Tensor]
+
+
+class ReshardError(RuntimeError):
+    """The checkpoint or target layout cannot be re-sharded; the message says why."""
+
+
+def legacy_partition_dim(name: str) -> Optional[int]:
+    """The split dimension of a GPT-2 parameter `name` in a checkpoint saved without
+    sharding metadata (None: replicated)."""
+    if name in (WORD, HEAD):
+        return 0
+    match = LAYER.match(name)
+    if match:
+        if match.group(2) in SPLIT_BY_ROWS:
+            return 0
+        if match.group(2) in SPLIT_BY_COLUMNS:
+            return 1
+    return None
+
+
+def _meta_key(name: str) -> str:
+    """Layers share their metadata: key it by the name inside the layer."""
+    match = LAYER.match(name)
+    return f"layers.{match.group(2)}" if match else name
+
+
+class Sharding:
+    """Each parameter's sharding metadata, from the checkpoint (or the legacy table)."""
+
+    def __init__(self, saved: Dict[str, dict]):
+        self.saved = {_meta_key(name): meta for name, meta in saved.items()}
+
+    def __call__(self, name: str) -> dict:
+        meta = self.saved.get(_meta_key(name))
+        if meta is not None:
+            return meta
+        return {"dim": legacy_partition_dim(name), "groups": 1}
+
+    def to_dict(self, names) -> Dict[str, dict]:
+        return {name: self(name) for name in names}
+
+
+# -- reading the source -----------------------------------------------------------
+@dataclass
+class Source:
+    """All rank files of one checkpoint, keyed by (tp_rank, pp_rank)."""
+
+    iteration: int
+    release: bool
+    tp: int
+    pp: int
+    states: Dict[Tuple[int, int], dict]
+
+    @cached_property
+    def sharding(self) -> Sharding:
+        """Every rank file's saved metadata (read once; the states do not change)."""
+        saved: Dict[str, dict] = {}
+        for state in self.states.values():
+            saved.update(state.get("sharding") or {})
+        return Sharding(saved)
+
+
+def iteration_dir(root: str, iteration: int, release: bool) -> str:
+    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
+
+
+def find_rank_dirs(directory: str) -> Dict[Tuple[int, int], str]:
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        match = RANK_DIR.match(name)
+        if match and os.path.isfile(os.path.join(directory, name, "model_optim_rng.pt")):
+            found[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(
+                directory, name, "model_optim_rng.pt")
+    return found
+
+
+def read_source(root: str) -> Source:
+    tracked = read_tracker(root)
+    if tracked is None:
+        raise ReshardError(f"no checkpoint at {root}: {TRACKER} is missing")
+    iteration, release = tracked
+    directory = iteration_dir(root, iteration, release)
+    files = find_rank_dirs(directory) if os.path.isdir(directory) else {}
+    if not files:
+        raise ReshardError(f"no mp_rank_*/model_optim_rng.pt under {directory}")
+    states = {key: read_model_file(path, mmap=True)
+              for key, path in files.items()}
+    saved = states[min(states)].get("parallel", {})
+    tp = max(saved.get("tensor_model_parallel_size", 1), max(t for t, _ in files) + 1)
+    pp = max(saved.get("pipeline_model_parallel_size", 1), max(p for _, p in files) + 1)
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+    if missing:
+        raise ReshardError(f"{directory} lacks the files of (tp rank, pp rank) {missing} of its "
+                           f"TP={tp} x PP={pp} layout; the checkpoint is incomplete")
+    return Source(iteration, release, tp, pp, states)
+
+
+def model_chunks(state: dict) -> List[dict]:
+    """The model state of each virtual pipeline chunk of one rank file, in order."""
+    if "model" in state:
+        return [state["model"]]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not keys:
+        raise ReshardError("a checkpoint file has no 'model' state")
+    return [state[k] for k in keys]
+
+
+def _layer_count(flat: Flat) -> int:
+    indices = {int(m.group(1)) for m in map(LAYER.match, flat) if m}
+    return max(indices) + 1 if indices else 0
+
+
+def _renumber(flat: Flat, offset: int) -> Flat:
+    def rename(name):
+        match = LAYER.match(name)
+        if not match:
+            return name
+        return f"language_model.encoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+    return {rename(name): tensor for name, tensor in flat.items()}
+
+
+def global_shard(source: Source, tp_rank: int) -> Tuple[Flat, int]:
+    """One TP rank's parameters over all stages and chunks, with global layer numbers."""
+    chunks = {p: [from_megatron_layout(m) for m in model_chunks(source.states[(tp_rank, p)])]
+              for p in range(source.pp)}
+    vpp = len(chunks[0])
+    per_chunk = _layer_count(chunks[0][0])
+    num_layers = per_chunk * source.pp * vpp
+    merged: Flat = {}
+    for p in range(source.pp):
+        if len(chunks[p]) != vpp:
+            raise ReshardError(f"pipeline stage {p} has {len(chunks[p])} model chunks, stage 0 "
+                               f"has {vpp}")
+        for v, flat in enumerate(chunks[p]):
+            offset, count = chunk_layers(num_layers, source.pp, p, vpp if vpp > 1 else None, v)
+            if _layer_count(flat) != count:
+                raise ReshardError(f"stage {p} chunk {v} holds {_layer_count(flat)} layers, "
+                                   f"expected {count} (layers must be spread evenly)")
+            merged.update(_renumber(flat, offset))
+    return merged, num_layers
+
+
+def merge_tensor_parallel(shards: List[Flat], sharding: Sharding) -> Flat:
+    """Full tensors from the shards of every TP rank."""
+    names = list(shards[0])
+    for rank, shard in enumerate(shards[1:], start=1):
+        if set(shard) != set(names):
+            odd = sorted(set(shard) ^ set(names))[:3]
+            raise ReshardError(f"TP ranks 0 and {rank} hold different parameters (e.g. {odd}); "
+                               f"the checkpoint is inconsistent")
+    return {name: merge_shards([s[name] for s in shards], sharding(name)) for name in names}
+
+
+# -- writing the target -------------------------------------------------------------
+def check_shapes(full: Flat, config: dict) -> None:
+    """Every merged tensor has the shape of the model the stored config describes
+    (built on the meta device); a checkpoint without a stored model config is not checked."""
+    model = config.get("model") or {}
+    if not model.get("padded_vocab_size"):
+        return
+    known = {f.name for f in fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k in known})
+    expected = {name: tuple(t.shape) for name, t in GPTModel(cfg, device="meta").state_dict().items()}
+    if HEAD in full:
+        expected[HEAD] = expected[WORD]
+    names = set(full) | set(expected)
+    for name in sorted(names):
+        got = tuple(full[name].shape) if name in full else None
+        if got != expected.get(name):
+            raise ReshardError(f"{name}: the merged checkpoint has shape {got}, the model of its "
+                               f"config (hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab "
+                               f"{cfg.padded_vocab_size}) needs {expected.get(name)}; the checkpoint "
+                               f"is inconsistent")
+
+
+def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int,
+                 sharding: Sharding) -> None:
+    if tp < 1 or pp < 1:
+        raise ReshardError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")
+    if num_layers % pp:
+        raise ReshardError(f"the model has {num_layers} layers, not divisible by "
+                           f"--target-pipeline-model-parallel-size {pp}")
+    heads = config.get("model", {}).get("num_attention_heads")
+    if heads is not None and heads % tp:
+        raise ReshardError(f"--num-attention-heads ({heads}) is not divisible by "
+                           f"--target-tensor-model-parallel-size {tp}")
+    vocab = full[WORD].shape[0]
+    if vocab % tp:
+        raise ReshardError(f"the padded vocabulary ({vocab} rows) is not divisible by "
+                           f"--target-tensor-model-parallel-size {tp}; pick a TP size that "
+                           f"divides {vocab}")
+    for name, tensor in full.items():
+        problem = check_shardable(tensor.shape, sharding(name), tp)
+        if problem:
+            raise ReshardError(f"{name}: {problem} (--target-tensor-model-parallel-size {tp})")
+
+
+def target_stages(name: str, layers_per_stage: int, pp: int) -> Tuple[int, str]:
+    """(target pipeline stage, local name) of a full-model parameter."""
+    match = LAYER.match(name)
+    if match:
+        index = int(match.group(1))
+        return (index // layers_per_stage,
+                f"language_model.encoder.layers.{index % layers_per_stage}.{match.group(2)}")
+    if name.startswith(FINAL_NORM) or name.startswith(OUTPUT) or name == HEAD:
+        return pp - 1, name
+    return 0, name
+
+
+def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
+                     sharding: Sharding) -> Dict[Tuple[int, int], Flat]:
+    """Parameters of each target (tp_rank, pp_rank), each tensor its own copy."""
+    full = dict(full)
+    untied = any(name.startswith(OUTPUT) for name in full)
+    if pp == 1:
+        full.pop(HEAD, None)  # one stage: the head is the embedding itself
+    elif HEAD not in full and not untied:
+        full[HEAD] = full[WORD]
+    out: Dict[Tuple[int, int], Flat] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    for name, tensor in full.items():
+        stage, local = target_stages(name, num_layers // pp, pp)
+        meta = sharding(name)
+        for t in range(tp):
+            out[(t, stage)][local] = shard_tensor(tensor, meta, t, tp).clone()
+    return out
+
+
+def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sharding) -> dict:
+    config = dict(source_state.get("config") or {})
+    if config:
+        parallel = dict(config.get("parallel", {}))
+        parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                        num_layers_per_virtual_pipeline_stage=None)
+        if tp == 1:
+            parallel["sequence_parallel"] = False
+        config["parallel"] = parallel
+    return {"model": to_megatron_layout(flat), "sharding": sharding.to_dict(flat),
+            "iteration": source_state.get("iteration", 0),
+            "checkpoint_version": source_state.get("checkpoint_version", CHECKPOINT_VERSION),
+            "config": config,
+            "consumed_train_samples": source_state.get("consumed_train_samples", 0),
+            "consumed_valid_samples": source_state.get("consumed_valid_samples", 0),
+            "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                         "virtual_pipeline_model_parallel_size": 1}}
+
+
+def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Flat],
+                     tp: int, pp: int) -> str:
+    """Write every rank file under a temporary directory, rename it, then the tracker."""
+    final = iteration_dir(save, source.iteration, source.release)
+    if os.path.exists(final):
+        raise ReshardError(f"{final} already exists; choose another --save directory or "
+                           f"remove it")
+    os.makedirs(save, exist_ok=True)
+    tmp = os.path.join(save, f".{os.path.basename(final)}.tmp.{os.getpid()}")
+    first = source.states[(0, 0)]
+    try:
+        for (t, p), flat in shards.items():
+            rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            os.makedirs(os.path.join(tmp, rank_dir))
+            save_file(target_state(first, flat, tp, pp, source.sharding),
+                      os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_text(os.path.join(save, TRACKER), "release" if source.release else str(source.iteration))
+    return final
+
+
+def reshard(load: str, save: str, tp: int, pp: int) -> str:
+    """Re-shard the latest checkpoint under `load` to TP `tp` x PP `pp` under `save`."""
+    if os.path.realpath(load) == os.path.realpath(save):
+        raise ReshardError(f"--save {save} is the --load directory; write the re-sharded "
+                           f"checkpoint elsewhere (the input is never modified)")
+    source = read_source(load)
+    return write_checkpoint(save, source, resplit(source, tp, pp), tp, pp)
+
+
+def resplit(source: Source, tp: int, pp: int) -> Dict[Tuple[int, int], Flat]:
+    """The source checkpoint's weights cut for TP `tp` x PP `pp`, keyed by (tp rank, pp rank)
+    (also what --universal-checkpoint loads, in memory)."""
+    shards, num_layers = [], None
+    for t in range(source.tp):
+        shard, num_layers = global_shard(source, t)
+        shards.append(shard)
+    sharding = source.sharding
+    full = merge_tensor_parallel(shards, sharding)
+    config = source.states[min(source.states)].get("config") or {}
+    check_shapes(full, config)
+    check_target(full, config, num_layers, tp, pp, sharding)
+    return split_for_target(full, num_layers, tp, pp, sharding)
