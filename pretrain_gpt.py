@@ -18,7 +18,7 @@ from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
 from megatron.checkpointing.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
 from megatron.checkpointing.layout import CheckpointError, read_tracker  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.pretrain import pretrain  # noqa: E402
+from megatron.training.pretrain import owned_run_paths, pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
 
@@ -123,14 +123,15 @@ def main(argv=None):
 
 def _run(argv):
     config, tokenizer = setup(argv)
-    pstate, device = initialize_distributed(config)
-    print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
-                 f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
-                 f"(new size: {config.model.padded_vocab_size})")
-    return pretrain(config, pstate, device,
-                    partial(model_provider, config, pstate.tp_group),
-                    partial(data_provider, config, pstate, tokenizer.vocab_size),
-                    partial(forward_step, config, tokenizer.eod, pstate, device))
+    with owned_run_paths(config):
+        pstate, device = initialize_distributed(config)
+        print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
+                     f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
+                     f"(new size: {config.model.padded_vocab_size})")
+        return pretrain(config, pstate, device,
+                        partial(model_provider, config, pstate.tp_group),
+                        partial(data_provider, config, pstate, tokenizer.vocab_size),
+                        partial(forward_step, config, tokenizer.eod, pstate, device))
 
 
 if __name__ == "__main__":

@@ -253,10 +253,19 @@ def world_size_from_env() -> int:
 
 
 def fail(message: str, prog: Optional[str] = None) -> None:
-    """Print one line and exit with status 2 (argparse's convention for bad usage)."""
+    """Print one line and exit with status 2 (argparse's convention for bad usage).
+
+    Under torchrun, before the process group starts every rank checks the same flags and
+    files, so only rank 0 prints; the others exit 2 silently."""
     prog = prog or os.path.basename(sys.argv[0] or "megatron")
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    if not _shared_check_on_other_rank():
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _shared_check_on_other_rank() -> bool:
+    import torch.distributed as dist
+    return os.environ.get("RANK", "0") != "0" and not (dist.is_available() and dist.is_initialized())
 
 
 def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.ArgumentParser] = None,

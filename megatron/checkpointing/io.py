@@ -18,7 +18,7 @@ import shutil
 import torch
 
 CHECKSUM_SUFFIX = ".sha256"
-_TEMP_FILE = re.compile(r"\.tmp\.\d+$")
+_TEMP_FILE = re.compile(r"\.tmp\.(\d+)$")
 _READ_CHUNK = 1 << 22
 
 
@@ -129,13 +129,26 @@ def write_text(path: str, text: str) -> None:
     _write_durably(path, lambda f: f.write(text.encode()))
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
+
+
 def remove_stale_temp_files(root: str) -> int:
     """Delete ``*.tmp.<pid>`` files under `root` left by killed saves; returns how many.
-    Call it while no save is in progress (before the save's first barrier)."""
+    Only files of processes that no longer exist are touched: a live writer's file
+    (another run, or a rank of this one) is left alone."""
     removed = 0
     for directory, _, names in os.walk(root):
         for name in names:
-            if _TEMP_FILE.search(name):
+            match = _TEMP_FILE.search(name)
+            if match and not pid_alive(int(match.group(1))):
                 _remove(os.path.join(directory, name))
                 removed += 1
     return removed

@@ -8,10 +8,16 @@ of the chunk) continues exactly where an uninterrupted run would be.
 """
 from __future__ import annotations
 
+import ctypes
 import signal
+import sys
+import weakref
 from typing import Iterable, Iterator
 
 import torch
+
+_OPEN_ITERATORS: "weakref.WeakSet" = weakref.WeakSet()
+_PR_SET_PDEATHSIG = 1
 
 
 class _ChunkedSampler:
@@ -139,14 +145,41 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
         raise ValueError(f"--dataloader-type {dataloader_type!r} is not supported; use 'single' or 'cyclic'")
     if num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0,
-                                       worker_init_fn=_leave_sigterm_to_the_trainer)
+    return _ClosableLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                           pin_memory=torch.cuda.is_available(),
+                           persistent_workers=num_workers > 0,
+                           worker_init_fn=_leave_sigterm_to_the_trainer)
+
+
+class _ClosableLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose open iterators `close_loaders` can shut down from an exit path."""
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        if self.num_workers > 0:
+            _OPEN_ITERATORS.add(iterator)
+        return iterator
+
+
+def close_loaders() -> None:
+    """Stop the workers of every open loader iterator (what the iterator does when it is
+    garbage-collected; at an error exit it may still be referenced by the traceback)."""
+    for iterator in list(_OPEN_ITERATORS):
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own shutdown
+        if shutdown is not None:
+            shutdown()
+    _OPEN_ITERATORS.clear()
 
 
 def _leave_sigterm_to_the_trainer(worker_id: int) -> None:
     """Loader workers ignore SIGTERM. SLURM and torchrun send it to the whole process
     group; it is the training process's to handle (--exit-signal-handler saves first),
-    and the workers still end with it (the loader shuts them down, or they see it gone)."""
+    and the workers still end with it (megatron.training.children shuts them down at
+    every exit). On Linux a worker is also killed when its parent dies (SIGKILL, OOM),
+    so no worker outlives the run."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        except (OSError, AttributeError):
+            pass

@@ -1,10 +1,13 @@
 """`pretrain()`: build, resume, train, evaluate, save: the flow every entry point shares."""
+import contextlib
 import math
+import os
 import time
 from typing import Callable, Optional
 
-
 from megatron.checkpointing.io import check_writable
+from megatron.checkpointing.lock import SaveLock
+from megatron.config import ConfigError
 from megatron.training.flops import ThroughputMeter
 from megatron.checkpointing.layout import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megatron.training.logging import format_log_line, format_validation
@@ -12,6 +15,32 @@ from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras
 from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
                                        params_dtype, print_rank_0, print_rank_last, total_iterations)
+
+
+@contextlib.contextmanager
+def owned_run_paths(config):
+    """Check the paths a run writes or watches, and hold the --save lock while the block runs.
+
+    Called before torch.distributed starts: every rank checks the same paths (so only rank 0
+    reports a problem, see megatron.arguments.fail); rank 0 alone takes the lock."""
+    switch = config.training.kill_switch_path
+    if switch and not os.path.isdir(os.path.dirname(os.path.abspath(switch))):
+        raise ConfigError(f"--kill-switch-path {switch}: its directory "
+                          f"{os.path.dirname(os.path.abspath(switch))} does not exist, so the "
+                          f"file could never be created; create the directory or fix the path")
+    lock = None
+    if config.checkpoint.save:
+        check_writable(config.checkpoint.save)
+        if os.environ.get("RANK", "0") == "0":
+            lock = SaveLock(config.checkpoint.save)
+            notice = lock.acquire()
+            if notice:
+                print(notice, flush=True)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def pretrain(config, pstate, device, model_provider: Callable, data_provider: Callable,
@@ -22,9 +51,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     data_provider(consumed_train, consumed_valid) -> (train_iter, valid_iter, test_iter)
     forward_step(data_iterator, model) -> (output, loss_func)
     """
-    if config.checkpoint.save:
-        check_writable(config.checkpoint.save)
-    elif config.training.exit_interval:
+    if not config.checkpoint.save and config.training.exit_interval:
         print_rank_0(f" WARNING: --exit-interval {config.training.exit_interval} without --save: "
                      f"the run stops there and nothing is saved")
     guard = RunGuard(config, pstate, device)

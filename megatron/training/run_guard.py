@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.training.children import stop_children
 from megatron.training.hang_guard import DistributedTimeoutError, HangGuard
 from megatron.training.nan_guard import NanGuard, NumericalError, is_bad_iteration
 from megatron.training.preemption import StopRequests
@@ -50,6 +51,7 @@ def exit_on_run_failure(err: BaseException) -> None:
     print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr, flush=True)
     if isinstance(err, DistributedTimeoutError):
         sys.stdout.flush()
+        stop_children()  # os._exit skips the exit hooks
         os._exit(1)
     sys.exit(1)
 
