@@ -316,6 +316,11 @@ def check_args(args) -> None:
         raise InputError(f"--log-interval must be >= 0, got {args.log_interval}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise InputError(f"--json-keys has duplicates: {args.json_keys}")
+    for prefix in output_prefixes(args).values():
+        for path in (data_file_path(prefix), index_file_path(prefix)):
+            if os.path.isdir(path):
+                raise InputError(f"--output-prefix {args.output_prefix}: the output {path} is a "
+                                 f"directory; choose another prefix or move the directory away")
 
 
 def make_options(args) -> EncoderOptions:
@@ -342,7 +347,7 @@ def main(argv=None) -> int:
         return 2
     try:
         progress = write_datasets(args, options)
-    except InputError as exc:
+    except (InputError, OSError) as exc:  # bad input line, full disk, unwritable output
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"Done: {progress.line()}", file=sys.stderr)

@@ -4,7 +4,11 @@ Every file is written under ``<name>.tmp.<pid>``, fsynced, renamed, and its
 directory fsynced, so after a crash or power loss a name holds either the old
 or the new complete file. Each file gets a ``<name>.sha256`` sidecar in
 ``sha256sum`` format (``sha256sum -c`` checks it; Megatron-LM ignores it), which
-is verified at load when present. A full disk (ENOSPC) becomes one CheckpointError
+is verified at load when present. Each file also carries ``content_sha256``, a digest
+of everything it holds (tensor bytes, shapes, dtypes and plain values, walked in key
+order), so a file whose sidecar is lost is still verified; a file with neither is
+refused unless --no-verify-checkpoint (files written by Megatron-LM carry neither and
+are read unverified, as there is nothing to check them against). A full disk (ENOSPC) becomes one CheckpointError
 naming the directory and the bytes needed; the partial file is removed. Temporary
 files left by killed saves are removed at the next save.
 """
@@ -15,11 +19,13 @@ import os
 import re
 import shutil
 
+import numpy as np
 import torch
 
 CHECKSUM_SUFFIX = ".sha256"
 _TEMP_FILE = re.compile(r"\.tmp\.(\d+)$")
 _READ_CHUNK = 1 << 22
+CONTENT_DIGEST = "content_sha256"
 
 
 class CheckpointError(RuntimeError):
@@ -117,8 +123,41 @@ def _bytes_needed(write) -> int:
     return sink.bytes
 
 
+def _feed(digest, value) -> None:
+    """Hash `value` canonically: what it holds, not how pickle laid it out."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{tensor.dtype}{tuple(value.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray):
+        digest.update(f"A{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, dict):
+        digest.update(f"D{len(value)}".encode())
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        _feed(digest, vars(value))  # argparse.Namespace
+    else:
+        digest.update(repr(value).encode())
+
+
+def content_digest(state: dict) -> str:
+    """sha256 of a checkpoint dict's content, without its own digest entry."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != CONTENT_DIGEST})
+    return digest.hexdigest()
+
+
 def save_file(obj, path: str) -> None:
-    """torch.save `obj` to `path` durably, with its checksum sidecar."""
+    """torch.save `obj` to `path` durably, with its checksum sidecar (and, for a dict, an
+    in-file digest of its content)."""
+    if isinstance(obj, dict):
+        obj = {**obj, CONTENT_DIGEST: content_digest(obj)}
     digest = _write_durably(path, lambda f: torch.save(obj, f))
     line = f"{digest}  {os.path.basename(path)}\n".encode()
     _write_durably(path + CHECKSUM_SUFFIX, lambda f: f.write(line))
@@ -169,6 +208,14 @@ def check_writable(directory: str, flag: str = "--save") -> None:
         raise CheckpointError(f"{flag} {directory} is not writable: {err.strerror or err}") from None
 
 
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_READ_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def verify_checksum(path: str) -> None:
     """Compare `path` with its sidecar (a file without one, e.g. from Megatron-LM, passes)."""
     sidecar = path + CHECKSUM_SUFFIX
@@ -176,11 +223,7 @@ def verify_checksum(path: str) -> None:
         return
     with open(sidecar, "rb") as f:
         expected = f.read().split(b" ", 1)[0].decode("ascii", "replace").strip()
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_READ_CHUNK), b""):
-            digest.update(block)
-    if digest.hexdigest() != expected:
+    if file_sha256(path) != expected:
         raise CheckpointError(f"{path} does not match its checksum in {sidecar}: the file is "
                               f"corrupt; restore it or load an earlier iteration "
                               f"(--no-verify-checkpoint loads it anyway)")
@@ -195,7 +238,7 @@ def load_file(path: str, verify: bool = True, mmap: bool = False):
     if verify:
         verify_checksum(path)
     try:
-        return safe_load(path, mmap=mmap)
+        state = safe_load(path, mmap=mmap)
     except UnusableCheckpoint as err:  # objects beyond plain data: named, never run
         raise CheckpointError(str(err)) from None
     except Exception as err:  # truncated zip, hostile pickle, garbage: all unusable
@@ -204,3 +247,22 @@ def load_file(path: str, verify: bool = True, mmap: bool = False):
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first}); it is "
                               f"truncated, corrupt or not a torch checkpoint") from None
+    if verify and not os.path.isfile(path + CHECKSUM_SUFFIX):
+        verify_content(path, state)
+    return state
+
+
+def verify_content(path: str, state) -> None:
+    """A file without a sidecar: check its in-file digest; refuse one that has none
+    (unless Megatron-LM wrote it: it never carries one)."""
+    from megatron.checkpointing.megatron_legacy import is_megatron_file
+    if isinstance(state, dict) and CONTENT_DIGEST in state:
+        if content_digest(state) != state[CONTENT_DIGEST]:
+            raise CheckpointError(f"{path} does not match the digest it carries (and its "
+                                  f"{CHECKSUM_SUFFIX} sidecar is missing): the file is corrupt; "
+                                  f"restore it or load an earlier iteration")
+    elif not (isinstance(state, dict) and is_megatron_file(state)):
+        raise CheckpointError(f"{path} has no checksum sidecar ({os.path.basename(path)}"
+                              f"{CHECKSUM_SUFFIX}) and no in-file digest, so it cannot be "
+                              f"verified; restore the sidecar, or pass --no-verify-checkpoint "
+                              f"to load it unverified")

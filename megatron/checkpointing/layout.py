@@ -25,6 +25,7 @@ Such a checkpoint resumes with the same data-parallel size, or without
 `consolidate_distributed_optimizer`). A regular optimizer state also loads
 into the distributed optimizer (each rank takes its shard of it).
 """
+import functools
 import os
 import random
 import re
@@ -42,6 +43,7 @@ from megatron.mpu.random import get_device_rng_state, get_rng_tracker, set_devic
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
+TOKENIZER_FILE_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
@@ -154,6 +156,7 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
     state["sharding"] = sharding_of(models)
+    state["tokenizer_files"] = tokenizer_file_digests(config.data)
     sharded = not ckpt.no_save_optim and getattr(optimizer, "is_distributed", False)
     if not ckpt.no_save_optim:
         if sharded:
@@ -183,6 +186,22 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         checkpoint_io.write_text(os.path.join(root, TRACKER), str(iteration))
     if dist.is_initialized():
         dist.barrier()
+
+
+def tokenizer_file_digests(data_config) -> Dict[str, str]:
+    """sha256 of each tokenizer file the run was given (--vocab-file, --merge-file,
+    --tokenizer-model), by field name: a resumed run must bring the same vocabulary."""
+    digests = {}
+    for name in TOKENIZER_FILE_FIELDS:
+        path = getattr(data_config, name, None)
+        if path and os.path.isfile(path):
+            digests[name] = _cached_sha256(path, os.stat(path).st_mtime_ns, os.path.getsize(path))
+    return digests
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_sha256(path: str, mtime_ns: int, size: int) -> str:
+    return checkpoint_io.file_sha256(path)
 
 
 def read_tracker(root: str):
@@ -220,8 +239,26 @@ def load_checkpoint_file(root: str, pstate, verify: bool = True) -> Optional[dic
     if not os.path.isfile(path):
         raise CheckpointError(f"missing {path}: {_layout_hint(root, iteration, release)}")
     state = read_model_file(path, verify)
+    stored = state.get("iteration")
+    if not release and stored is not None and int(stored) != iteration:
+        raise CheckpointError(f"{path} holds iteration {int(stored)} but {TRACKER} says "
+                              f"{iteration}: the directory was mixed up; fix the tracker or "
+                              f"restore iter_{iteration:07d}")
     state["_release"] = release
     return state
+
+
+def finite_model_state(flat: Dict[str, torch.Tensor], root: str) -> Dict[str, torch.Tensor]:
+    """`flat` itself, once every floating-point tensor in it is finite (else CheckpointError
+    naming the first parameter holding nan/inf)."""
+    for name, tensor in flat.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and \
+                not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"checkpoint {root}: parameter {name} holds {bad} nan/inf "
+                                  f"values; the run that saved it had diverged: load an earlier "
+                                  f"iteration")
+    return flat
 
 
 def read_model_file(path: str, verify: bool = True, mmap: bool = False) -> dict:
@@ -251,7 +288,8 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
         try:
-            model.load_state_dict(from_megatron_layout(state[_model_key(i, len(models))]), strict=True)
+            flat = from_megatron_layout(state[_model_key(i, len(models))])
+            model.load_state_dict(finite_model_state(flat, root), strict=True)
         except (KeyError, RuntimeError, AttributeError, TypeError) as err:
             first = (str(err).strip().splitlines() or [repr(err)])[0]
             raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "

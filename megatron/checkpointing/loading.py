@@ -19,8 +19,9 @@ from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.checkpointing.layout import (TRACKER, CheckpointError, check_layout,
-                                           from_megatron_layout, load_checkpoint_file,
-                                           read_model_file, read_tracker)
+                                           finite_model_state, from_megatron_layout,
+                                           load_checkpoint_file, read_model_file,
+                                           read_tracker, tokenizer_file_digests)
 from megatron.training.trainer import build_model_chunks
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
@@ -52,7 +53,10 @@ def read_stored_config(root: str) -> Dict[str, Any]:
     # verified at the full load; here only the stored config is read
     state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
     config = state.get("config") or state.get("megatron_config") or {}
-    return config if isinstance(config, dict) else {}
+    config = dict(config) if isinstance(config, dict) else {}
+    if isinstance(state.get("tokenizer_files"), dict):
+        config["tokenizer_files"] = state["tokenizer_files"]
+    return config
 
 
 def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any]) -> Dict[str, Any]:
@@ -160,6 +164,20 @@ def check_model_matches(config, stored: Dict[str, Any]) -> None:
              f"trained with {saved}; use the tokenizer the model was trained with")
 
 
+def check_tokenizer_files(config, stored: Dict[str, Any], vocab_size: int) -> None:
+    """The tokenizer files given have the content of those the checkpoint was trained with
+    (same tokenizer type, other files: another vocabulary under the same ids)."""
+    saved = stored.get("tokenizer_files") or {}
+    given = tokenizer_file_digests(config.data)
+    rows = stored.get("model", {}).get("padded_vocab_size")
+    for name, digest in given.items():
+        if name in saved and saved[name] != digest:
+            fail(f"--{name.replace('_', '-')} {getattr(config.data, name)} (sha256 {digest[:12]}, "
+                 f"{vocab_size} ids) is not the one the checkpoint in {config.checkpoint.load} "
+                 f"was trained with (sha256 {saved[name][:12]}, an embedding of {rows} rows); "
+                 f"use the model's tokenizer files")
+
+
 def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
     """Tokenizer from the (merged) flags; sets config.model.padded_vocab_size.
 
@@ -190,6 +208,7 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
             fail(f"the checkpoint's padded vocabulary ({saved}) is not divisible by "
                  f"--tensor-model-parallel-size {tp}")
         config.model.padded_vocab_size = saved
+        check_tokenizer_files(config, stored, tokenizer.vocab_size)
     else:
         try:
             config.model.padded_vocab_size = padded_vocab_size(
@@ -218,7 +237,8 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
     for i, model in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         try:
-            model.load_state_dict(from_megatron_layout(state[key]), strict=True)
+            model.load_state_dict(finite_model_state(from_megatron_layout(state[key]), root),
+                                  strict=True)
         except (KeyError, RuntimeError) as err:
             first = str(err).strip().splitlines()[0]
             raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "

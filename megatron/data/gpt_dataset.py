@@ -94,6 +94,9 @@ def parse_data_prefix(data_prefix: list[str]) -> tuple[list[str], list[float]]:
         except ValueError:
             raise ValueError(f"--data-path: weight {weight!r} (before {prefix!r}) is not a number") from None
         prefixes.append(str(prefix).strip())
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"--data-path weights {weights}: every weight must be a finite number "
+                         f"(nan and inf cannot be normalised); give each dataset a weight >= 0")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
     total = left_to_right_sum(weights)
@@ -210,6 +213,7 @@ class GPTDataset(torch.utils.data.Dataset):
         documents = np.asarray(documents)
         sizes = np.asarray(indexed_dataset.sizes)
         _check_dataset_args(name, documents, sizes, num_samples, seq_length)
+        _check_one_sample_per_epoch(name, data_prefix, documents, sizes, num_samples, seq_length)
         self.name = name
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
@@ -324,6 +328,16 @@ def _check_dataset_args(name, documents, sizes, num_samples, seq_length):
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
     if num_samples < 0:
         raise ValueError(f"{name} GPTDataset: num_samples must be >= 0, got {num_samples}")
+
+
+def _check_one_sample_per_epoch(name, data_prefix, documents, sizes, num_samples, seq_length):
+    """A split whose every token does not make one sample of seq_length + 1 tokens would need
+    an epoch per sample (millions, for a huge --seq-length) and serves nothing useful."""
+    tokens = int(np.sum(sizes[documents], dtype=np.int64))
+    if num_samples > 0 and helpers.num_samples_for(1, tokens, seq_length) < 1:
+        raise DatasetError(f"--seq-length {seq_length} leaves no samples: the {name} split of "
+                           f"{data_prefix} holds {tokens} tokens, fewer than one sample of "
+                           f"{seq_length} + 1; lower --seq-length or use more data")
 
 
 # ----------------------------------------------------------------------------

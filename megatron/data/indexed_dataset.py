@@ -11,9 +11,14 @@ A dataset is two files sharing a prefix:
 ``doc_idx`` starts with 0 and holds, after each document, the number of sequences
 written so far: document d is sequences ``doc_idx[d]:doc_idx[d+1]``. Without
 sentence splitting every document is one sequence.
+
+Our builder also writes ``prefix.bin.sha256`` (``sha256sum`` format; Megatron-LM ignores
+it, and the ``.idx`` stays byte-compatible): when present, the ``.bin`` is checked
+against it at open, so flipped bits and a ``.bin`` of another dataset are refused.
+Without it, a ``.bin`` longer or shorter than its index describes is refused.
 """
+import hashlib
 import os
-import shutil
 import struct
 from typing import List, Optional, Sequence, Union
 
@@ -57,6 +62,7 @@ class IndexedDatasetError(ValueError):
     message names the file and the offending entry, on one line."""
 
 
+DIGEST_SUFFIX = ".sha256"
 _CHUNK = 1 << 22  # entries checked at a time, so huge indexes need no big temporaries
 
 
@@ -152,13 +158,16 @@ class MMapIndexedDataset:
                                         "by its prefix, without .bin/.idx)")
         self._index = _Index(index_file_path(path_prefix))
         self._bin = self._map_data(data_file_path(path_prefix), self._index.data_bytes())
+        check_data_digest(data_file_path(path_prefix))
 
     @staticmethod
     def _map_data(path: str, needed: int):
         size = os.path.getsize(path)
-        if size < needed:
+        if size != needed:
+            state = "truncated" if size < needed else "longer than its index describes"
             raise IndexedDatasetError(f"{path}: data file is {size} bytes but its index refers to "
-                                      f"{needed}; the .bin is truncated or belongs to another .idx")
+                                      f"exactly {needed}; the .bin is {state}, or belongs to "
+                                      f"another .idx; regenerate the dataset")
         return memoryview(np.memmap(path, mode="r", order="C")) if size else b""
 
     def __len__(self) -> int:
@@ -211,6 +220,35 @@ class MMapIndexedDataset:
                 and os.path.exists(data_file_path(path_prefix)))
 
 
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_VERIFIED: dict = {}  # (path, size, mtime) -> True: each process hashes a .bin once
+
+
+def check_data_digest(bin_path: str) -> None:
+    """Compare ``bin_path`` with its ``.sha256`` sidecar when it has one."""
+    sidecar = bin_path + DIGEST_SUFFIX
+    if not os.path.isfile(sidecar):
+        return
+    stat = os.stat(bin_path)
+    key = (os.path.abspath(bin_path), stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED:
+        return
+    with open(sidecar, "rb") as f:
+        expected = f.read(256).split(b" ", 1)[0].decode("ascii", "replace").strip()
+    if _file_sha256(bin_path) != expected:
+        raise IndexedDatasetError(f"{bin_path}: does not match its digest in {sidecar}: the .bin "
+                                  f"is corrupt or belongs to another dataset; regenerate the "
+                                  f"dataset (or remove the sidecar if another tool rewrote it)")
+    _VERIFIED[key] = True
+
+
 class MMapIndexedDatasetBuilder:
     """Writes an MMIDIDX dataset: items to ``.bin`` as they come, the index at the end.
 
@@ -224,6 +262,7 @@ class MMapIndexedDatasetBuilder:
         self._bin_path = os.fspath(bin_path)
         self._tmp_path = f"{self._bin_path}.tmp{os.getpid()}"
         self._file = open(self._tmp_path, "wb", buffering=buffer_bytes)
+        self._sha256 = hashlib.sha256()
         self._sizes: List[int] = []
         self._doc_idx: List[int] = [0]
 
@@ -248,8 +287,12 @@ class MMapIndexedDatasetBuilder:
     def add_item(self, tokens) -> None:
         """Append one sequence (numpy array, list or CPU tensor of ids)."""
         array = self._as_array(tokens)
-        self._file.write(array.tobytes(order="C"))
+        self._write(array.tobytes(order="C"))
         self._sizes.append(array.size)
+
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._sha256.update(data)
 
     def end_document(self) -> None:
         """Close the current document: it spans the sequences added since the last one."""
@@ -269,7 +312,7 @@ class MMapIndexedDatasetBuilder:
             raise ValueError(f"add_docs: {array.size} tokens, lengths summing to "
                              f"{int(lengths.sum())} over {lengths.size} sequences, and "
                              f"seqs_per_doc summing to {int(seqs_per_doc.sum())} disagree")
-        self._file.write(array.tobytes(order="C"))
+        self._write(array.tobytes(order="C"))
         base = len(self._sizes)
         self._sizes.extend(lengths.tolist())
         self._doc_idx.extend((base + np.cumsum(seqs_per_doc)).tolist())
@@ -284,7 +327,8 @@ class MMapIndexedDatasetBuilder:
         self._sizes.extend(other.sizes.tolist())
         self._doc_idx.extend((base + other.doc_idx[1:]).tolist())
         with open(data_file_path(another_prefix), "rb") as f:
-            shutil.copyfileobj(f, self._file, 1 << 22)
+            for block in iter(lambda: f.read(1 << 22), b""):
+                self._write(block)
 
     def finalize(self, idx_path: str) -> None:
         """Write the index and move both files to their final names."""
@@ -302,11 +346,21 @@ class MMapIndexedDatasetBuilder:
                 f.write(sizes.tobytes(order="C"))
                 f.write(pointers.tobytes(order="C"))
                 f.write(doc_idx.tobytes(order="C"))
+            _remove(self._bin_path + DIGEST_SUFFIX)  # never describe the new file with an old digest
             os.replace(self._tmp_path, self._bin_path)
             os.replace(tmp_idx, idx_path)
         except BaseException:
             _remove(tmp_idx)
             raise
+        self._write_digest()
+
+    def _write_digest(self) -> None:
+        """``prefix.bin.sha256`` in sha256sum format, written under a temporary name."""
+        sidecar = self._bin_path + DIGEST_SUFFIX
+        tmp = f"{sidecar}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{self._sha256.hexdigest()}  {os.path.basename(self._bin_path)}\n")
+        os.replace(tmp, sidecar)
 
     def abort(self) -> None:
         """Stop building and delete the temporary data file."""

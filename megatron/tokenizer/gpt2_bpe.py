@@ -88,8 +88,13 @@ def load_merges(path: str) -> List[Tuple[str, str]]:
 
     Lines starting with ``#version`` are skipped (as ``tokenizers`` does).
     """
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--merge-file {path}: not a UTF-8 text file of merges (byte "
+                         f"{exc.start}: {exc.reason}); pass the merges.txt that goes with "
+                         f"--vocab-file") from None
     if lines and lines[-1] == "":
         lines.pop()
     merges = []
