@@ -336,7 +336,7 @@ def _check_one_sample_per_epoch(name, data_prefix, documents, sizes, num_samples
     tokens = int(np.sum(sizes[documents], dtype=np.int64))
     if num_samples > 0 and helpers.num_samples_for(1, tokens, seq_length) < 1:
         raise DatasetError(f"--seq-length {seq_length} leaves no samples: the {name} split of "
-                           f"{data_prefix} holds {tokens} tokens, fewer than one sample of "
+                           f"{data_prefix} holds {tokens} tokens, too few for one sample of "
                            f"{seq_length} + 1; lower --seq-length or use more data")
 
 

@@ -12,9 +12,11 @@ A dataset is two files sharing a prefix:
 written so far: document d is sequences ``doc_idx[d]:doc_idx[d+1]``. Without
 sentence splitting every document is one sequence.
 
-Our builder also writes ``prefix.bin.sha256`` (``sha256sum`` format; Megatron-LM ignores
-it, and the ``.idx`` stays byte-compatible): when present, the ``.bin`` is checked
-against it at open, so flipped bits and a ``.bin`` of another dataset are refused.
+Our builder also writes ``prefix.bin.sha256`` (the sha256 of the ``.bin`` and the ``.idx``
+in ``sha256sum`` format; Megatron-LM ignores it, and the ``.idx`` stays byte-compatible):
+when present, both files are checked against it at open (once per process and file
+version: a full read of the ``.bin``), so flipped bits, a swapped dtype code and a
+``.bin`` of another dataset are refused.
 Without it, a ``.bin`` longer or shorter than its index describes is refused.
 """
 import hashlib
@@ -158,7 +160,7 @@ class MMapIndexedDataset:
                                         "by its prefix, without .bin/.idx)")
         self._index = _Index(index_file_path(path_prefix))
         self._bin = self._map_data(data_file_path(path_prefix), self._index.data_bytes())
-        check_data_digest(data_file_path(path_prefix))
+        check_data_digest(path_prefix)
 
     @staticmethod
     def _map_data(path: str, needed: int):
@@ -166,8 +168,8 @@ class MMapIndexedDataset:
         if size != needed:
             state = "truncated" if size < needed else "longer than its index describes"
             raise IndexedDatasetError(f"{path}: data file is {size} bytes but its index refers to "
-                                      f"exactly {needed}; the .bin is {state}, or belongs to "
-                                      f"another .idx; regenerate the dataset")
+                                      f"{needed}, which it must match exactly; the .bin is {state} "
+                                      f"or belongs to another .idx; regenerate the dataset")
         return memoryview(np.memmap(path, mode="r", order="C")) if size else b""
 
     def __len__(self) -> int:
@@ -228,24 +230,40 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-_VERIFIED: dict = {}  # (path, size, mtime) -> True: each process hashes a .bin once
+_VERIFIED: dict = {}  # (path, size, mtime) of both files -> True: each process hashes once
 
 
-def check_data_digest(bin_path: str) -> None:
-    """Compare ``bin_path`` with its ``.sha256`` sidecar when it has one."""
-    sidecar = bin_path + DIGEST_SUFFIX
+def _read_digests(sidecar: str) -> dict:
+    """{".bin": hex, ".idx": hex} from a sha256sum-format sidecar."""
+    digests = {}
+    with open(sidecar, "rb") as f:
+        for line in f.read(4096).decode("utf-8", "replace").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and os.path.splitext(parts[1])[1] in (".bin", ".idx"):
+                digests[os.path.splitext(parts[1])[1]] = parts[0].lstrip("*")
+    return digests
+
+
+def check_data_digest(path_prefix: str) -> None:
+    """Compare ``prefix.bin`` (and ``prefix.idx``) with the ``prefix.bin.sha256`` sidecar
+    when there is one."""
+    paths = {".bin": data_file_path(path_prefix), ".idx": index_file_path(path_prefix)}
+    sidecar = paths[".bin"] + DIGEST_SUFFIX
     if not os.path.isfile(sidecar):
         return
-    stat = os.stat(bin_path)
-    key = (os.path.abspath(bin_path), stat.st_size, stat.st_mtime_ns)
+    key = tuple((os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                for p in paths.values())
     if key in _VERIFIED:
         return
-    with open(sidecar, "rb") as f:
-        expected = f.read(256).split(b" ", 1)[0].decode("ascii", "replace").strip()
-    if _file_sha256(bin_path) != expected:
-        raise IndexedDatasetError(f"{bin_path}: does not match its digest in {sidecar}: the .bin "
-                                  f"is corrupt or belongs to another dataset; regenerate the "
-                                  f"dataset (or remove the sidecar if another tool rewrote it)")
+    digests = _read_digests(sidecar)
+    if ".bin" not in digests:
+        raise IndexedDatasetError(f"{sidecar}: no sha256 line for the .bin; regenerate the "
+                                  f"dataset or remove the sidecar")
+    for ext, expected in digests.items():
+        if _file_sha256(paths[ext]) != expected:
+            raise IndexedDatasetError(f"{paths[ext]}: does not match its digest in {sidecar}: it "
+                                      f"is corrupt or belongs to another dataset; regenerate the "
+                                      f"dataset (or remove the sidecar if another tool rewrote it)")
     _VERIFIED[key] = True
 
 
@@ -352,14 +370,16 @@ class MMapIndexedDatasetBuilder:
         except BaseException:
             _remove(tmp_idx)
             raise
-        self._write_digest()
+        self._write_digest(idx_path)
 
-    def _write_digest(self) -> None:
-        """``prefix.bin.sha256`` in sha256sum format, written under a temporary name."""
+    def _write_digest(self, idx_path: str) -> None:
+        """``prefix.bin.sha256``: the sha256 of the .bin and the .idx in sha256sum format
+        (``sha256sum -c`` checks it), written under a temporary name."""
         sidecar = self._bin_path + DIGEST_SUFFIX
         tmp = f"{sidecar}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            f.write(f"{self._sha256.hexdigest()}  {os.path.basename(self._bin_path)}\n")
+            f.write(f"{self._sha256.hexdigest()}  {os.path.basename(self._bin_path)}\n"
+                    f"{_file_sha256(idx_path)}  {os.path.basename(idx_path)}\n")
         os.replace(tmp, sidecar)
 
     def abort(self) -> None:

@@ -163,8 +163,8 @@ def test_skip_bad_lines_and_existing_output_untouched(tmp_path, capsys):
     before = read_bytes(tmp_path / "o_text_document")
     assert preprocess(source, tmp_path / "o", *gpt2_flags(), "--workers", "2") == 1
     assert read_bytes(tmp_path / "o_text_document") == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o_text_document.bin",
-                                                          "o_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in.jsonl", "o_text_document.bin", "o_text_document.bin.sha256", "o_text_document.idx"]
 
 
 def test_flag_errors(tmp_path, capsys):

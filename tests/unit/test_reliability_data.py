@@ -1,4 +1,5 @@
-"""Data is checked before it is trusted: corrupted .idx/.bin pairs, empty splits,
+"""Data is checked before it is trusted: corrupted .idx/.bin pairs (with and without the
+builder's digest sidecar), foreign .bin files, empty splits,
 token ids beyond the vocabulary and malformed JSON lines each end in one named line."""
 import json
 import random
@@ -43,7 +44,7 @@ def reference_read(idx: bytes, bin_: bytes):
         if size < 0 or pointer != position:
             return None
         position += size * itemsize
-    if position > len(bin_) or doc_idx[0] != 0:
+    if position != len(bin_) or doc_idx[0] != 0:
         return None
     if any(b < a or b > n for a, b in zip(doc_idx, doc_idx[1:])):
         return None
@@ -74,37 +75,90 @@ def mutate(rng, idx: bytearray, bin_: bytearray):
     return idx, bin_
 
 
-def test_fuzzed_index_and_data_pairs(tmp_path):
-    """1200 seeded corruptions: each is a one-line IndexedDatasetError naming the
-    file, or (only when the pair is still fully consistent) reads what a reference
-    reader reads."""
-    rng = random.Random(13)
-    base = tmp_path / "base"
-    docs = [[[1, 2, 3], [4]], [[5, 6]], [[7, 8, 9, 10]], [[11]]]
-    originals = []
-    for dtype in (np.uint16, np.int32, np.int64, np.uint8):
-        build(base, docs, dtype)
-        originals.append(((tmp_path / "base.idx").read_bytes(), (tmp_path / "base.bin").read_bytes()))
-    errors = reads = 0
-    for case in range(1200):
-        idx, bin_ = (bytearray(b) for b in originals[case % 4])
+def _originals(tmp_path, docs=((1, 2, 3), (4,)), dtypes=(np.uint16, np.int32, np.int64, np.uint8)):
+    """(idx, bin, sidecar) bytes of one small dataset per dtype."""
+    tmp_path.mkdir(exist_ok=True)
+    base, out = tmp_path / "base", []
+    for dtype in dtypes:
+        build(base, [[list(docs[0]), list(docs[1])], [[5, 6]], [[7, 8, 9, 10]], [[11]]], dtype)
+        out.append(tuple((tmp_path / f"base.{ext}").read_bytes() for ext in ("idx", "bin", "bin.sha256")))
+    return out
+
+
+def _open_case(tmp_path, case, idx, bin_, sidecar=None):
+    """'refused' (one line naming the files) or 'read' (exactly what the reference reader reads)."""
+    prefix = tmp_path / f"c{case}"
+    (tmp_path / f"c{case}.idx").write_bytes(idx)
+    (tmp_path / f"c{case}.bin").write_bytes(bin_)
+    if sidecar is not None:
+        (tmp_path / f"c{case}.bin.sha256").write_bytes(sidecar)
+    expected = reference_read(bytes(idx), bytes(bin_))
+    try:
+        ds = MMapIndexedDataset(str(prefix))
+        got = [ds[i].tolist() for i in range(len(ds))]
+    except IndexedDatasetError as err:
+        message = str(err)
+        assert "\n" not in message and f"c{case}." in message, message
+        assert sidecar is not None or expected is None, (case, message)
+        return "refused"
+    assert expected is not None and got == expected, case
+    return "read"
+
+
+def _digest_mutation(rng, idx: bytearray, bin_: bytearray):
+    """What only a digest can catch (10 random bytes inside the .bin, a dtype code swapped
+    for another valid one), or any of the index/data mutations above."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        for position in rng.sample(range(len(bin_)), min(10, len(bin_))):
+            bin_[position] ^= rng.randrange(1, 256)
+    elif kind == 1:
+        idx[17] = rng.choice([c for c in DTYPES if c != idx[17]])
+    else:
         idx, bin_ = mutate(rng, idx, bin_)
-        prefix = tmp_path / f"c{case}"
-        (tmp_path / f"c{case}.idx").write_bytes(idx)
-        (tmp_path / f"c{case}.bin").write_bytes(bin_)
-        expected = reference_read(bytes(idx), bytes(bin_))
-        try:
-            ds = MMapIndexedDataset(str(prefix))
-            got = [ds[i].tolist() for i in range(len(ds))]
-        except IndexedDatasetError as err:
-            message = str(err)
-            assert "\n" not in message and f"c{case}." in message, message
-            assert expected is None, (case, message)
-            errors += 1
-            continue
-        assert expected is not None and got == expected, case
-        reads += 1
-    assert errors >= 900 and reads >= 50, (errors, reads)
+    return idx, bin_
+
+
+def test_fuzzed_index_and_data_pairs(tmp_path, capsys):
+    """Seeded corruptions of .idx/.bin pairs, none read silently:
+    - 1200 without a digest sidecar (Megatron's files): each is a one-line IndexedDatasetError
+      naming the file, or (only when the pair is still fully consistent) reads what a
+      reference reader reads;
+    - 600 with the sidecar our builder writes: bit flips inside the .bin, swapped dtype codes
+      and the mutations above, every one refused;
+    - 120 foreign .bin files (another dataset's, longer or of the same length): refused when
+      longer, and with a sidecar whatever their length."""
+    rng = random.Random(13)
+    originals = _originals(tmp_path)
+    counts = {"plain refused": 0, "plain read": 0, "digest refused": 0, "foreign refused": 0,
+              "foreign same-length, no digest": 0}
+    for case in range(1200):
+        idx, bin_, _ = originals[case % 4]
+        counts["plain " + _open_case(tmp_path, case, *mutate(rng, bytearray(idx), bytearray(bin_)))] += 1
+    for case in range(1200, 1800):
+        idx, bin_, sidecar = originals[case % 4]
+        idx, bin_ = _digest_mutation(rng, bytearray(idx), bytearray(bin_))
+        if (bytes(idx), bytes(bin_)) == originals[case % 4][:2]:
+            continue  # a mutation that changed nothing (e.g. a field set to its own value)
+        assert _open_case(tmp_path, case, idx, bin_, sidecar) == "refused", case
+        counts["digest refused"] += 1
+    foreign = _originals(tmp_path / "other", docs=((21, 22, 23), (24, 25)))
+    foreign_same = _originals(tmp_path / "same", docs=((31, 32, 33), (34,)))
+    for case in range(1800, 1920):
+        which, with_sidecar = case % 4, case % 3 == 0
+        idx, _, sidecar = originals[which]
+        longer = case % 2 == 0
+        bin_ = (foreign if longer else foreign_same)[which][1]
+        result = _open_case(tmp_path, case, idx, bin_, sidecar if with_sidecar else None)
+        if longer or with_sidecar:
+            assert result == "refused", case
+            counts["foreign refused"] += 1
+        else:
+            counts["foreign same-length, no digest"] += 1
+    with capsys.disabled():
+        print(f"\nidx/bin fuzz: {counts}")
+    assert counts["plain refused"] >= 900 and counts["plain read"] >= 25, counts
+    assert counts["digest refused"] >= 550 and counts["foreign refused"] >= 80, counts
 
 
 def test_index_error_names_the_entry(tmp_path):

@@ -13,7 +13,8 @@ import pretrain_gpt
 from megatron.model import GPTModel
 from tests.conftest import ROOT
 from tests.gpt_setup import one_thread
-from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
+from tests.reliability_setup import (FULL_DISK_RUN, bad_token_dataset, byte_dataset,
+                                     one_thread_env, run_entry, tiny_argv)
 
 
 @pytest.fixture(autouse=True)
@@ -155,3 +156,40 @@ def test_stale_build_lock_of_a_killed_build_is_cleared(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="removed a stale build lock"):
         assert fk._load_or_build(name, spec, False) == "built"
     assert seen == [False]
+
+
+@pytest.fixture(scope="module")
+def bad_tokens(tmp_path_factory):
+    return bad_token_dataset(tmp_path_factory.mktemp("badtok"))
+
+
+def _exits(argv, status, words, code=None):
+    """The run ends within 30 s with `status`, one line holding `words`, nothing left behind."""
+    rc, err, seconds = run_entry(argv, timeout=90, code=code)
+    assert rc == status and len(err) == 1 and words in err[0], (rc, err[-5:])
+    assert seconds < 30, seconds
+    return seconds
+
+
+def test_every_error_exits_with_loader_workers_alive(data, bad_tokens, tmp_path):
+    """With --num-workers 2, errors raised while the loader workers are alive (a full disk at
+    a save, a token beyond the vocabulary in a worker) and start-up refusals (a nan blend
+    weight, a --seq-length leaving no samples, a kill switch in a missing directory) each exit
+    2 with one line, within 30 s, leaving no process behind."""
+    workers = ["--num-workers", "2"]
+    times = {}
+    times["full disk"] = _exits(tiny_argv(*data, *workers, "--save", tmp_path / "full",
+                                          "--save-interval", "2", iters=6),
+                                2, "no space left on device", code=FULL_DISK_RUN)
+    times["token"] = _exits(tiny_argv(bad_tokens, data[1], *workers), 2,
+                            "holds token id 700, outside the vocabulary of size 257")
+    times["nan weight"] = _exits(tiny_argv(data[0], data[1], *workers) + [
+        "--data-path", "nan", data[0], "1", data[0]], 2, "every weight must be a finite number")
+    times["seq length"] = _exits(tiny_argv(*data, *workers, "--position-embedding-type", "rope",
+                                           "--seq-length", "4000000000",
+                                           "--max-position-embeddings", "4000000000"),
+                                 2, "--seq-length 4000000000 leaves no samples")
+    times["kill switch"] = _exits(tiny_argv(*data, *workers, "--kill-switch-path",
+                                            tmp_path / "no" / "such" / "stop"),
+                                  2, "--kill-switch-path")
+    print(f"exit seconds: {times}")
