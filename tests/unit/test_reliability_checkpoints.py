@@ -4,8 +4,10 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import time
+import zipfile
 
 import pytest
 import torch
@@ -73,6 +75,42 @@ def hostile(root):
     os.remove(model_file(root) + ".sha256")
 
 
+def flip_tensor_bytes_without_sidecar(root):
+    """64 flipped bytes inside the largest tensor's storage: the file still loads (the case
+    that trained on with a grad norm of 12.4), and its sidecar is gone."""
+    path = model_file(root)
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(open(path, "rb").read())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    for i in random.Random(1).sample(range(start, start + info.file_size), 64):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    os.remove(path + ".sha256")
+    safe_load(path)  # still a loadable file
+
+
+def strip_digest(root):
+    """Neither sidecar nor in-file digest (a file of ours that was re-saved by hand)."""
+    state = safe_load(model_file(root))
+    del state[checkpoint_io.CONTENT_DIGEST]
+    torch.save(state, model_file(root))
+    os.remove(model_file(root) + ".sha256")
+
+
+def tracker_names_another_iteration(root):
+    """The tracker says 6 and iter_0000006 holds the iteration-2 file."""
+    os.rename(root / ITER, root / "iter_0000006")
+    (root / "latest_checkpointed_iteration.txt").write_text("6")
+
+
+def nan_weight(root):
+    state = safe_load(model_file(root))
+    state["model"]["language_model"]["encoder"]["layers.1.mlp.dense_4h_to_h.weight"][3, 1] = float("nan")
+    checkpoint_io.save_file(state, model_file(root))  # a valid sidecar: the weights are the problem
+
+
 LOAD_CASES = [
     ("garbage tracker", corrupt_tracker("hello"), [], "not an iteration number"),
     ("empty tracker", corrupt_tracker(""), [], "not an iteration number"),
@@ -84,6 +122,15 @@ LOAD_CASES = [
      "does not match its checksum"),
     ("flipped bytes", flip_bytes, [], "does not match its checksum"),
     ("hostile pickle", hostile, [], "not loaded"),
+    ("flipped bytes, no sidecar", flip_tensor_bytes_without_sidecar, [],
+     "does not match the digest it carries"),
+    ("no sidecar, no digest", strip_digest, [], "cannot be verified"),
+    ("no sidecar, no digest, --no-verify-checkpoint", strip_digest,
+     ["--no-verify-checkpoint", "--finetune"], None),
+    ("tracker names another iteration", tracker_names_another_iteration, [],
+     "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
+    ("nan weight", nan_weight, [], "parameter language_model.encoder.layers.1.mlp.dense_4h_to_h.weight "
+     "holds 1 nan/inf values"),
     ("hidden size", None, ["--hidden-size", "64"], "--hidden-size 64 does not match"),
     ("heads", None, ["--num-attention-heads", "2"], "--num-attention-heads 2 does not match"),
     ("layers", None, ["--num-layers", "4"], "--num-layers 4 does not match"),
@@ -270,3 +317,34 @@ def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
     stored["model"]["padded_vocab_size"] = 1024  # padded for TP 8: accepted
     build_tokenizer_and_vocab(config, stored)
     assert config.model.padded_vocab_size == 1024
+
+
+def test_tokenizer_of_the_same_type_with_other_files_is_refused(saved, tmp_path, capsys):
+    """A bpe-8k checkpoint resumed with gpt2-tiny's files (both GPT2BPETokenizer): refused,
+    naming both digests and sizes; the right files (elsewhere, same content) still load."""
+    from tests.conftest import shared_file
+    out, prefix = saved
+
+    def bpe(name):
+        vocab, merges = ("vocab.json", "merges.txt") if name == "bpe-8k" else \
+            ("gpt2-tiny-vocab.json", "gpt2-tiny-merges.txt")
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", shared_file(name, vocab),
+                "--merge-file", shared_file(name, merges), "--make-vocab-size-divisible-by", "128"]
+
+    root = tmp_path / "ckpt"
+    pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--save", root, *bpe("bpe-8k"), iters=1))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, *bpe("gpt2-tiny"), iters=2))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "gpt2-tiny-vocab.json (sha256 " in err and "5000 ids) is not the one the checkpoint" in err
+    assert "an embedding of 8064 rows" in err, err
+    copy = tmp_path / "copy"
+    shutil.copytree(shared_file("bpe-8k"), copy)
+    flags = bpe("bpe-8k")
+    flags[flags.index("--vocab-file") + 1] = copy / "vocab.json"
+    flags[flags.index("--merge-file") + 1] = copy / "merges.txt"
+    state = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, "--finetune", *flags,
+                                        iters=1))
+    assert [h["iteration"] for h in state.history] == [1]

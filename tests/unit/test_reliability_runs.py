@@ -14,7 +14,7 @@ from megatron.model import GPTModel
 from tests.conftest import ROOT
 from tests.gpt_setup import one_thread
 from tests.reliability_setup import (FULL_DISK_RUN, bad_token_dataset, byte_dataset,
-                                     one_thread_env, run_entry, tiny_argv)
+                                     one_thread_env, run_entry, session_processes, tiny_argv)
 
 
 @pytest.fixture(autouse=True)
@@ -193,3 +193,36 @@ def test_every_error_exits_with_loader_workers_alive(data, bad_tokens, tmp_path)
                                             tmp_path / "no" / "such" / "stop"),
                                   2, "--kill-switch-path")
     print(f"exit seconds: {times}")
+
+
+def test_a_run_owns_its_save(data, tmp_path):
+    """Two concurrent runs on one --save: the second exits 2 naming the first. After the first
+    is SIGKILLed (no process of it is left), a new run takes the stale lock over with a notice
+    and saves; every checkpoint in the directory verifies."""
+    from megatron.checkpointing.layout import read_model_file
+    save = tmp_path / "ckpt"
+    first, lines = _train_until(tiny_argv(*data, "--save", save, "--save-interval", "2",
+                                          "--num-workers", "2", iters=100000), 3)
+    try:
+        rc, err, seconds = run_entry(tiny_argv(*data, "--save", save, "--num-workers", "2", iters=2))
+        assert rc == 2 and len(err) == 1 and seconds < 30, (rc, err, seconds)
+        assert f"--save {save} is in use by another run: pid {first.pid} on host" in err[0], err
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    deadline = time.monotonic() + 10
+    while session_processes(first.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not session_processes(first.pid)
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"),
+                           *map(str, tiny_argv(*data, "--save", save, "--exit-interval", "3",
+                                               "--num-workers", "2", iters=100000))],
+                          capture_output=True, text=True, cwd=ROOT, env=one_thread_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"took over the stale lock of pid {first.pid}" in proc.stdout, proc.stdout[-2000:]
+    assert not (save / ".megatron_save.lock").exists()  # released at exit
+    files = sorted(save.glob("iter_*/mp_rank_00/model_optim_rng.pt"))
+    assert len(files) >= 2 and not list(save.rglob("*.tmp.*"))
+    for path in files:
+        read_model_file(str(path))  # checksum-verified
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
