@@ -7,7 +7,9 @@ Entry points turn that into one line on stderr and exit status 2.
 import argparse
 import os
 import re
+import signal
 import sys
+import time
 from typing import List, Optional, Sequence
 
 from megatron.arguments_help import HELP
@@ -256,11 +258,27 @@ def fail(message: str, prog: Optional[str] = None) -> None:
     """Print one line and exit with status 2 (argparse's convention for bad usage).
 
     Under torchrun, before the process group starts every rank checks the same flags and
-    files, so only rank 0 prints; the others exit 2 silently."""
+    files, so only rank 0 prints; the others exit 2 silently, a moment later."""
     prog = prog or os.path.basename(sys.argv[0] or "megatron")
-    if not _shared_check_on_other_rank():
+    _finish_exit_under_launcher()
+    if _shared_check_on_other_rank():
+        time.sleep(OTHER_RANK_EXIT_DELAY)  # rank 0 prints and exits first: torchrun's root cause
+    else:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+OTHER_RANK_EXIT_DELAY = 3.0
+
+
+def _finish_exit_under_launcher() -> None:
+    """Under torchrun, the first rank to exit makes the launcher SIGTERM the others; a rank
+    already on its way out ignores that, so its line is printed and its status stays 2."""
+    if "RANK" in os.environ:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
 
 
 def _shared_check_on_other_rank() -> bool:

@@ -97,3 +97,18 @@ def test_stopped_rank_makes_its_peer_exit_within_the_timeout(data):
                            "waited --distributed-timeout-minutes 0.25 in "), line
     assert "micro batch" in line and "a peer rank stopped responding" in line, line
     assert " in a collective " not in line, line  # the phase it waited in is named
+
+
+def test_shared_validation_error_is_one_line_and_exit_2_on_every_rank(data, tmp_path):
+    """A refusal every rank reaches before the process group starts: rank 0 alone prints it,
+    and both ranks exit 2 (torchrun then adds its own failure summary and exits 1)."""
+    start = time.monotonic()
+    proc = torchrun(tiny_argv(*data, "--num-workers", "2", "--kill-switch-path",
+                              tmp_path / "missing" / "stop"))
+    out = proc.communicate(timeout=120)[0]
+    assert time.monotonic() - start < 60
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "--kill-switch-path" in errors[0], out[-3000:]
+    statuses = [line.split(":")[1].split()[0] for line in out.splitlines()
+                if line.strip().startswith("exitcode")]
+    assert statuses == ["2", "2"] and proc.returncode == 1, out[-3000:]
