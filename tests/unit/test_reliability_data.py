@@ -252,3 +252,33 @@ def test_deeply_nested_line_is_a_named_bad_line(tmp_path, capsys, workers):
                    "(use --skip-bad-lines to skip such lines)")
     assert preprocess_data.main(argv + ["--skip-bad-lines"]) == 0
     assert "Skipped 1 malformed lines" in capsys.readouterr().err
+
+
+def test_output_bin_that_is_a_directory_is_one_line(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "fine"}\n')
+    (tmp_path / "o_text_document.bin").mkdir()
+    argv = ["--input", str(source), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+            "ByteLevelTokenizer", "--log-interval", "0"]
+    assert preprocess_data.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"the output {tmp_path}/o_text_document.bin is a " \
+        "directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o_text_document.bin"]
+
+
+@pytest.mark.parametrize("which", ["merges.txt", "vocab.json"])
+def test_undecodable_tokenizer_file_is_named(tmp_path, capsys, which):
+    """Random bytes as the merges (or vocab) file: one line naming the file, exit 2."""
+    import pretrain_gpt
+    from tests.conftest import shared_file
+    from tests.reliability_setup import byte_dataset, tiny_argv
+    files = {name: shared_file("bpe-8k", name) for name in ("vocab.json", "merges.txt")}
+    files[which] = tmp_path / which
+    files[which].write_bytes(bytes(random.Random(3).randrange(256) for _ in range(4000)))
+    argv = tiny_argv(byte_dataset(tmp_path), tmp_path / "cache", "--tokenizer-type", "GPT2BPETokenizer",
+                     "--vocab-file", files["vocab.json"], "--merge-file", files["merges.txt"])
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and str(files[which]) in err, err
