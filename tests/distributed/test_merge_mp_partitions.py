@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.config import Config, ModelConfig, ParallelConfig
 from megatron.model import GPTModel
 from megatron.checkpointing import megatron_legacy
+from megatron.checkpointing.io import save_file
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.mpu.layers import shard_of
 from megatron.checkpointing.layout import from_megatron_layout, to_megatron_layout
@@ -62,7 +63,7 @@ def write_layout(root, full, cfg, tp, pp, vpp=1, iteration=5):
             rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             path = os.path.join(root, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path))
-            torch.save(state, path)
+            save_file(state, path)  # as a training run writes it: sidecar and digest
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
 
@@ -355,7 +356,7 @@ def write_tp_layout(root, full, cfg, tp):
                  "model": to_megatron_layout(flat), "sharding": meta}
         path = os.path.join(root, "iter_0000005", f"mp_rank_{t:02d}", "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path))
-        torch.save(state, path)
+        save_file(state, path)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("5")
 
