@@ -348,3 +348,56 @@ def test_tokenizer_of_the_same_type_with_other_files_is_refused(saved, tmp_path,
     state = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, "--finetune", *flags,
                                         iters=1))
     assert [h["iteration"] for h in state.history] == [1]
+
+
+def _mutate_checkpoint(rng, root):
+    """One seeded damage to the model file; returns its kind."""
+    path = model_file(root)
+    kind = rng.choice(["flip", "flip, no sidecar", "truncate", "nan", "inf", "iteration"])
+    if kind.startswith("flip") or kind == "truncate":
+        data = bytearray(open(path, "rb").read())
+        if kind == "truncate":
+            data = data[:rng.randrange(len(data))]
+        for i in rng.sample(range(len(data)), rng.randint(1, 64)) if kind != "truncate" else ():
+            data[i] ^= rng.randrange(1, 256)
+        open(path, "wb").write(bytes(data))
+        if kind != "flip":
+            os.remove(path + ".sha256")
+        return kind
+    state = safe_load(path)
+    if kind == "iteration":
+        state["iteration"] = rng.choice([0, 1, 3, 7])
+    else:
+        weights = [t for t in state["model"]["language_model"]["encoder"].values() if t.numel() > 1]
+        tensor = rng.choice(weights)
+        tensor.view(-1)[rng.randrange(tensor.numel())] = float(kind)
+    checkpoint_io.save_file(state, path)  # a valid sidecar and digest: the content is the problem
+    return kind
+
+
+def test_fuzzed_checkpoint_mutations_are_refused(saved, tmp_path, capsys):
+    """60 seeded damages to a checkpoint (flipped bytes with and without the sidecar, truncation,
+    a nan/inf weight, a stored iteration other than the tracker's): each is one CheckpointError
+    line, or (a flip that left the content whole) loads exactly the original tensors."""
+    from megatron.checkpointing.layout import finite_model_state, from_megatron_layout, \
+        load_checkpoint_file
+    from megatron.mpu import single_process_state
+    out, _ = saved
+    rng, pstate, counts = random.Random(24), single_process_state(), {}
+    original = from_megatron_layout(safe_load(model_file(out / "ckpt"))["model"])
+    for case in range(60):
+        root = tmp_path / f"c{case}"
+        shutil.copytree(out / "ckpt", root)
+        kind = _mutate_checkpoint(rng, root)
+        try:
+            state = load_checkpoint_file(str(root), pstate)
+            flat = finite_model_state(from_megatron_layout(state["model"]), str(root))
+        except CheckpointError as err:
+            assert "\n" not in str(err), str(err)
+            counts[f"{kind}: refused"] = counts.get(f"{kind}: refused", 0) + 1
+            continue
+        assert all(torch.equal(flat[k], v) for k, v in original.items()), (case, kind)
+        counts[f"{kind}: content intact"] = counts.get(f"{kind}: content intact", 0) + 1
+    with capsys.disabled():
+        print(f"\ncheckpoint mutations: {dict(sorted(counts.items()))}")
+    assert sum(v for k, v in counts.items() if k.endswith("refused")) >= 55, counts
