@@ -4,6 +4,7 @@ Each flag takes one group "NAME: W1 START:END PREFIX1, W2 START:END PREFIX2, ...
 quoted): the split draws from the documents [round(START x n), round(END x n)) of each prefix
 (n documents), blended by the weights W. This replaces --data-path/--split for that split.
 """
+import math
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -29,8 +30,9 @@ def parse_weighted_split_paths(flag: str, groups: List[str]) -> Tuple[str, List[
             weight, (start, end), prefix = float(fields[0]), map(float, fields[1].split(":")), fields[2]
         except (ValueError, IndexError):
             raise ConfigError(f"{flag}: {part.strip()!r} is not \"WEIGHT START:END PREFIX\"") from None
-        if len(fields) != 3 or weight < 0 or not 0.0 <= start < end <= 1.0:
-            raise ConfigError(f"{flag}: {part.strip()!r} needs a weight >= 0 and "
+        if len(fields) != 3 or not math.isfinite(weight) or weight < 0 \
+                or not 0.0 <= start < end <= 1.0:
+            raise ConfigError(f"{flag}: {part.strip()!r} needs a finite weight >= 0 and "
                               f"0 <= START < END <= 1")
         entries.append((weight, start, end, prefix))
     if not colon or not name.strip() or left_to_right_sum(e[0] for e in entries) <= 0:
