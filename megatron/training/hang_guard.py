@@ -15,6 +15,12 @@ class DistributedTimeoutError(RuntimeError):
     """A collective or p2p operation gave up waiting for a peer rank."""
 
 
+def peer_exited(err: BaseException) -> bool:
+    """The peer's end of the connection closed (it exited) rather than went silent."""
+    text = str(err).lower()
+    return any(word in text for word in _TIMEOUT_WORDS[2:])
+
+
 def is_timeout(err: BaseException) -> bool:
     text = str(err).lower()
     return any(word in text for word in _TIMEOUT_WORDS)
@@ -46,12 +52,15 @@ class HangGuard:
         except RuntimeError as err:
             if not is_timeout(err):
                 raise
-            raise DistributedTimeoutError(self.describe(iteration)) from None
+            raise DistributedTimeoutError(self.describe(iteration, peer_exited(err))) from None
 
-    def describe(self, iteration: int) -> str:
+    def describe(self, iteration: int, exited: bool = False) -> str:
         p = self.pstate
         operation = self.operation or getattr(self.timers, "current", None) or "a collective"
         micro = f"micro batch {self.microbatch}" if self.microbatch else "no micro batch yet"
-        return (f"rank {p.rank} (pipeline stage {p.pp_rank}, data-parallel rank {p.dp_rank}) waited "
-                f"--distributed-timeout-minutes {self.minutes:g} in {operation} ({micro}, iteration "
-                f"{iteration}); a peer rank stopped responding")
+        where = f"rank {p.rank} (pipeline stage {p.pp_rank}, data-parallel rank {p.dp_rank})"
+        if exited:
+            return (f"{where} lost its connection to a peer rank in {operation} ({micro}, iteration "
+                    f"{iteration}): that rank exited; its own error line says why")
+        return (f"{where} waited --distributed-timeout-minutes {self.minutes:g} in {operation} "
+                f"({micro}, iteration {iteration}); a peer rank stopped responding")

@@ -112,3 +112,30 @@ def test_shared_validation_error_is_one_line_and_exit_2_on_every_rank(data, tmp_
     statuses = [line.split(":")[1].split()[0] for line in out.splitlines()
                 if line.strip().startswith("exitcode")]
     assert statuses == ["2", "2"] and proc.returncode == 1, out[-3000:]
+
+
+def test_error_found_by_one_rank_ends_every_rank(tmp_path, data):
+    """A token beyond the vocabulary, met in a loader worker at DP 2 (--num-workers 2): a rank
+    that meets it prints it and exits 2; a peer left waiting says it lost that rank (not a
+    timeout) or is stopped by torchrun; all within 60 s, no process left behind."""
+    from tests.reliability_setup import bad_token_dataset, session_processes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(port), str(ROOT / "pretrain_gpt.py"),
+           *map(str, tiny_argv(bad_token_dataset(tmp_path), data[1], "--num-workers", "2"))]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env=one_thread_env(), start_new_session=True)
+    out = proc.communicate(timeout=120)[0]
+    assert time.monotonic() - start < 60 and proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    token = [e for e in errors if "holds token id 700, outside the vocabulary of size 257" in e]
+    lost = [e for e in errors if "lost its connection to a peer rank" in e]
+    assert token and len(token) + len(lost) == len(errors) <= 2, out[-3000:]
+    statuses = [line.split(":")[1].split()[0] for line in out.splitlines()
+                if line.strip().startswith("exitcode")]
+    assert "2" in statuses, out[-3000:]
+    time.sleep(1)
+    assert not session_processes(proc.pid), session_processes(proc.pid)
