@@ -70,14 +70,15 @@ class SaveLock:
         return notice
 
     def _stale_notice(self, holder: dict) -> Optional[str]:
-        if not holder.get("pid"):
+        """The flock was free: a notice when the file names a dead process of this host.
+        A live holder (a filesystem whose flock does nothing) or another host's is refused."""
+        pid = int(holder.get("pid") or 0)
+        if not pid or (pid == os.getpid() and holder.get("host") == socket.gethostname()):
             return None
-        if holder.get("host") != socket.gethostname():
+        if holder.get("host") != socket.gethostname() or pid_alive(pid):
             raise CheckpointError(f"--save {self.directory} is locked by {_describe(holder)}, "
-                                  f"which this host cannot check; if that run has ended, remove "
+                                  f"which may still be running; if that run has ended, remove "
                                   f"{self.path}")
-        if pid_alive(int(holder["pid"])) and int(holder["pid"]) == os.getpid():
-            return None
         return (f" > --save {self.directory}: took over the stale lock of {_describe(holder)}, "
                 f"which is no longer running")
 

@@ -401,3 +401,54 @@ def test_fuzzed_checkpoint_mutations_are_refused(saved, tmp_path, capsys):
     with capsys.disabled():
         print(f"\ncheckpoint mutations: {dict(sorted(counts.items()))}")
     assert sum(v for k, v in counts.items() if k.endswith("refused")) >= 55, counts
+
+
+def test_temp_file_clean_up_touches_only_files_of_dead_processes(tmp_path):
+    child = subprocess.Popen(["sleep", "30"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        live = [tmp_path / f"model_optim_rng.pt.tmp.{pid}" for pid in (os.getpid(), child.pid)]
+        gone = tmp_path / "sub" / f"model_optim_rng.pt.tmp.{dead.pid}"
+        gone.parent.mkdir()
+        for path in live + [gone]:
+            path.write_bytes(b"partial")
+        assert checkpoint_io.remove_stale_temp_files(str(tmp_path)) == 1
+        assert all(p.exists() for p in live) and not gone.exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_save_lock_holder_stale_and_foreign_hosts(tmp_path, capsys):
+    """The lock names its holder; a second lock in the same process is refused; a lock file
+    of a dead process is taken over with a notice; one of another host, or of a live process
+    whose flock is gone, is never taken over."""
+    import json
+    from megatron.checkpointing.lock import LOCK_FILE, SaveLock
+    first = SaveLock(str(tmp_path))
+    assert first.acquire() is None
+    with pytest.raises(CheckpointError, match=rf"in use by another run: pid {os.getpid()} on host"):
+        SaveLock(str(tmp_path)).acquire()
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    holder = {"pid": dead.pid, "host": __import__("socket").gethostname(), "start_time": 1.0}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    lock = SaveLock(str(tmp_path))
+    assert f"took over the stale lock of pid {dead.pid}" in lock.acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    (tmp_path / LOCK_FILE).write_text(json.dumps(dict(holder, host="elsewhere")))
+    with pytest.raises(CheckpointError, match="locked by pid .* on host elsewhere .* remove"):
+        SaveLock(str(tmp_path)).acquire()
+    assert (tmp_path / LOCK_FILE).exists()  # never removed for another host's run
+    alive = subprocess.Popen(["sleep", "30"])  # a live holder whose flock is gone (e.g. over NFS)
+    try:
+        (tmp_path / LOCK_FILE).write_text(json.dumps(dict(holder, pid=alive.pid)))
+        with pytest.raises(CheckpointError, match=f"locked by pid {alive.pid} .* may still be running"):
+            SaveLock(str(tmp_path)).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
