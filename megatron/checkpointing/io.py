@@ -8,9 +8,10 @@ is verified at load when present. Each file also carries ``content_sha256``, a d
 of everything it holds (tensor bytes, shapes, dtypes and plain values, walked in key
 order), so a file whose sidecar is lost is still verified; a file with neither is
 refused unless --no-verify-checkpoint (files written by Megatron-LM carry neither and
-are read unverified, as there is nothing to check them against). A full disk (ENOSPC) becomes one CheckpointError
-naming the directory and the bytes needed; the partial file is removed. Temporary
-files left by killed saves are removed at the next save.
+are read unverified, as there is nothing to check them against). A full disk (ENOSPC)
+becomes one CheckpointError naming the directory and the bytes needed; the partial
+file is removed. Temporary files left by killed saves (of processes that no longer
+exist) are removed at the next save.
 """
 import contextlib
 import errno
@@ -128,9 +129,10 @@ def _feed(digest, value) -> None:
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous().reshape(-1)
         digest.update(f"T{tensor.dtype}{tuple(value.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        digest.update(memoryview(tensor.view(torch.uint8).numpy()))
     elif isinstance(value, np.ndarray):
-        digest.update(f"A{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+        digest.update(f"A{value.dtype}{value.shape}".encode())
+        digest.update(memoryview(np.ascontiguousarray(value)).cast("B"))
     elif isinstance(value, dict):
         digest.update(f"D{len(value)}".encode())
         for key in sorted(value, key=repr):
