@@ -271,8 +271,11 @@ def serve(server: Server, host: str, port: int, threads: int) -> None:
         waitress_serve(build_app(server), host=host, port=port, threads=threads)
     except KeyboardInterrupt:
         pass
+    except OSError as err:  # the address is in use or cannot be bound
+        fail(f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); "
+             f"choose another --port")
     finally:
-        server.stop()
+        server.stop()  # the heartbeat thread ends and the other ranks are released
 
 
 def main(argv=None) -> None:

@@ -226,3 +226,30 @@ def test_a_run_owns_its_save(data, tmp_path):
     for path in files:
         read_model_file(str(path))  # checksum-verified
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_server_on_a_busy_port_is_one_line_and_releases_the_ranks(capsys):
+    """The text-generation server cannot listen: one line, exit 2, and the heartbeat thread
+    and the other ranks are stopped (Server.stop), so nothing keeps the process alive."""
+    import socket
+    import threading
+    from tools import run_text_generation_server as server_tool
+
+    class Fake:
+        stopped = threading.Event()
+        heartbeat = stopped.wait  # the heartbeat thread waits until stop()
+
+        def stop(self):
+            self.stopped.set()
+
+    fake = Fake()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            server_tool.serve(fake, "127.0.0.1", port, 1)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and f"--port {port}" in err, err
+    assert fake.stopped.is_set()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve() installed its handler
