@@ -452,3 +452,21 @@ def test_save_lock_holder_stale_and_foreign_hosts(tmp_path, capsys):
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.parametrize("damage, words", [
+    (flip_tensor_bytes_without_sidecar, "does not match the digest it carries"),
+    (tracker_names_another_iteration, "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
+    (nan_weight, "holds 1 nan/inf values"),
+], ids=["flipped, no sidecar", "tracker", "nan weight"])
+def test_refused_checkpoint_exits_with_loader_workers(saved, tmp_path, damage, words):
+    """As a user runs it (a subprocess, the default --num-workers 2): one line, exit 2, within
+    30 s, no process left behind."""
+    from tests.reliability_setup import run_entry
+    out, prefix = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt", root)
+    damage(root)
+    rc, err, seconds = run_entry(tiny_argv(prefix, out / "cache", "--load", root, "--num-workers",
+                                           "2", iters=3), timeout=90)
+    assert rc == 2 and len(err) == 1 and words in err[0] and seconds < 30, (rc, err, seconds)
