@@ -66,6 +66,7 @@ def _add_model_args(parser):
     _off(g, "--no-bias-dropout-fusion", "model", "bias_dropout_fusion")
     _off(g, "--no-persist-layer-norm", "model", "layer_norm_fusion")
     _off(g, "--no-layer-norm-fusion", "model", "layer_norm_fusion")
+    _off(g, "--no-mask-vocab-padding", "model", "mask_vocab_padding")
 
 
 def _add_architecture_args(parser):

@@ -22,6 +22,8 @@ HELP = {
     "--apply-query-key-layer-scaling": "scale q.k by 1/layer number (fp16 range), softmax in fp32",
     "--fp16-lm-cross-entropy": "compute the LM cross entropy in fp16 (default fp32)",
     "--no-masked-softmax-fusion": "use the plain PyTorch softmax",
+    "--no-mask-vocab-padding": "let the vocabulary-padding rows count in the training loss, "
+                               "as Megatron-LM does (by default they get probability 0)",
     "--no-bias-gelu-fusion": "use the plain PyTorch bias + GeLU",
     "--no-bias-dropout-fusion": "use the plain PyTorch bias + dropout + add",
     "--no-persist-layer-norm": "use torch.nn.functional.layer_norm (same as --no-layer-norm-fusion)",

@@ -18,6 +18,7 @@ from megatron.compat import apply_compat
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.checkpointing.portable import resolve_stored_paths
 from megatron.checkpointing.layout import (TRACKER, CheckpointError, check_layout,
                                            from_megatron_layout, load_checkpoint_file,
                                            read_model_file, read_tracker)
@@ -52,7 +53,33 @@ def read_stored_config(root: str) -> Dict[str, Any]:
     # verified at the full load; here only the stored config is read
     state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
     config = state.get("config") or state.get("megatron_config") or {}
-    return config if isinstance(config, dict) else {}
+    return resolve_stored_paths(config, root) if isinstance(config, dict) else {}
+
+
+def checkpoint_summary(root: str) -> str:
+    """"<root> at iteration N (format ..., saved at TP t x PP p)" for the loading lines."""
+    iteration, release = read_tracker(root)
+    state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
+    parallel = state.get("parallel") or {}
+    tp, pp = (parallel.get(f"{k}_model_parallel_size", "?") for k in ("tensor", "pipeline"))
+    kind = "release" if release else "torch"
+    return f"{root} at iteration {iteration} (format {kind}, saved at TP {tp} x PP {pp})"
+
+
+def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Dict[str, Any]:
+    """With --load (or --finetune) of an existing checkpoint: its stored config, whose model
+    and tokenizer fields become the parser's defaults (flags given still win, and
+    `check_model_matches` refuses those that contradict it). {} without a checkpoint."""
+    known, _ = parser.parse_known_args(argv)
+    root = getattr(known, "checkpoint.load", None)
+    try:
+        if not root or read_tracker(root) is None:
+            return {}
+        stored = read_stored_config(root)
+    except (CheckpointError, OSError, RuntimeError) as err:
+        fail(str(err).splitlines()[0])
+    parser.set_defaults(**checkpoint_defaults(parser, stored))
+    return stored
 
 
 def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any]) -> Dict[str, Any]:
@@ -118,10 +145,13 @@ def _default_global_batch(ns) -> None:
 MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond this is assumed
 # Fields that decide the parameters' names and shapes (max_position_embeddings only with
 # learned position embeddings: RoPE and ALiBi have no table).
+# Every architecture field: a model that differs in any of them is another model.
 MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                         "num_query_groups", "kv_channels", "activation", "normalization",
-                        "position_embedding_type", "untie_embeddings_and_output_weights",
-                        "add_bias_linear", "add_qkv_bias", "embed_layernorm", "qk_layernorm")
+                        "layernorm_epsilon", "apply_layernorm_1p", "position_embedding_type",
+                        "rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
+                        "untie_embeddings_and_output_weights", "add_bias_linear",
+                        "add_qkv_bias", "embed_layernorm", "qk_layernorm")
 
 
 # Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
@@ -133,7 +163,7 @@ _FILE_TOKENIZERS = {"PretrainedFromHF", "HuggingFaceTokenizer", "SentencePieceTo
 
 # Fields whose flag is not --<field-name>.
 _FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--squared-relu",
-            "add_bias_linear": "--disable-bias-linear"}
+            "add_bias_linear": "--disable-bias-linear", "layernorm_epsilon": "--norm-epsilon"}
 
 
 def _tokenizer_kind(name: str) -> str:
@@ -144,14 +174,15 @@ def check_model_matches(config, stored: Dict[str, Any]) -> None:
     """The model and tokenizer the flags describe are the checkpoint's (exit 2 naming both)."""
     model, data = stored.get("model") or {}, stored.get("data") or {}
     root = config.checkpoint.load
-    names = MATCHED_MODEL_FIELDS
+    names = tuple(n for n in MATCHED_MODEL_FIELDS if n in model)
     if config.model.position_embedding_type == "learned_absolute":
         names += ("max_position_embeddings",)
     for name in names:
         saved, given = model.get(name), getattr(config.model, name)
         if saved is not None and saved != given:
             flag = _FLAG_OF.get(name)
-            shown = f"{name} {given} ({flag})" if flag else f"--{name.replace('_', '-')} {given}"
+            shown = (f"{flag} {given}" if flag and flag.count("--") == 1 else
+                     f"{name} {given} ({flag})" if flag else f"--{name.replace('_', '-')} {given}")
             fail(f"{shown} does not match the checkpoint in {root}, "
                  f"which was saved with {saved}; use the checkpoint's model flags")
     saved, given = data.get("tokenizer_type"), config.data.tokenizer_type
@@ -211,6 +242,9 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
 
     models = build_model_chunks(config, pstate, device, provider)
     root = config.checkpoint.load
+    summary = checkpoint_summary(root) if read_tracker(root) is not None else None
+    if summary and pstate.rank == 0:
+        print(f" loading checkpoint from {summary}", flush=True)
     state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
     if state is None:
         raise CheckpointError(f"no checkpoint at {root}")
@@ -224,4 +258,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
             raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
                                   f"({first}); check the model flags") from None
         model.eval()
+    if pstate.rank == 0:
+        print(f"  successfully loaded checkpoint from {root} at iteration "
+              f"{int(state.get('iteration', 0))}", flush=True)
     return models, int(state.get("iteration", 0))

@@ -4,6 +4,7 @@
 processes; it runs before any process group is created or file written.
 """
 from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
 
 from megatron.config.data import CheckpointConfig, DataConfig
 from megatron.config.errors import ConfigError, require
@@ -24,6 +25,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hf: Optional[dict] = None
+    """The Hugging Face origin of a converted model (architecture, HF config, vocabulary
+    rows, tokenizer files, generation config), carried through training so that an
+    export gives back what was converted."""
 
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
@@ -91,11 +96,10 @@ class Config:
     @classmethod
     def from_dict(cls, values: dict) -> "Config":
         """Rebuild from `to_dict()` output, ignoring fields this version does not know."""
-        kwargs = {}
-        for f in fields(cls):
-            section = SECTIONS[f.name]
+        kwargs = {"hf": values.get("hf")}
+        for name, section in SECTIONS.items():
             known = {sf.name for sf in fields(section)}
-            kwargs[f.name] = section(**{k: v for k, v in values.get(f.name, {}).items() if k in known})
+            kwargs[name] = section(**{k: v for k, v in values.get(name, {}).items() if k in known})
         return cls(**kwargs)
 
 

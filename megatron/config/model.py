@@ -62,6 +62,10 @@ class ModelConfig:
     bias_dropout_fusion: bool = True
     layer_norm_fusion: bool = True
     fp16_lm_cross_entropy: bool = False
+    mask_vocab_padding: bool = True
+    """Training cross entropy gives the vocabulary-padding ids probability 0, as inference
+    does, so the loss is transformers' and the same at every TP size (off with
+    --no-mask-vocab-padding: Megatron-LM's loss over all padded rows)."""
     sequence_parallel: bool = False
 
     # -- architecture (the declarative model spec) ---------------------------

@@ -6,7 +6,8 @@ from typing import Callable, Optional
 
 from megatron.checkpointing.io import check_writable
 from megatron.training.flops import ThroughputMeter
-from megatron.checkpointing.layout import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from megatron.checkpointing.layout import (load_checkpoint, read_tracker, rng_state,
+                                           save_checkpoint, set_rng_state)
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras
@@ -33,8 +34,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     guard.attach(trainer)
     state = trainer.state
     if config.checkpoint.load:
-        state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
-            config.checkpoint.load, models, trainer.optimizer, trainer.scheduler, config, pstate)
+        _load(trainer, config, pstate)
     # Building data loaders draws from the default generator; keep it out of the
     # training RNG stream so a resumed run continues exactly where it stopped.
     rng = rng_state()
@@ -58,6 +58,20 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
         _evaluate_and_print(trainer, test_iters, "the end of training for test data")
     trainer.tensorboard.close()
     return state
+
+
+def _load(trainer: Trainer, config, pstate) -> None:
+    """Resume (or start fine-tuning) from --load, with Megatron's two log lines."""
+    from megatron.checkpointing.loading import checkpoint_summary
+    root, state = config.checkpoint.load, trainer.state
+    found = read_tracker(root) is not None
+    if found:
+        print_rank_0(f" loading checkpoint from {checkpoint_summary(root)}")
+    state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
+        root, trainer.models, trainer.optimizer, trainer.scheduler, config, pstate)
+    if found:
+        print_rank_0(f"  successfully loaded checkpoint from {root} at iteration "
+                     f"{state.iteration}")
 
 
 def _save(trainer: Trainer) -> None:
