@@ -28,8 +28,8 @@ REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-len
 
 
 def model_provider(config, tp_group, vocab_size=None, **chunk):
-    """The GPT stage; with `vocab_size` (the tokenizer's) the padding rows never count in the
-    loss (unless --no-mask-vocab-padding)."""
+    """The GPT stage; with `vocab_size` (the real vocabulary rows) the padding rows never
+    count in the loss (unless --no-mask-vocab-padding)."""
     limit = vocab_size if config.model.mask_vocab_padding else None
     return GPTModel(config.model, tp_group=tp_group, vocab_limit=limit, **chunk)
 
@@ -94,6 +94,12 @@ def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
             None if test is None else iter(cyclic_iter(test)))
 
 
+def real_vocab_rows(config, tokenizer) -> int:
+    """Rows of the vocabulary that are not padding: the tokenizer's ids, or the converted
+    model's rows when it has more (transformers' loss counts all of them)."""
+    return max(tokenizer.vocab_size, (config.hf or {}).get("vocab_rows") or 0)
+
+
 def build_pretrain_parser():
     """Our flags, with --tokenizer-type defaulting to GPT2BPETokenizer as in both Megatrons."""
     parser = build_parser()
@@ -133,7 +139,7 @@ def _run(argv):
                  f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
                  f"(new size: {config.model.padded_vocab_size})")
     return pretrain(config, pstate, device,
-                    partial(model_provider, config, pstate.tp_group, tokenizer.vocab_size),
+                    partial(model_provider, config, pstate.tp_group, real_vocab_rows(config, tokenizer)),
                     partial(data_provider, config, pstate, tokenizer.vocab_size),
                     partial(forward_step, config, tokenizer.eod, pstate, device))
 

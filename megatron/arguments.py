@@ -92,6 +92,7 @@ def _add_architecture_args(parser):
         _flag(g, name, "model", "activation", action="store_const", const=activation)
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
         _flag(g, name, "model", type=int, default=None)
+    _flag(g, "--embedding-multiplier", "model", type=float, default=None)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 

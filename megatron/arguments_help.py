@@ -48,6 +48,7 @@ HELP = {
     "--kv-channels": "channels per attention head (default hidden size / heads)",
     "--add-qkv-bias": "keep the QKV bias with --disable-bias-linear (Qwen style)",
     "--disable-bias-linear": "no biases in the linear layers (LLaMA)",
+    "--embedding-multiplier": "multiply the word embeddings by this (Gemma: sqrt(hidden size))",
     "--untie-embeddings-and-output-weights": "a separate output layer instead of the tied embeddings",
     "--pad-vocab-size-to": "pad the vocabulary to exactly this many rows (a multiple of TP)",
     # parallelism

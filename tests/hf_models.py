@@ -54,8 +54,16 @@ def _qwen3():  # per-head q/k RMSNorm; head_dim 32 != hidden / heads = 16
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
 
 
+def _gemma():  # sqrt(h) embedding scale, tanh GeGLU, 1 + w RMSNorm, head_dim 32 != 64 / 4
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM, GemmaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, intermediate_size=96, vocab_size=189, max_position_embeddings=96,
+        rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
+
+
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom,
-            "qwen2": _qwen2, "qwen3": _qwen3}
+            "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma}
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 

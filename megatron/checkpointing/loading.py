@@ -151,7 +151,8 @@ MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
                         "layernorm_epsilon", "apply_layernorm_1p", "position_embedding_type",
                         "rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
                         "untie_embeddings_and_output_weights", "add_bias_linear",
-                        "add_qkv_bias", "embed_layernorm", "qk_layernorm")
+                        "add_qkv_bias", "embed_layernorm", "embedding_multiplier",
+                        "qk_layernorm")
 
 
 # Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
