@@ -119,6 +119,7 @@ def _add_training_args(parser):
     _flag(g, "--global-batch-size", "training", type=int, default=None)
     _flag(g, "--rampup-batch-size", "training", type=int, nargs=3, default=None,
           metavar=("START", "INCR", "SAMPLES"))
+    _flag(g, "--step-batch-size-schedule", "training", default=None)
     _flag(g, "--train-iters", "training", type=int, default=None)
     _flag(g, "--train-samples", "training", type=int, default=None)
     _flag(g, "--seed", "training", type=int, default=1234)

@@ -61,7 +61,8 @@ def _train_tokens(ns) -> None:
         setattr(ns, "training.train_samples", samples if given is None else min(given, samples))
         return
     gbs = getattr(ns, "training.global_batch_size")
-    if gbs is None or getattr(ns, "training.rampup_batch_size") is not None:
+    if gbs is None or getattr(ns, "training.rampup_batch_size") is not None or \
+            getattr(ns, "training.step_batch_size_schedule") is not None:
         raise ConfigError("--train-tokens with --train-iters needs a fixed --global-batch-size "
                           "(or use --train-samples)")
     setattr(ns, "training.train_iters", min(iters, -(-samples // gbs)))

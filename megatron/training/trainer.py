@@ -112,8 +112,7 @@ class Trainer:
         self.optimizer = build_optimizer(config, models, pstate, self.reducers)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         t = config.training
-        self.microbatches = MicroBatches(t.global_batch_size, t.micro_batch_size, pstate.dp_size,
-                                         t.rampup_batch_size)
+        self.microbatches = MicroBatches.of(config, pstate.dp_size)
         self.timers = Timers(config.logging.timing_log_level)
         self.comm = self._communicator()
         self.schedule = ("none" if pstate.pp_size == 1
@@ -229,9 +228,9 @@ def total_iterations(config) -> int:
     t = config.training
     if t.train_iters is not None:
         return t.train_iters
-    if t.rampup_batch_size is None:
+    if t.rampup_batch_size is None and t.step_batch_size_schedule is None:
         return t.train_samples // t.global_batch_size
-    mb = MicroBatches(t.global_batch_size, t.micro_batch_size, 1, t.rampup_batch_size)
+    mb = MicroBatches.of(config, 1)
     consumed, iters = 0, 0
     while consumed < t.train_samples:
         mb.update(consumed)
