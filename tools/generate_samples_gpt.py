@@ -11,8 +11,10 @@ line); each continuation is printed as "Context: ... / Megatron-LM: ..." and
 written to --sample-output-file in that form. Without prompts, --num-samples N
 draws N unconditional samples (starting from end-of-document), written as JSON
 lines {"text", "length", "finished"}. --out-seq-length is the most new tokens
-per sample. With tensor parallelism run under torchrun; pipeline-parallel
-checkpoints must be re-shard to one stage first (tools/merge_mp_partitions.py).
+per sample. The layout is the checkpoint's unless --tensor-model-parallel-size is given:
+run under torchrun with its TP (a pipeline-parallel checkpoint runs as one stage, its
+stages merged in memory; extra processes are data-parallel replicas); in one process, or
+with another TP, the weights are re-sharded in memory.
 """
 import json
 import os
@@ -123,12 +125,12 @@ def write_atomic(path: str, text: str) -> None:
 def main(argv=None) -> List[Dict]:
     """Run the tool; returns the records (prompt, text, tokens, finished)."""
     parser = get_parser()
-    config, ns, stored = parse_inference_args(parser, argv)
+    config, ns, stored = parse_inference_args(parser, argv, one_stage=True)
     prompts = read_prompts(ns)
     params = check_flags(ns, prompts)
     if config.parallel.pipeline_model_parallel_size > 1:
-        fail("generation with --pipeline-model-parallel-size > 1 is not supported; re-shard the "
-             "checkpoint with tools/merge_mp_partitions.py --target-pipeline-model-parallel-size 1")
+        fail("generation runs whole models: drop --pipeline-model-parallel-size (a "
+             "pipeline-parallel checkpoint is merged to one stage in memory)")
     tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     unconditional = not prompts

@@ -7,6 +7,7 @@ vocabulary is the checkpoint's (its embedding has that many rows), which keeps
 re-sharded checkpoints loadable.
 """
 import argparse
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -14,11 +15,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.arguments import config_from_namespace, fail, world_size_from_env
-from megatron.compat import apply_compat
+from megatron.compat import apply_compat, explicit_dests
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.checkpointing.portable import resolve_stored_paths
+from megatron.checkpointing.universal import resharded_state
 from megatron.checkpointing.layout import (TRACKER, CheckpointError, check_layout,
                                            from_megatron_layout, load_checkpoint_file,
                                            read_model_file, read_tracker)
@@ -95,8 +97,42 @@ def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any])
     return defaults
 
 
-def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None):
-    """Parse flags, filling model and tokenizer flags from the checkpoint in --load.
+def saved_layout(root: str) -> Tuple[int, int]:
+    """(TP, PP) the latest checkpoint under `root` was saved at ((1, 1) when it does not say)."""
+    parallel = read_model_file(checkpoint_file(root), verify=False, mmap=True).get("parallel") or {}
+    return (int(parallel.get("tensor_model_parallel_size", 1)),
+            int(parallel.get("pipeline_model_parallel_size", 1)))
+
+
+def inference_layout(saved: Tuple[int, int], world: int, given_tp: Optional[int],
+                     given_pp: Optional[int], one_stage: bool) -> Tuple[int, int]:
+    """(TP, PP) to run a checkpoint saved at `saved` on `world` processes: the flags given
+    win; otherwise the checkpoint's layout when it fits the world size (one stage for tools
+    that need one), else the largest TP dividing both at one stage. The weights are
+    re-sharded in memory when this differs from the saved layout."""
+    tp = given_tp or saved[0]
+    pp = given_pp or (1 if one_stage else saved[1])
+    if world % (tp * pp) == 0:
+        return tp, pp
+    return (given_tp or math.gcd(saved[0], world)), (given_pp or 1)
+
+
+def _layout_from_checkpoint(ns, parser, argv, root: str, one_stage: bool) -> None:
+    explicit = explicit_dests(parser, sys.argv[1:] if argv is None else argv)
+    if "training.train_iters" not in explicit and getattr(ns, "training.train_samples"):
+        setattr(ns, "training.train_iters", None)  # training's GPT_ARGS, reused as they are
+    given = [getattr(ns, dest) if dest in explicit else None for dest in
+             ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size")]
+    tp, pp = inference_layout(saved_layout(root), world_size_from_env(), *given, one_stage)
+    setattr(ns, "parallel.tensor_model_parallel_size", tp)
+    setattr(ns, "parallel.pipeline_model_parallel_size", pp)
+
+
+def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None,
+                         one_stage: bool = False):
+    """Parse flags, filling model and tokenizer flags, and the TP / PP layout (see
+    `inference_layout`; `one_stage` for tools that run whole models) from the checkpoint
+    in --load.
 
     Returns (config, namespace, stored_config). Problems exit 2 with one line.
     """
@@ -111,6 +147,10 @@ def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[st
         fail(str(err).splitlines()[0])
     parser.set_defaults(**checkpoint_defaults(parser, stored))
     ns = parser.parse_args(argv)
+    try:
+        _layout_from_checkpoint(ns, parser, argv, root, one_stage)
+    except (CheckpointError, OSError, RuntimeError) as err:
+        fail(str(err).splitlines()[0])
     missing = [f"--{n.replace('_', '-')}" for n in REQUIRED_MODEL_FLAGS
                if getattr(ns, f"model.{n}", None) is None]
     if missing:
@@ -246,10 +286,19 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
     summary = checkpoint_summary(root) if read_tracker(root) is not None else None
     if summary and pstate.rank == 0:
         print(f" loading checkpoint from {summary}", flush=True)
-    state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
+    state = None
+    if summary and saved_layout(root) != (pstate.tp_size, pstate.pp_size):
+        state = resharded_state(root, pstate, len(models))
+    if state is not None and pstate.rank == 0:
+        tp, pp, _ = state["resharded_from"]
+        print(f" re-sharding {root} in memory from TP {tp} x PP {pp} to TP {pstate.tp_size} x "
+              f"PP {pstate.pp_size}", flush=True)
+    if state is None:
+        state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
     if state is None:
         raise CheckpointError(f"no checkpoint at {root}")
-    check_layout(state, pstate, len(models), root)
+    if "resharded_from" not in state:
+        check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         try:

@@ -165,3 +165,32 @@ def test_loading_lines_and_moved_checkpoint(tmp_path, capsys):
     generation = json.loads((exported / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (2, 1)
     assert (exported / "tokenizer.json").is_file()
+
+
+def test_inference_layout_follows_the_checkpoint():
+    from megatron.checkpointing.loading import inference_layout
+    assert inference_layout((2, 2), 4, None, None, False) == (2, 2)  # torchrun, no flags
+    assert inference_layout((2, 2), 4, None, None, True) == (2, 1)  # one stage, DP 2
+    assert inference_layout((2, 2), 1, None, None, False) == (1, 1)  # one process
+    assert inference_layout((4, 1), 2, None, None, False) == (2, 1)
+    assert inference_layout((2, 2), 4, 4, None, True) == (4, 1)  # the flag given wins
+    assert inference_layout((1, 1), 8, None, None, False) == (1, 1)  # DP 8
+
+
+GREEDY = ["--prompt", "3 7 42 5", "--prompt", "11 12", "--out-seq-length", "12", "--greedy"]
+
+
+def test_generation_from_a_pipeline_checkpoint_in_one_process(tmp_path, capsys):
+    """A TP 2 x PP 2 conversion, sampled in one process without layout flags (and with
+    training's --train-samples), is re-sharded in memory and gives the TP 1 tokens."""
+    from tools import generate_samples_gpt
+    prepare(tmp_path, "llama")
+    pipeline = converted(str(tmp_path), "llama", 2, 2)
+    with one_thread():
+        reference = generate_samples_gpt.main(["--load", str(tmp_path / "ckpt_tp1_pp1"), *GREEDY])
+        capsys.readouterr()
+        records = generate_samples_gpt.main(["--load", pipeline, "--train-samples", "100",
+                                             "--micro-batch-size", "4", *GREEDY])
+    assert "re-sharding" in capsys.readouterr().out
+    assert [r["tokens"] for r in records] == [r["tokens"] for r in reference]
+    assert all(len(r["tokens"]) == 12 for r in reference)
