@@ -135,6 +135,9 @@ def main(argv=None):
 def _run(argv):
     config, tokenizer = setup(argv)
     pstate, device = initialize_distributed(config)
+    if config.training.fp16 and device.type == "cpu":
+        print_rank_0(" WARNING: --fp16 on a CPU runs 7-10x slower than fp32 (no fp16 matmul "
+                     "kernels); use --bf16 or fp32")
     print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
                  f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
                  f"(new size: {config.model.padded_vocab_size})")

@@ -19,6 +19,7 @@ with another TP, the weights are re-sharded in memory.
 import json
 import os
 import sys
+import time
 from typing import Dict, List
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,10 +86,11 @@ def check_flags(ns, prompts: List[str]) -> SamplingParams:
 
 def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams, config
                ) -> List[Dict]:
-    """Generate for every prompt in batches of --micro-batch-size."""
+    """Generate for every prompt in batches of --micro-batch-size, with a progress line per
+    batch (samples done, new tokens per second)."""
     batch_size = config.training.micro_batch_size
     max_positions = config.model.max_position_embeddings
-    records = []
+    records, started = [], time.time()
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         longest = max(max(len(tokenizer.tokenize(p)), 1) for p in batch)
@@ -103,6 +105,10 @@ def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams,
         for prompt, ids in zip(batch, outputs):
             records.append({"prompt": prompt, "text": tokenizer.detokenize(ids), "tokens": ids,
                             "finished": len(ids) < new_tokens})
+        rate = sum(len(r["tokens"]) for r in records) / max(time.time() - started, 1e-9)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f" generated {len(records)}/{len(prompts)} samples | {rate:.1f} tokens/s",
+                  file=sys.stderr, flush=True)
     return records
 
 

@@ -191,6 +191,8 @@ def test_generation_from_a_pipeline_checkpoint_in_one_process(tmp_path, capsys):
         capsys.readouterr()
         records = generate_samples_gpt.main(["--load", pipeline, "--train-samples", "100",
                                              "--micro-batch-size", "4", *GREEDY])
-    assert "re-sharding" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "re-sharding" in captured.out
+    assert " generated 2/2 samples | " in captured.err and "tokens/s" in captured.err
     assert [r["tokens"] for r in records] == [r["tokens"] for r in reference]
     assert all(len(r["tokens"]) == 12 for r in reference)

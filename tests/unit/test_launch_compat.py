@@ -85,16 +85,26 @@ def test_step_batch_size_schedule_errors_are_one_line(capsys):
         assert len(err) == 1 and words in err[0], err
 
 
+TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--micro-batch-size", "1",
+        "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization"]
+
+
+def test_fp16_on_cpu_warns_once(capsys):
+    from tests.gpt_setup import one_thread
+    with one_thread():
+        pretrain_gpt.main(TINY + ["--train-iters", "1", "--fp16"])
+    out = capsys.readouterr().out
+    assert out.count("WARNING: --fp16 on a CPU") == 1 and "use --bf16 or fp32" in out
+
+
 def test_step_batch_size_schedule_trains_and_resumes_exactly(tmp_path, capsys):
     """Mock data, 16 tokens per sample, "0:2 64:4": batches 2, 2, 4, 4; stopping after step 2
     and resuming gives the same batches and losses as the uninterrupted run."""
     from tests.gpt_setup import losses, one_thread
-    tiny = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-            "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--micro-batch-size", "1",
-            "--step-batch-size-schedule", "0:2 64:4", "--lr", "1e-3", "--log-interval", "1",
-            "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--use-cpu-initialization"]
+    tiny = TINY + ["--step-batch-size-schedule", "0:2 64:4"]
     with one_thread():
         whole = losses(pretrain_gpt.main(tiny + ["--train-iters", "4"]))
         sizes = [line.split("global batch size:")[1].split("|")[0].strip()
