@@ -80,18 +80,22 @@ def build_datasets(config, vocab_size):
 
 
 def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
+    """(train, valid, test) iterators; a split of several named groups is a dict of them."""
     train_ds, valid_ds, test_ds = build_datasets(config, vocab_size)
     loader = partial(build_pretraining_data_loader, micro_batch_size=config.training.micro_batch_size,
                      data_parallel_rank=pstate.dp_rank, data_parallel_size=pstate.dp_size,
                      dataloader_type=config.data.dataloader_type, num_workers=config.data.num_workers,
                      seed=config.training.seed)
     train = loader(train_ds, consumed_train)
-    valid = loader(valid_ds, consumed_valid)
-    test = loader(test_ds, 0)
     cyclic = config.data.dataloader_type == "cyclic"
+
+    def evaluation(dataset, consumed):
+        if isinstance(dataset, dict):
+            return {name: evaluation(d, consumed) for name, d in dataset.items()}
+        data = loader(dataset, consumed)
+        return None if data is None else iter(cyclic_iter(data))
     return (None if train is None else iter(cyclic_iter(train) if cyclic else train),
-            None if valid is None else iter(cyclic_iter(valid)),
-            None if test is None else iter(cyclic_iter(test)))
+            evaluation(valid_ds, consumed_valid), evaluation(test_ds, 0))
 
 
 def real_vocab_rows(config, tokenizer) -> int:

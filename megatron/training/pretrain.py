@@ -42,7 +42,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     set_rng_state(rng)
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
-    valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
+    valid_iters = _replayed(valid_iter, chunks)
     meter = _throughput_meter(config, pstate, device)
     guard.stops.listen()
     try:
@@ -52,10 +52,10 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     finally:
         guard.close()
     if valid_iters is not None and config.training.eval_iters > 0:
-        _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
+        _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}", verbose=True)
     if test_iter is not None and config.training.eval_iters > 0:
-        test_iters = ReplayIterators(test_iter, chunks).all()
-        _evaluate_and_print(trainer, test_iters, "the end of training for test data")
+        _evaluate_and_print(trainer, _replayed(test_iter, chunks),
+                            "the end of training for test data", verbose=True)
     trainer.tensorboard.close()
     return state
 
@@ -202,15 +202,38 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
     log.reset()
 
 
-def _evaluate_and_print(trainer: Trainer, iterators, prefix: str) -> None:
+def _replayed(iterator, chunks: int):
+    """Per-chunk iterators of a split ({group name: them} for several named groups)."""
+    if isinstance(iterator, dict):
+        return {name: _replayed(it, chunks) for name, it in iterator.items()}
+    return None if iterator is None else ReplayIterators(iterator, chunks).all()
+
+
+def _evaluate_and_print(trainer: Trainer, iterators, prefix: str, verbose: bool = False) -> None:
+    """Evaluate and print Megatron's validation line; named groups each get theirs
+    (" validation loss at iteration N | NAME | lm loss value: ..."), and all advance the
+    validation samples as one group does, so that each resumes where it stopped."""
+    if not isinstance(iterators, dict):
+        return _evaluate_one(trainer, iterators, prefix, verbose)
+    state = trainer.state
+    start = state.consumed_valid
+    for name, its in iterators.items():
+        state.consumed_valid = start
+        if its is not None:
+            _evaluate_one(trainer, its, f"{prefix} | {name}", verbose, name)
+
+
+def _evaluate_one(trainer: Trainer, iterators, prefix: str, verbose: bool, group=None) -> None:
     cfg, state = trainer.config, trainer.state
-    losses = trainer.evaluate(iterators, cfg.training.eval_iters)
+    losses = trainer.evaluate(iterators, cfg.training.eval_iters, verbose)
     if not losses:
         return
-    state.validation.append(dict(losses, iteration=state.iteration))
+    state.validation.append(dict(losses, iteration=state.iteration, **(
+        {"group": group} if group else {})))
     line = format_validation(prefix, losses)
     print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-    scalars = {f"{key} validation": value for key, value in losses.items()}
+    where = f" {group}" if group else ""
+    scalars = {f"{key} validation{where}": value for key, value in losses.items()}
     if cfg.logging.log_validation_ppl_to_tensorboard:
         scalars.update({f"{key} validation ppl": math.exp(min(20.0, v)) for key, v in losses.items()})
     trainer.tensorboard.scalars(scalars, state.iteration)

@@ -202,16 +202,20 @@ class Trainer:
         self.timers.stop("embedding-grads-all-reduce")
 
     @torch.no_grad()
-    def evaluate(self, iterators, num_iters: int) -> Dict[str, float]:
+    def evaluate(self, iterators, num_iters: int, verbose: bool = False) -> Dict[str, float]:
+        """Mean losses over `num_iters` global batches; `verbose` prints Megatron's
+        "Evaluating iter i/n" progress every --log-interval iterations."""
         for m in self.models:
             m.eval()
         totals: Dict[str, float] = {}
         micro = self.config.training.global_batch_size // (
             self.config.training.micro_batch_size * self.pstate.dp_size)
-        for _ in range(num_iters):
+        for i in range(num_iters):
             for key, value in average_losses(self._run_schedule(iterators, micro, True)).items():
                 totals[key] = totals.get(key, 0.0) + value / num_iters
             self.state.consumed_valid += self.config.training.global_batch_size
+            if verbose and (i + 1) % self.config.logging.log_interval == 0:
+                print_rank_0(f" Evaluating iter {i + 1}/{num_iters}")
         for m in self.models:
             m.train()
         return totals

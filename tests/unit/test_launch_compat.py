@@ -114,3 +114,62 @@ def test_step_batch_size_schedule_trains_and_resumes_exactly(tmp_path, capsys):
         pretrain_gpt.main(tiny + ["--train-iters", "4", "--save", save, "--exit-interval", "2"])
         rest = losses(pretrain_gpt.main(tiny + ["--train-iters", "4", "--load", save]))
     assert rest == whole[2:]
+
+
+def test_megatron_lm_gpt3_175b_launch_parses_and_sets_up(tmp_path, monkeypatch):
+    """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh argument lists, as written,
+    on the 16 nodes x 8 GPUs its TP 8 x PP 16 needs."""
+    from tests.gpt_setup import BPE
+    ckpt = str(tmp_path / "ckpt")
+    model = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+             "--seq-length", "2048", "--max-position-embeddings", "2048",
+             "--attention-backend", "auto"]
+    training = ["--micro-batch-size", "1", "--global-batch-size", "1536", "--rampup-batch-size",
+                "16", "16", "5859375", "--train-iters", "500000", "--weight-decay", "0.1",
+                "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
+                "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
+                "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000"]
+    parallel = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16"]
+    data = ["--data-path", "data/prefix", "--vocab-file", str(BPE / "vocab.json"),
+            "--merge-file", str(BPE / "merges.txt"), "--split", "949,50,1"]
+    logging = ["--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+               "--save", ckpt, "--load", ckpt, "--eval-iters", "10",
+               "--tensorboard-dir", str(tmp_path / "tb")]
+    monkeypatch.setenv("WORLD_SIZE", "128")
+    config, tokenizer = pretrain_gpt.setup(model + training + parallel + data + logging)
+    t = config.training
+    assert (t.global_batch_size, t.rampup_batch_size, t.fp16) == (1536, [16, 16, 5859375], True)
+    assert config.parallel.tensor_model_parallel_size == 8 and tokenizer.vocab_size == 8000  # the test BPE files
+
+
+def test_multilingual_validation_groups_are_evaluated_and_logged_each(tmp_path, capsys):
+    """Megatron-DeepSpeed's pretrain_gpt_multilingual.sh data-group form: one weighted train
+    group over two "languages", named validation and test groups, each evaluated and logged
+    on its own line; the final evaluation prints its progress."""
+    import pytest
+    from tests.gpt_setup import BPE, have_reference_data, one_thread, preprocess_wiki
+    if not have_reference_data():
+        pytest.skip("../shared/data not available")
+    en = preprocess_wiki(tmp_path, docs=8)
+    fr = en  # a second language: the same corpus, other documents
+    argv = MODEL[:-4] + [
+        "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--train-weighted-split-paths", f"TRAIN: 0.6 0:0.5 {en}, 0.4 0:0.5 {fr}",
+        "--valid-weighted-split-paths", f"VALID_EN: 1 0.5:0.75 {en}", f"VALID_FR: 1 0.75:1 {fr}",
+        "--test-weighted-split-paths", f"TEST_EN: 1 0.5:1 {en}", f"TEST_FR: 1 0.5:1 {fr}",
+        "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0", "--eval-iters", "1",
+        "--eval-interval", "2", "--log-interval", "1", "--vocab-file", str(BPE / "vocab.json"),
+        "--merge-file", str(BPE / "merges.txt"), "--make-vocab-size-divisible-by", "16"]
+    with one_thread():
+        state = pretrain_gpt.main(argv)
+    out = capsys.readouterr().out
+    for name in ("VALID_EN", "VALID_FR"):
+        assert f" validation loss at iteration 2 | {name} | lm loss value: " in out
+        assert f" validation loss at iteration 4 | {name} | lm loss value: " in out
+    for name in ("TEST_EN", "TEST_FR"):
+        assert f" validation loss at the end of training for test data | {name} | " in out
+    assert out.count(" Evaluating iter 1/1") == 4  # final valid and test, two groups each
+    groups = [v["group"] for v in state.validation]
+    assert groups == ["VALID_EN", "VALID_FR"] * 2 + ["TEST_EN", "TEST_FR"]
+    # the groups of a split advance the validation samples as one group: 2 per evaluation
+    assert state.consumed_valid == 3 * 2
