@@ -173,3 +173,25 @@ def test_multilingual_validation_groups_are_evaluated_and_logged_each(tmp_path, 
     assert groups == ["VALID_EN", "VALID_FR"] * 2 + ["TEST_EN", "TEST_FR"]
     # the groups of a split advance the validation samples as one group: 2 per evaluation
     assert state.consumed_valid == 3 * 2
+
+
+def test_deepspeed_example_falls_back_to_torchrun_without_the_launcher(tmp_path):
+    """examples/deepspeed_zero1_gpt.sh without `deepspeed` on PATH says in one line how to
+    get it and launches the same flags with torchrun."""
+    import os
+    import subprocess
+    from tests.conftest import ROOT
+    from tests.unit.test_examples import STUB
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(STUB)
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RECORD": str(tmp_path / "argv"),
+           "DATA": "data/prefix", "VOCAB": "vocab.json", "MERGE": "merges.txt"}
+    done = subprocess.run(["bash", str(ROOT / "examples" / "deepspeed_zero1_gpt.sh")], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stderr.strip().splitlines() == [
+        "deepspeed launcher not found (pip install deepspeed, see README); launching with "
+        "torchrun --nproc_per_node 8 instead"]
+    args = (tmp_path / "argv").read_text().splitlines()
+    assert args[:3] == ["--nproc_per_node", "8", "pretrain_gpt.py"] and "--deepspeed" in args
