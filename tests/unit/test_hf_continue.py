@@ -27,6 +27,7 @@ from tools import convert_checkpoint  # noqa: E402
 
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 SEQ = 32
+GREEDY = ["--prompt", "3 7 42 5", "--prompt", "11 12", "--out-seq-length", "12", "--greedy"]
 
 
 def run_flags(save, iters: int = 5):
@@ -146,7 +147,12 @@ def test_loading_lines_and_moved_checkpoint(tmp_path, capsys):
     moved = str(tmp_path / "elsewhere" / "ckpt")
     shutil.move(ckpt, moved)
     shutil.rmtree(tmp_path / "hf")
+    from tools import generate_samples_gpt
     with one_thread():
+        records = generate_samples_gpt.main(["--load", moved, *GREEDY])
+        assert len(records) == 2 and all(r["tokens"] for r in records)
+        assert records[0]["text"].split()[0].isdigit()  # the word tokenizer read from the move
+        capsys.readouterr()
         pretrain_gpt.main(["--load", moved, *run_flags(tmp_path / "t", iters=1)])
     out = capsys.readouterr().out
     assert f" loading checkpoint from {moved} at iteration 0 (format release, saved at TP 1 x " \
@@ -175,9 +181,6 @@ def test_inference_layout_follows_the_checkpoint():
     assert inference_layout((4, 1), 2, None, None, False) == (2, 1)
     assert inference_layout((2, 2), 4, 4, None, True) == (4, 1)  # the flag given wins
     assert inference_layout((1, 1), 8, None, None, False) == (1, 1)  # DP 8
-
-
-GREEDY = ["--prompt", "3 7 42 5", "--prompt", "11 12", "--out-seq-length", "12", "--greedy"]
 
 
 def test_generation_from_a_pipeline_checkpoint_in_one_process(tmp_path, capsys):
