@@ -15,8 +15,9 @@ from megatron.data.weighted_split import weighted_split_datasets  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
-from megatron.checkpointing.loading import build_tokenizer_and_vocab, read_stored_config  # noqa: E402
-from megatron.checkpointing.layout import CheckpointError, read_tracker  # noqa: E402
+from megatron.checkpointing.loading import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
+from megatron.checkpointing.layout import CheckpointError  # noqa: E402
+from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import owned_run_paths, pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
@@ -26,8 +27,11 @@ REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-len
             "--max-position-embeddings")
 
 
-def model_provider(config, tp_group, **chunk):
-    return GPTModel(config.model, tp_group=tp_group, **chunk)
+def model_provider(config, tp_group, vocab_size=None, **chunk):
+    """The GPT stage; with `vocab_size` (the real vocabulary rows) the padding rows never
+    count in the loss (unless --no-mask-vocab-padding)."""
+    limit = vocab_size if config.model.mask_vocab_padding else None
+    return GPTModel(config.model, tp_group=tp_group, vocab_limit=limit, **chunk)
 
 
 def loss_func(loss_mask, dp_group, losses):
@@ -76,18 +80,28 @@ def build_datasets(config, vocab_size):
 
 
 def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
+    """(train, valid, test) iterators; a split of several named groups is a dict of them."""
     train_ds, valid_ds, test_ds = build_datasets(config, vocab_size)
     loader = partial(build_pretraining_data_loader, micro_batch_size=config.training.micro_batch_size,
                      data_parallel_rank=pstate.dp_rank, data_parallel_size=pstate.dp_size,
                      dataloader_type=config.data.dataloader_type, num_workers=config.data.num_workers,
                      seed=config.training.seed)
     train = loader(train_ds, consumed_train)
-    valid = loader(valid_ds, consumed_valid)
-    test = loader(test_ds, 0)
     cyclic = config.data.dataloader_type == "cyclic"
+
+    def evaluation(dataset, consumed):
+        if isinstance(dataset, dict):
+            return {name: evaluation(d, consumed) for name, d in dataset.items()}
+        data = loader(dataset, consumed)
+        return None if data is None else iter(cyclic_iter(data))
     return (None if train is None else iter(cyclic_iter(train) if cyclic else train),
-            None if valid is None else iter(cyclic_iter(valid)),
-            None if test is None else iter(cyclic_iter(test)))
+            evaluation(valid_ds, consumed_valid), evaluation(test_ds, 0))
+
+
+def real_vocab_rows(config, tokenizer) -> int:
+    """Rows of the vocabulary that are not padding: the tokenizer's ids, or the converted
+    model's rows when it has more (transformers' loss counts all of them)."""
+    return max(tokenizer.vocab_size, (config.hf or {}).get("vocab_rows") or 0)
 
 
 def build_pretrain_parser():
@@ -99,13 +113,14 @@ def build_pretrain_parser():
 
 def setup(argv=None):
     """Parse flags and build the tokenizer; every problem here is one line and exit 2."""
-    config, _ = parse_args(argv, parser=build_pretrain_parser(), required=REQUIRED)
-    # Resuming: the embedding has the checkpoint's padded vocabulary (it may come
-    # from a re-sharded checkpoint padded for another TP size).
-    stored = {}
-    if config.checkpoint.load and read_tracker(config.checkpoint.load) is not None:
-        stored = read_stored_config(config.checkpoint.load)
+    # With --load, the checkpoint's model and tokenizer are the defaults; its embedding has
+    # the checkpoint's padded vocabulary (it may be re-sharded, padded for another TP size).
+    parser = build_pretrain_parser()
+    stored = stored_defaults(parser, argv)
+    config, _ = parse_args(argv, parser=parser, required=REQUIRED)
     tokenizer = build_tokenizer_and_vocab(config, stored)
+    if stored:
+        carry_origin(config, stored, config.checkpoint.load, int(os.environ.get("RANK", "0")))
     config.model.sequence_parallel = config.parallel.sequence_parallel
     return config, tokenizer
 
@@ -125,11 +140,15 @@ def _run(argv):
     config, tokenizer = setup(argv)
     with owned_run_paths(config):
         pstate, device = initialize_distributed(config)
+        if config.training.fp16 and device.type == "cpu":
+            print_rank_0(" WARNING: --fp16 on a CPU runs 7-10x slower than fp32 (no fp16 matmul "
+                         "kernels); use --bf16 or fp32")
         print_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
                      f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
                      f"(new size: {config.model.padded_vocab_size})")
         return pretrain(config, pstate, device,
-                        partial(model_provider, config, pstate.tp_group),
+                        partial(model_provider, config, pstate.tp_group,
+                                real_vocab_rows(config, tokenizer)),
                         partial(data_provider, config, pstate, tokenizer.vocab_size),
                         partial(forward_step, config, tokenizer.eod, pstate, device))
 

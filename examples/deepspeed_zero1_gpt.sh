@@ -8,8 +8,15 @@ DATA=${DATA:?set DATA to a preprocessed prefix}
 VOCAB=${VOCAB:?set VOCAB to a GPT-2 vocab.json}
 MERGE=${MERGE:?set MERGE to a GPT-2 merges.txt}
 CHECKPOINTS=${CHECKPOINTS:-checkpoints/gpt2_zero1}
+GPUS=${GPUS:-8}
+if command -v deepspeed >/dev/null; then
+    LAUNCH=(deepspeed --num_gpus "$GPUS")
+else
+    echo "deepspeed launcher not found (pip install deepspeed, see README); launching with torchrun --nproc_per_node $GPUS instead" >&2
+    LAUNCH=(torchrun --nproc_per_node "$GPUS")
+fi
 
-deepspeed --num_gpus 8 pretrain_gpt.py \
+"${LAUNCH[@]}" pretrain_gpt.py \
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
     --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \
     --seq-length 1024 --max-position-embeddings 1024 \

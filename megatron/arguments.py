@@ -68,6 +68,7 @@ def _add_model_args(parser):
     _off(g, "--no-bias-dropout-fusion", "model", "bias_dropout_fusion")
     _off(g, "--no-persist-layer-norm", "model", "layer_norm_fusion")
     _off(g, "--no-layer-norm-fusion", "model", "layer_norm_fusion")
+    _off(g, "--no-mask-vocab-padding", "model", "mask_vocab_padding")
 
 
 def _add_architecture_args(parser):
@@ -93,6 +94,7 @@ def _add_architecture_args(parser):
         _flag(g, name, "model", "activation", action="store_const", const=activation)
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
         _flag(g, name, "model", type=int, default=None)
+    _flag(g, "--embedding-multiplier", "model", type=float, default=None)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 
@@ -119,6 +121,7 @@ def _add_training_args(parser):
     _flag(g, "--global-batch-size", "training", type=int, default=None)
     _flag(g, "--rampup-batch-size", "training", type=int, nargs=3, default=None,
           metavar=("START", "INCR", "SAMPLES"))
+    _flag(g, "--step-batch-size-schedule", "training", default=None)
     _flag(g, "--train-iters", "training", type=int, default=None)
     _flag(g, "--train-samples", "training", type=int, default=None)
     _flag(g, "--seed", "training", type=int, default=1234)

@@ -22,6 +22,8 @@ HELP = {
     "--apply-query-key-layer-scaling": "scale q.k by 1/layer number (fp16 range), softmax in fp32",
     "--fp16-lm-cross-entropy": "compute the LM cross entropy in fp16 (default fp32)",
     "--no-masked-softmax-fusion": "use the plain PyTorch softmax",
+    "--no-mask-vocab-padding": "let the vocabulary-padding rows count in the training loss, "
+                               "as Megatron-LM does (by default they get probability 0)",
     "--no-bias-gelu-fusion": "use the plain PyTorch bias + GeLU",
     "--no-bias-dropout-fusion": "use the plain PyTorch bias + dropout + add",
     "--no-persist-layer-norm": "use torch.nn.functional.layer_norm (same as --no-layer-norm-fusion)",
@@ -46,6 +48,7 @@ HELP = {
     "--kv-channels": "channels per attention head (default hidden size / heads)",
     "--add-qkv-bias": "keep the QKV bias with --disable-bias-linear (Qwen style)",
     "--disable-bias-linear": "no biases in the linear layers (LLaMA)",
+    "--embedding-multiplier": "multiply the word embeddings by this (Gemma: sqrt(hidden size))",
     "--untie-embeddings-and-output-weights": "a separate output layer instead of the tied embeddings",
     "--pad-vocab-size-to": "pad the vocabulary to exactly this many rows (a multiple of TP)",
     # parallelism
@@ -65,6 +68,8 @@ HELP = {
     "--micro-batch-size": "samples per forward/backward on one rank",
     "--global-batch-size": "samples per optimizer step over all DP ranks",
     "--rampup-batch-size": "grow the global batch from START by INCR over SAMPLES samples",
+    "--step-batch-size-schedule": "global batch as a step function of consumed tokens: "
+                                  "\"0:16 2.4B:320\" (TOKENS may end in K, M, B, T)",
     "--train-iters": "optimizer steps to train (or --train-samples)",
     "--train-samples": "samples to train on (or --train-iters)",
     "--seed": "random seed (default 1234)",

@@ -7,7 +7,7 @@ with a notice) happens here, on the parsed namespace.
 import os
 
 from megatron.config import ConfigError
-from megatron.data.weighted_split import parse_weighted_split_paths
+from megatron.data.weighted_split import parse_weighted_split_groups
 from megatron.deepspeed_config import apply_deepspeed
 
 ATTENTION_BACKENDS = {"auto": "auto", "flash": "sdpa", "fused": "fused", "unfused": "torch",
@@ -33,7 +33,7 @@ def apply_compat(ns, parser, argv, world_size: int) -> None:
     for split in ("train", "valid", "test"):
         groups = getattr(ns, f"data.{split}_weighted_split_paths", None)
         if groups:
-            parse_weighted_split_paths(f"--{split}-weighted-split-paths", groups)
+            parse_weighted_split_groups(f"--{split}-weighted-split-paths", groups)
     backend = getattr(ns, "compat.attention_backend", None)
     if backend is not None:
         setattr(ns, "model.attention_impl", ATTENTION_BACKENDS[backend])
@@ -61,7 +61,8 @@ def _train_tokens(ns) -> None:
         setattr(ns, "training.train_samples", samples if given is None else min(given, samples))
         return
     gbs = getattr(ns, "training.global_batch_size")
-    if gbs is None or getattr(ns, "training.rampup_batch_size") is not None:
+    if gbs is None or getattr(ns, "training.rampup_batch_size") is not None or \
+            getattr(ns, "training.step_batch_size_schedule") is not None:
         raise ConfigError("--train-tokens with --train-iters needs a fixed --global-batch-size "
                           "(or use --train-samples)")
     setattr(ns, "training.train_iters", min(iters, -(-samples // gbs)))

@@ -81,13 +81,19 @@ def apply_deepspeed(ns, explicit: set, world_size: int, notice) -> None:
     source = f"--deepspeed_config {path}"
     for key, flag, dest, convert in _MAPPED:
         raw = _lookup(values, key)
-        if raw is not None:
+        if raw is not None and not _in_disabled_block(values, key):
             _set(ns, explicit, source, key, raw, flag, dest, convert(raw))
     _accumulation(ns, values, source, world_size)
     _zero_stage(ns, values, source, notice)
     unused = sorted(set(values) - _KNOWN - {k.split(".")[0] for k, *_ in _MAPPED})
     if unused:
         notice(f"{source}: keys not used here: {', '.join(unused)}")
+
+
+def _in_disabled_block(values: dict, key: str) -> bool:
+    """A setting of an fp16 / bf16 block with "enabled": false, which DeepSpeed ignores."""
+    block, _, name = key.partition(".")
+    return name != "enabled" and _lookup(values, f"{block}.enabled") is False
 
 
 def _accumulation(ns, values: dict, source: str, world_size: int) -> None:
@@ -120,6 +126,9 @@ def _zero_stage(ns, values: dict, source: str, notice) -> None:
                           f"(the distributed optimizer) with tensor or pipeline parallelism")
     if stage >= 1:
         setattr(ns, "parallel.use_distributed_optimizer", True)
+    if stage == 1:
+        notice("ZeRO stage 1 runs as --use-distributed-optimizer: optimizer state is sharded "
+               "over data-parallel ranks")
     if stage == 2:
         notice("ZeRO stage 2 runs as stage 1 here: optimizer state is sharded over data-parallel "
                "ranks, gradients are all-reduced whole")

@@ -192,7 +192,7 @@ def run_harness(lm, ns) -> Dict:
 
 def main(argv=None) -> Dict:
     """Evaluate; returns the harness's per-task results on rank 0 ({} on the others)."""
-    config, ns, stored = parse_inference_args(get_parser(), argv)
+    config, ns, stored = parse_inference_args(get_parser(), argv, one_stage=True)
     if ns.offline:
         os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     if config.parallel.pipeline_model_parallel_size > 1:

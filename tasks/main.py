@@ -147,7 +147,7 @@ def main(argv=None) -> Dict[str, float]:
     report(ns.task, metrics)
     if ns.results_json and is_last_rank():
         write_results(ns.results_json, ns.task, metrics, dataset)
-    print_rank_0("done :-)")
+    print_rank_last("done :-)")  # the rank that printed the result line: always after it
     return metrics
 
 

@@ -38,7 +38,32 @@ def _bloom():  # 6 heads: ALiBi slopes of a non-power-of-two head count, 3 per T
                                          layer_norm_epsilon=1e-5)
 
 
-FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom}
+def _qwen2():  # QKV bias without output bias; tied embeddings as the small Qwen2.5 models
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM, Qwen2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=197, max_position_embeddings=96, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def _qwen3():  # per-head q/k RMSNorm; head_dim 32 != hidden / heads = 16
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM, Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=96, vocab_size=193, max_position_embeddings=96,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+def _gemma():  # sqrt(h) embedding scale, tanh GeGLU, 1 + w RMSNorm, head_dim 32 != 64 / 4
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM, GemmaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, intermediate_size=96, vocab_size=189, max_position_embeddings=96,
+        rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
+
+
+FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom,
+            "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma}
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 

@@ -7,4 +7,10 @@ PY=${PYTHON:-python}
 # torch: keep an installed build; otherwise the pinned CPU wheel (never an unpinned resolve).
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e ".[test]"
+# DeepSpeed 0.19.8 for the launcher test (../shared/references.md): --no-deps keeps torch and
+# numpy; its pure-Python deps are installed apart.
+$PY -c "import deepspeed" 2>/dev/null || {
+    $PY -m pip install -q --no-deps --no-build-isolation deepspeed==0.19.8 &&
+    $PY -m pip install -q einops hjson msgpack ninja py-cpuinfo psutil pydantic tqdm packaging; } ||
+    echo "DeepSpeed did not install: its launcher test is skipped" >&2
 exec $PY -m pytest -q -p no:cacheprovider tests "$@"

@@ -11,12 +11,15 @@ line); each continuation is printed as "Context: ... / Megatron-LM: ..." and
 written to --sample-output-file in that form. Without prompts, --num-samples N
 draws N unconditional samples (starting from end-of-document), written as JSON
 lines {"text", "length", "finished"}. --out-seq-length is the most new tokens
-per sample. With tensor parallelism run under torchrun; pipeline-parallel
-checkpoints must be re-shard to one stage first (tools/merge_mp_partitions.py).
+per sample. The layout is the checkpoint's unless --tensor-model-parallel-size is given:
+run under torchrun with its TP (a pipeline-parallel checkpoint runs as one stage, its
+stages merged in memory; extra processes are data-parallel replicas); in one process, or
+with another TP, the weights are re-sharded in memory.
 """
 import json
 import os
 import sys
+import time
 from typing import Dict, List
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,10 +86,11 @@ def check_flags(ns, prompts: List[str]) -> SamplingParams:
 
 def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams, config
                ) -> List[Dict]:
-    """Generate for every prompt in batches of --micro-batch-size."""
+    """Generate for every prompt in batches of --micro-batch-size, with a progress line per
+    batch (samples done, new tokens per second)."""
     batch_size = config.training.micro_batch_size
     max_positions = config.model.max_position_embeddings
-    records = []
+    records, started = [], time.time()
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         longest = max(max(len(tokenizer.tokenize(p)), 1) for p in batch)
@@ -101,6 +105,10 @@ def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams,
         for prompt, ids in zip(batch, outputs):
             records.append({"prompt": prompt, "text": tokenizer.detokenize(ids), "tokens": ids,
                             "finished": len(ids) < new_tokens})
+        rate = sum(len(r["tokens"]) for r in records) / max(time.time() - started, 1e-9)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f" generated {len(records)}/{len(prompts)} samples | {rate:.1f} tokens/s",
+                  file=sys.stderr, flush=True)
     return records
 
 
@@ -123,12 +131,12 @@ def write_atomic(path: str, text: str) -> None:
 def main(argv=None) -> List[Dict]:
     """Run the tool; returns the records (prompt, text, tokens, finished)."""
     parser = get_parser()
-    config, ns, stored = parse_inference_args(parser, argv)
+    config, ns, stored = parse_inference_args(parser, argv, one_stage=True)
     prompts = read_prompts(ns)
     params = check_flags(ns, prompts)
     if config.parallel.pipeline_model_parallel_size > 1:
-        fail("generation with --pipeline-model-parallel-size > 1 is not supported; re-shard the "
-             "checkpoint with tools/merge_mp_partitions.py --target-pipeline-model-parallel-size 1")
+        fail("generation runs whole models: drop --pipeline-model-parallel-size (a "
+             "pipeline-parallel checkpoint is merged to one stage in memory)")
     tokenizer = build_tokenizer_and_vocab(config, stored)
     pstate, device = initialize_distributed(config)
     unconditional = not prompts

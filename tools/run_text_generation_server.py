@@ -279,7 +279,7 @@ def serve(server: Server, host: str, port: int, threads: int) -> None:
 
 
 def main(argv=None) -> None:
-    config, ns, stored = parse_inference_args(get_parser(), argv)
+    config, ns, stored = parse_inference_args(get_parser(), argv, one_stage=True)
     if config.parallel.pipeline_model_parallel_size > 1:
         fail("the server needs one pipeline stage; re-shard the checkpoint with "
              "tools/merge_mp_partitions.py --target-pipeline-model-parallel-size 1")

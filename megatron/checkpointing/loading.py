@@ -7,6 +7,7 @@ vocabulary is the checkpoint's (its embedding has that many rows), which keeps
 re-sharded checkpoints loadable.
 """
 import argparse
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -14,10 +15,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.arguments import config_from_namespace, fail, world_size_from_env
-from megatron.compat import apply_compat
+from megatron.compat import apply_compat, explicit_dests
 from megatron.config import ConfigError
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.checkpointing.portable import resolve_stored_paths
+from megatron.checkpointing.universal import resharded_state
 from megatron.checkpointing.layout import (TRACKER, CheckpointError, check_layout,
                                            finite_model_state, from_megatron_layout,
                                            load_checkpoint_file, read_model_file,
@@ -53,10 +56,36 @@ def read_stored_config(root: str) -> Dict[str, Any]:
     # verified at the full load; here only the stored config is read
     state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
     config = state.get("config") or state.get("megatron_config") or {}
-    config = dict(config) if isinstance(config, dict) else {}
+    config = resolve_stored_paths(dict(config), root) if isinstance(config, dict) else {}
     if isinstance(state.get("tokenizer_files"), dict):
         config["tokenizer_files"] = state["tokenizer_files"]
     return config
+
+
+def checkpoint_summary(root: str) -> str:
+    """"<root> at iteration N (format ..., saved at TP t x PP p)" for the loading lines."""
+    iteration, release = read_tracker(root)
+    state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
+    parallel = state.get("parallel") or {}
+    tp, pp = (parallel.get(f"{k}_model_parallel_size", "?") for k in ("tensor", "pipeline"))
+    kind = "release" if release else "torch"
+    return f"{root} at iteration {iteration} (format {kind}, saved at TP {tp} x PP {pp})"
+
+
+def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Dict[str, Any]:
+    """With --load (or --finetune) of an existing checkpoint: its stored config, whose model
+    and tokenizer fields become the parser's defaults (flags given still win, and
+    `check_model_matches` refuses those that contradict it). {} without a checkpoint."""
+    known, _ = parser.parse_known_args(argv)
+    root = getattr(known, "checkpoint.load", None)
+    try:
+        if not root or read_tracker(root) is None:
+            return {}
+        stored = read_stored_config(root)
+    except (CheckpointError, OSError, RuntimeError) as err:
+        fail(str(err).splitlines()[0])
+    parser.set_defaults(**checkpoint_defaults(parser, stored))
+    return stored
 
 
 def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any]) -> Dict[str, Any]:
@@ -72,8 +101,42 @@ def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any])
     return defaults
 
 
-def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None):
-    """Parse flags, filling model and tokenizer flags from the checkpoint in --load.
+def saved_layout(root: str) -> Tuple[int, int]:
+    """(TP, PP) the latest checkpoint under `root` was saved at ((1, 1) when it does not say)."""
+    parallel = read_model_file(checkpoint_file(root), verify=False, mmap=True).get("parallel") or {}
+    return (int(parallel.get("tensor_model_parallel_size", 1)),
+            int(parallel.get("pipeline_model_parallel_size", 1)))
+
+
+def inference_layout(saved: Tuple[int, int], world: int, given_tp: Optional[int],
+                     given_pp: Optional[int], one_stage: bool) -> Tuple[int, int]:
+    """(TP, PP) to run a checkpoint saved at `saved` on `world` processes: the flags given
+    win; otherwise the checkpoint's layout when it fits the world size (one stage for tools
+    that need one), else the largest TP dividing both at one stage. The weights are
+    re-sharded in memory when this differs from the saved layout."""
+    tp = given_tp or saved[0]
+    pp = given_pp or (1 if one_stage else saved[1])
+    if world % (tp * pp) == 0:
+        return tp, pp
+    return (given_tp or math.gcd(saved[0], world)), (given_pp or 1)
+
+
+def _layout_from_checkpoint(ns, parser, argv, root: str, one_stage: bool) -> None:
+    explicit = explicit_dests(parser, sys.argv[1:] if argv is None else argv)
+    if "training.train_iters" not in explicit and getattr(ns, "training.train_samples"):
+        setattr(ns, "training.train_iters", None)  # training's GPT_ARGS, reused as they are
+    given = [getattr(ns, dest) if dest in explicit else None for dest in
+             ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size")]
+    tp, pp = inference_layout(saved_layout(root), world_size_from_env(), *given, one_stage)
+    setattr(ns, "parallel.tensor_model_parallel_size", tp)
+    setattr(ns, "parallel.pipeline_model_parallel_size", pp)
+
+
+def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None,
+                         one_stage: bool = False):
+    """Parse flags, filling model and tokenizer flags, and the TP / PP layout (see
+    `inference_layout`; `one_stage` for tools that run whole models) from the checkpoint
+    in --load.
 
     Returns (config, namespace, stored_config). Problems exit 2 with one line.
     """
@@ -88,6 +151,10 @@ def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[st
         fail(str(err).splitlines()[0])
     parser.set_defaults(**checkpoint_defaults(parser, stored))
     ns = parser.parse_args(argv)
+    try:
+        _layout_from_checkpoint(ns, parser, argv, root, one_stage)
+    except (CheckpointError, OSError, RuntimeError) as err:
+        fail(str(err).splitlines()[0])
     missing = [f"--{n.replace('_', '-')}" for n in REQUIRED_MODEL_FLAGS
                if getattr(ns, f"model.{n}", None) is None]
     if missing:
@@ -122,10 +189,14 @@ def _default_global_batch(ns) -> None:
 MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond this is assumed
 # Fields that decide the parameters' names and shapes (max_position_embeddings only with
 # learned position embeddings: RoPE and ALiBi have no table).
+# Every architecture field: a model that differs in any of them is another model.
 MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                         "num_query_groups", "kv_channels", "activation", "normalization",
-                        "position_embedding_type", "untie_embeddings_and_output_weights",
-                        "add_bias_linear", "add_qkv_bias", "embed_layernorm", "qk_layernorm")
+                        "layernorm_epsilon", "apply_layernorm_1p", "position_embedding_type",
+                        "rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
+                        "untie_embeddings_and_output_weights", "add_bias_linear",
+                        "add_qkv_bias", "embed_layernorm", "embedding_multiplier",
+                        "qk_layernorm")
 
 
 # Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
@@ -137,7 +208,7 @@ _FILE_TOKENIZERS = {"PretrainedFromHF", "HuggingFaceTokenizer", "SentencePieceTo
 
 # Fields whose flag is not --<field-name>.
 _FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--squared-relu",
-            "add_bias_linear": "--disable-bias-linear"}
+            "add_bias_linear": "--disable-bias-linear", "layernorm_epsilon": "--norm-epsilon"}
 
 
 def _tokenizer_kind(name: str) -> str:
@@ -148,14 +219,15 @@ def check_model_matches(config, stored: Dict[str, Any]) -> None:
     """The model and tokenizer the flags describe are the checkpoint's (exit 2 naming both)."""
     model, data = stored.get("model") or {}, stored.get("data") or {}
     root = config.checkpoint.load
-    names = MATCHED_MODEL_FIELDS
+    names = tuple(n for n in MATCHED_MODEL_FIELDS if n in model)
     if config.model.position_embedding_type == "learned_absolute":
         names += ("max_position_embeddings",)
     for name in names:
         saved, given = model.get(name), getattr(config.model, name)
         if saved is not None and saved != given:
             flag = _FLAG_OF.get(name)
-            shown = f"{name} {given} ({flag})" if flag else f"--{name.replace('_', '-')} {given}"
+            shown = (f"{flag} {given}" if flag and flag.count("--") == 1 else
+                     f"{name} {given} ({flag})" if flag else f"--{name.replace('_', '-')} {given}")
             fail(f"{shown} does not match the checkpoint in {root}, "
                  f"which was saved with {saved}; use the checkpoint's model flags")
     saved, given = data.get("tokenizer_type"), config.data.tokenizer_type
@@ -230,10 +302,22 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
 
     models = build_model_chunks(config, pstate, device, provider)
     root = config.checkpoint.load
-    state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
+    summary = checkpoint_summary(root) if read_tracker(root) is not None else None
+    if summary and pstate.rank == 0:
+        print(f" loading checkpoint from {summary}", flush=True)
+    state = None
+    if summary and saved_layout(root) != (pstate.tp_size, pstate.pp_size):
+        state = resharded_state(root, pstate, len(models))
+    if state is not None and pstate.rank == 0:
+        tp, pp, _ = state["resharded_from"]
+        print(f" re-sharding {root} in memory from TP {tp} x PP {pp} to TP {pstate.tp_size} x "
+              f"PP {pstate.pp_size}", flush=True)
+    if state is None:
+        state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
     if state is None:
         raise CheckpointError(f"no checkpoint at {root}")
-    check_layout(state, pstate, len(models), root)
+    if "resharded_from" not in state:
+        check_layout(state, pstate, len(models), root)
     for i, model in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         try:
@@ -244,4 +328,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
             raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
                                   f"({first}); check the model flags") from None
         model.eval()
+    if pstate.rank == 0:
+        print(f"  successfully loaded checkpoint from {root} at iteration "
+              f"{int(state.get('iteration', 0))}", flush=True)
     return models, int(state.get("iteration", 0))

@@ -4,7 +4,9 @@
 processes; it runs before any process group is created or file written.
 """
 from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
 
+from megatron.config.batch_schedule import parse_step_schedule
 from megatron.config.data import CheckpointConfig, DataConfig
 from megatron.config.errors import ConfigError, require
 from megatron.config.model import ModelConfig
@@ -24,6 +26,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hf: Optional[dict] = None
+    """The Hugging Face origin of a converted model (architecture, HF config, vocabulary
+    rows, tokenizer files, generation config), carried through training so that an
+    export gives back what was converted."""
 
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
@@ -50,6 +56,7 @@ class Config:
                     f"--seq-length ({m.seq_length}) must be divisible by "
                     f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
         dp = world_size // (tp * pp)
+        self._check_step_schedule(dp)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
         require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -62,6 +69,24 @@ class Config:
                     f"--rampup-batch-size START ({start}) and INCR ({incr}) must be multiples of "
                     f"--micro-batch-size x data-parallel size ({step})")
         self._check_virtual_pipeline(pp, dp)
+
+    def _check_step_schedule(self, dp: int) -> None:
+        """Each scheduled batch is whole micro batches x DP; the largest is the global batch
+        size (the default of --global-batch-size)."""
+        t = self.training
+        if t.step_batch_size_schedule is None:
+            return
+        batches = [b for _, b in parse_step_schedule(t.step_batch_size_schedule)]
+        step = t.micro_batch_size * dp
+        for batch in batches:
+            require(batch % step == 0, f"--step-batch-size-schedule batch {batch} must be "
+                    f"divisible by --micro-batch-size ({t.micro_batch_size}) x data-parallel "
+                    f"size ({dp})")
+        if t.global_batch_size is None:
+            t.global_batch_size = max(batches)
+        require(t.global_batch_size >= max(batches), f"--global-batch-size "
+                f"({t.global_batch_size}) is smaller than the --step-batch-size-schedule's "
+                f"largest batch ({max(batches)})")
 
     def _check_virtual_pipeline(self, pp: int, dp: int) -> None:
         layers_per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
@@ -91,11 +116,10 @@ class Config:
     @classmethod
     def from_dict(cls, values: dict) -> "Config":
         """Rebuild from `to_dict()` output, ignoring fields this version does not know."""
-        kwargs = {}
-        for f in fields(cls):
-            section = SECTIONS[f.name]
+        kwargs = {"hf": values.get("hf")}
+        for name, section in SECTIONS.items():
             known = {sf.name for sf in fields(section)}
-            kwargs[f.name] = section(**{k: v for k, v in values.get(f.name, {}).items() if k in known})
+            kwargs[name] = section(**{k: v for k, v in values.get(name, {}).items() if k in known})
         return cls(**kwargs)
 
 

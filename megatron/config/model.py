@@ -7,7 +7,7 @@ from megatron.config.errors import require
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-GLU_ACTIVATIONS = ("swiglu", "geglu", "reglu", "liglu")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
 ACTIVATIONS = ("gelu", "openai_gelu", "squared_relu") + GLU_ACTIVATIONS
 
 
@@ -62,6 +62,10 @@ class ModelConfig:
     bias_dropout_fusion: bool = True
     layer_norm_fusion: bool = True
     fp16_lm_cross_entropy: bool = False
+    mask_vocab_padding: bool = True
+    """Training cross entropy gives the vocabulary-padding ids probability 0, as inference
+    does, so the loss is transformers' and the same at every TP size (off with
+    --no-mask-vocab-padding: Megatron-LM's loss over all padded rows)."""
     sequence_parallel: bool = False
 
     # -- architecture (the declarative model spec) ---------------------------
@@ -81,9 +85,11 @@ class ModelConfig:
     """Normalise queries and keys per head before attention (--qk-layernorm)."""
     embed_layernorm: bool = False
     """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
+    embedding_multiplier: float = 1.0
+    """Word embeddings are multiplied by this (Gemma: sqrt(hidden-size)) (--embedding-multiplier)."""
     activation: str = "gelu"
     """MLP activation: gelu | openai_gelu | squared_relu, or a gated one: swiglu | geglu |
-    reglu | liglu (--swiglu, --glu-activation, --openai-gelu, --squared-relu). A gated MLP's
+    reglu | liglu, geglu_tanh (GeGLU with the tanh GeLU, Gemma's) (--swiglu, --glu-activation, --openai-gelu, --squared-relu). A gated MLP's
     first weight holds [gate; up] rows (each TP shard its own [gate_r; up_r])."""
     group_query_attention: bool = False
     """Grouped-query attention (--group-query-attention): --num-query-groups K/V heads."""

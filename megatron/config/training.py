@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron.config.batch_schedule import parse_step_schedule
 from megatron.config.errors import require
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -15,6 +16,9 @@ class TrainingConfig:
     """Samples per optimizer step over all DP ranks; micro-batch x DP when unset."""
     rampup_batch_size: Optional[List[int]] = None
     """START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES."""
+    step_batch_size_schedule: Optional[str] = None
+    """"TOKENS:BATCH ...": the global batch as a step function of consumed tokens
+    (--step-batch-size-schedule "0:16 2.4B:320"); see megatron/config/batch_schedule.py."""
     train_iters: Optional[int] = None
     train_samples: Optional[int] = None
     seed: int = 1234
@@ -51,6 +55,10 @@ class TrainingConfig:
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 cannot both be set; pick one")
         require(self.eval_interval > 0, f"--eval-interval must be positive, got {self.eval_interval}")
         require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.step_batch_size_schedule is not None:
+            require(self.rampup_batch_size is None, "--step-batch-size-schedule and "
+                    "--rampup-batch-size cannot both be given; pick one")
+            parse_step_schedule(self.step_batch_size_schedule)
         if self.rampup_batch_size is not None:
             require(len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
                     f"--rampup-batch-size takes START INCR SAMPLES (positive), got {self.rampup_batch_size}")

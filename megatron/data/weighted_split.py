@@ -1,8 +1,10 @@
 """Megatron-DeepSpeed's per-split blends: --train-weighted-split-paths and its valid/test twins.
 
-Each flag takes one group "NAME: W1 START:END PREFIX1, W2 START:END PREFIX2, ..." (one argument,
-quoted): the split draws from the documents [round(START x n), round(END x n)) of each prefix
-(n documents), blended by the weights W. This replaces --data-path/--split for that split.
+Each flag takes groups "NAME: W1 START:END PREFIX1, W2 START:END PREFIX2, ..." (one argument
+each, quoted): the split draws from the documents [round(START x n), round(END x n)) of each
+prefix (n documents), blended by the weights W. This replaces --data-path/--split for that
+split. Training takes one group; validation and test may take several named ones, each
+evaluated and logged on its own (as Megatron-DeepSpeed's multilingual runs).
 """
 import math
 from typing import List, Optional, Tuple
@@ -17,8 +19,21 @@ from megatron.data.gpt_dataset import (GPTDataset, blended_num_samples, left_to_
 Entry = Tuple[float, float, float, str]  # weight, start, end, prefix
 
 
+def parse_weighted_split_groups(flag: str, groups: List[str]) -> List[Tuple[str, List[Entry]]]:
+    """[(group name, entries)] of a flag's groups (one for --train-weighted-split-paths, names
+    distinct); ConfigError naming the flag when malformed."""
+    if not groups or (flag.startswith("--train") and len(groups) != 1):
+        raise ConfigError(f"{flag} takes one group \"NAME: W START:END PREFIX, ...\" (quoted), "
+                          f"got {len(groups)}")
+    parsed = [parse_weighted_split_paths(flag, [group]) for group in groups]
+    names = [name for name, _ in parsed]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{flag}: group names must differ, got {names}")
+    return parsed
+
+
 def parse_weighted_split_paths(flag: str, groups: List[str]) -> Tuple[str, List[Entry]]:
-    """(group name, entries) of one flag's value; ConfigError naming the flag when malformed."""
+    """(group name, entries) of one group; ConfigError naming the flag when malformed."""
     if len(groups) != 1:
         raise ConfigError(f"{flag} takes one group \"NAME: W START:END PREFIX, ...\" (quoted), "
                           f"got {len(groups)}")
@@ -67,14 +82,17 @@ def build_weighted_split_dataset(split: str, name: str, entries: List[Entry], nu
 
 def weighted_split_datasets(flags, num_samples, seq_length: int, seed: int, data_cache_path,
                             threshold: float, vocab_size: Optional[int] = None):
-    """(train, valid, test): each split given by its --*-weighted-split-paths flag, else None."""
+    """(train, valid, test): each split given by its --*-weighted-split-paths flag, else None;
+    a split of several groups is a dict {group name: dataset} (each of the split's size)."""
     out = []
     for split, groups, count in zip(("train", "valid", "test"), flags, num_samples):
         if not groups:
             out.append(None)
             continue
-        name, entries = parse_weighted_split_paths(f"--{split}-weighted-split-paths", groups)
-        out.append(build_weighted_split_dataset(split, name, entries, count, seq_length, seed,
-                                                data_cache_path, threshold, vocab_size))
+        built = {name: build_weighted_split_dataset(split, name, entries, count, seq_length,
+                                                    seed, data_cache_path, threshold, vocab_size)
+                 for name, entries in parse_weighted_split_groups(
+                     f"--{split}-weighted-split-paths", groups)}
+        out.append(next(iter(built.values())) if len(built) == 1 else built)
     return tuple(out)
 

@@ -55,6 +55,8 @@ class Embedding(torch.nn.Module):
 
     def forward(self, input_ids, position_ids):
         x = self.word_embeddings(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden), in the activations' dtype
+            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
         if self.cfg.embed_layernorm:
             x = self.word_embeddings.norm(x)
         if self.position_embeddings is not None:

@@ -66,7 +66,8 @@ def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-_GATES = {"swiglu": F.silu, "geglu": _gelu_erf, "reglu": F.relu, "liglu": lambda x: x}
+_GATES = {"swiglu": F.silu, "geglu": _gelu_erf, "geglu_tanh": _gelu_tanh, "reglu": F.relu,
+          "liglu": lambda x: x}
 _PLAIN = {"openai_gelu": _gelu_tanh, "squared_relu": _squared_relu}
 
 

@@ -1,5 +1,6 @@
 """Number of micro batches per step, constant or with a batch-size ramp-up."""
 from megatron.config import ConfigError
+from megatron.config.batch_schedule import batch_at, parse_step_schedule
 
 
 class MicroBatches:
@@ -10,10 +11,14 @@ class MicroBatches:
     until it reaches the configured global batch size.
     """
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_size: int, rampup=None):
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_size: int, rampup=None,
+                 step_schedule=None, seq_length: int = 0):
+        """`step_schedule`: --step-batch-size-schedule's [(tokens, batch)] (a sample is
+        `seq_length` tokens)."""
         self.final_global = global_batch_size
         self.per_micro = micro_batch_size * dp_size
         self.rampup = rampup
+        self.step_schedule, self.seq_length = step_schedule, seq_length
         if rampup is not None:
             start, incr, _ = rampup
             if (global_batch_size - start) % incr != 0 or start > global_batch_size:
@@ -24,6 +29,9 @@ class MicroBatches:
         self.update(0)
 
     def update(self, consumed_samples: int) -> None:
+        if self.step_schedule is not None:
+            self.global_batch_size = batch_at(self.step_schedule, consumed_samples * self.seq_length)
+            return
         if self.rampup is None:
             self.global_batch_size = self.final_global
             return
@@ -35,6 +43,14 @@ class MicroBatches:
         per_step = samples / steps
         grown = start + int(consumed_samples // per_step) * incr
         self.global_batch_size = min(grown, self.final_global)
+
+    @classmethod
+    def of(cls, config, dp_size: int) -> "MicroBatches":
+        """The batch schedule the flags of `config` describe."""
+        t = config.training
+        steps = t.step_batch_size_schedule
+        return cls(t.global_batch_size, t.micro_batch_size, dp_size, t.rampup_batch_size,
+                   parse_step_schedule(steps) if steps else None, config.model.seq_length)
 
     @property
     def num_micro_batches(self) -> int:

@@ -9,7 +9,8 @@ from megatron.checkpointing.io import check_writable
 from megatron.checkpointing.lock import SaveLock
 from megatron.config import ConfigError
 from megatron.training.flops import ThroughputMeter
-from megatron.checkpointing.layout import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from megatron.checkpointing.layout import (load_checkpoint, read_tracker, rng_state,
+                                           save_checkpoint, set_rng_state)
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras
@@ -60,8 +61,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     guard.attach(trainer)
     state = trainer.state
     if config.checkpoint.load:
-        state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
-            config.checkpoint.load, models, trainer.optimizer, trainer.scheduler, config, pstate)
+        _load(trainer, config, pstate)
     # Building data loaders draws from the default generator; keep it out of the
     # training RNG stream so a resumed run continues exactly where it stopped.
     rng = rng_state()
@@ -69,7 +69,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     set_rng_state(rng)
     chunks = len(models)
     train_iters = ReplayIterators(train_iter, chunks).all() if train_iter is not None else None
-    valid_iters = ReplayIterators(valid_iter, chunks).all() if valid_iter is not None else None
+    valid_iters = _replayed(valid_iter, chunks)
     meter = _throughput_meter(config, pstate, device)
     guard.stops.listen()
     try:
@@ -79,12 +79,26 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     finally:
         guard.close()
     if valid_iters is not None and config.training.eval_iters > 0:
-        _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
+        _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}", verbose=True)
     if test_iter is not None and config.training.eval_iters > 0:
-        test_iters = ReplayIterators(test_iter, chunks).all()
-        _evaluate_and_print(trainer, test_iters, "the end of training for test data")
+        _evaluate_and_print(trainer, _replayed(test_iter, chunks),
+                            "the end of training for test data", verbose=True)
     trainer.tensorboard.close()
     return state
+
+
+def _load(trainer: Trainer, config, pstate) -> None:
+    """Resume (or start fine-tuning) from --load, with Megatron's two log lines."""
+    from megatron.checkpointing.loading import checkpoint_summary
+    root, state = config.checkpoint.load, trainer.state
+    found = read_tracker(root) is not None
+    if found:
+        print_rank_0(f" loading checkpoint from {checkpoint_summary(root)}")
+    state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
+        root, trainer.models, trainer.optimizer, trainer.scheduler, config, pstate)
+    if found:
+        print_rank_0(f"  successfully loaded checkpoint from {root} at iteration "
+                     f"{state.iteration}")
 
 
 def _save(trainer: Trainer) -> None:
@@ -215,15 +229,38 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
     log.reset()
 
 
-def _evaluate_and_print(trainer: Trainer, iterators, prefix: str) -> None:
+def _replayed(iterator, chunks: int):
+    """Per-chunk iterators of a split ({group name: them} for several named groups)."""
+    if isinstance(iterator, dict):
+        return {name: _replayed(it, chunks) for name, it in iterator.items()}
+    return None if iterator is None else ReplayIterators(iterator, chunks).all()
+
+
+def _evaluate_and_print(trainer: Trainer, iterators, prefix: str, verbose: bool = False) -> None:
+    """Evaluate and print Megatron's validation line; named groups each get theirs
+    (" validation loss at iteration N | NAME | lm loss value: ..."), and all advance the
+    validation samples as one group does, so that each resumes where it stopped."""
+    if not isinstance(iterators, dict):
+        return _evaluate_one(trainer, iterators, prefix, verbose)
+    state = trainer.state
+    start = state.consumed_valid
+    for name, its in iterators.items():
+        state.consumed_valid = start
+        if its is not None:
+            _evaluate_one(trainer, its, f"{prefix} | {name}", verbose, name)
+
+
+def _evaluate_one(trainer: Trainer, iterators, prefix: str, verbose: bool, group=None) -> None:
     cfg, state = trainer.config, trainer.state
-    losses = trainer.evaluate(iterators, cfg.training.eval_iters)
+    losses = trainer.evaluate(iterators, cfg.training.eval_iters, verbose)
     if not losses:
         return
-    state.validation.append(dict(losses, iteration=state.iteration))
+    state.validation.append(dict(losses, iteration=state.iteration, **(
+        {"group": group} if group else {})))
     line = format_validation(prefix, losses)
     print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-    scalars = {f"{key} validation": value for key, value in losses.items()}
+    where = f" {group}" if group else ""
+    scalars = {f"{key} validation{where}": value for key, value in losses.items()}
     if cfg.logging.log_validation_ppl_to_tensorboard:
         scalars.update({f"{key} validation ppl": math.exp(min(20.0, v)) for key, v in losses.items()})
     trainer.tensorboard.scalars(scalars, state.iteration)

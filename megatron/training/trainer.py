@@ -112,8 +112,7 @@ class Trainer:
         self.optimizer = build_optimizer(config, models, pstate, self.reducers)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         t = config.training
-        self.microbatches = MicroBatches(t.global_batch_size, t.micro_batch_size, pstate.dp_size,
-                                         t.rampup_batch_size)
+        self.microbatches = MicroBatches.of(config, pstate.dp_size)
         self.timers = Timers(config.logging.timing_log_level)
         self.comm = self._communicator()
         self.schedule = ("none" if pstate.pp_size == 1
@@ -203,16 +202,20 @@ class Trainer:
         self.timers.stop("embedding-grads-all-reduce")
 
     @torch.no_grad()
-    def evaluate(self, iterators, num_iters: int) -> Dict[str, float]:
+    def evaluate(self, iterators, num_iters: int, verbose: bool = False) -> Dict[str, float]:
+        """Mean losses over `num_iters` global batches; `verbose` prints Megatron's
+        "Evaluating iter i/n" progress every --log-interval iterations."""
         for m in self.models:
             m.eval()
         totals: Dict[str, float] = {}
         micro = self.config.training.global_batch_size // (
             self.config.training.micro_batch_size * self.pstate.dp_size)
-        for _ in range(num_iters):
+        for i in range(num_iters):
             for key, value in average_losses(self._run_schedule(iterators, micro, True)).items():
                 totals[key] = totals.get(key, 0.0) + value / num_iters
             self.state.consumed_valid += self.config.training.global_batch_size
+            if verbose and (i + 1) % self.config.logging.log_interval == 0:
+                print_rank_0(f" Evaluating iter {i + 1}/{num_iters}")
         for m in self.models:
             m.train()
         return totals
@@ -229,9 +232,9 @@ def total_iterations(config) -> int:
     t = config.training
     if t.train_iters is not None:
         return t.train_iters
-    if t.rampup_batch_size is None:
+    if t.rampup_batch_size is None and t.step_batch_size_schedule is None:
         return t.train_samples // t.global_batch_size
-    mb = MicroBatches(t.global_batch_size, t.micro_batch_size, 1, t.rampup_batch_size)
+    mb = MicroBatches.of(config, 1)
     consumed, iters = 0, 0
     while consumed < t.train_samples:
         mb.update(consumed)

@@ -16,6 +16,7 @@ from tests.conftest import ROOT
 
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B.sh",
            "megatron_11b.sh", "pretrain_llama2_7b.sh", "pretrain_llama3_8b.sh",
+           "pretrain_qwen2.5_7b.sh", "pretrain_qwen3_8b.sh",
            "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
@@ -74,6 +75,13 @@ PRESETS = {
                                   num_query_groups=32, rotary_base=10000),
     "pretrain_llama3_8b.sh": dict(LLAMA, ffn_hidden_size=14336, seq_length=8192,
                                   num_query_groups=8, rotary_base=500000),
+    "pretrain_qwen2.5_7b.sh": dict(LLAMA, num_layers=28, hidden_size=3584,
+                                   num_attention_heads=28, ffn_hidden_size=18944,
+                                   seq_length=4096, num_query_groups=4, rotary_base=1000000,
+                                   layernorm_epsilon=1e-6, add_qkv_bias=True),
+    "pretrain_qwen3_8b.sh": dict(LLAMA, num_layers=36, ffn_hidden_size=12288, seq_length=4096,
+                                 num_query_groups=8, kv_channels=128, qk_layernorm=True,
+                                 rotary_base=1000000, layernorm_epsilon=1e-6),
     "pretrain_bloom_176b.sh": dict(num_layers=70, hidden_size=14336, num_attention_heads=112,
                                    seq_length=2048, position_embedding_type="alibi",
                                    embed_layernorm=True, normalization="LayerNorm",
@@ -95,3 +103,12 @@ def test_every_example_script_is_checked():
     compat = {"megatron_deepspeed_gpt2.sh", "deepspeed_zero1_gpt.sh",  # test_compat_examples.py
               "megatron_lm_gpt_recompute.sh"}
     assert launchers - {"quickstart.sh"} - compat == set(SCRIPTS)  # quickstart: README command 1
+
+
+@pytest.mark.parametrize("script, architecture", [("pretrain_qwen2.5_7b.sh", "Qwen2ForCausalLM"),
+                                                  ("pretrain_qwen3_8b.sh", "Qwen3ForCausalLM"),
+                                                  ("pretrain_llama3_8b.sh", "LlamaForCausalLM")])
+def test_presets_export_as_their_family(tmp_path, script, architecture):
+    from megatron.checkpointing.hf.families import hf_config_for
+    config, _ = parsed_launch(tmp_path, script)
+    assert hf_config_for(config.model, 151936)[0] == architecture

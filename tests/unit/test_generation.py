@@ -199,7 +199,8 @@ def test_tool_unconditional_jsonl(checkpoint, tmp_path):
 @pytest.mark.parametrize("extra, code, message", [
     (["--prompt", "a", "--top_k", "3", "--top_p", "0.5"], 2, "cannot both"),
     ([], 2, "nothing to generate"),
-    (["--prompt", "a", "--pipeline-model-parallel-size", "2"], 2, "merge_mp_partitions"),
+    (["--prompt", "a", "--pipeline-model-parallel-size", "2"], 2,
+     "drop --pipeline-model-parallel-size"),
     (["--prompt", "a", "--hidden-size", "64"], 2, "--hidden-size 64 does not match the checkpoint"),
 ])
 def test_tool_errors(checkpoint, capsys, monkeypatch, extra, code, message):

@@ -15,6 +15,8 @@ checkpoint without it (trained here) is exported as the architecture its
 position encoding implies (GPT-2, LLaMA, BLOOM) if that expresses every
 architecture field of its config, keeping its tokenizer's vocabulary rows.
 """
+import copy
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -28,13 +30,15 @@ from megatron.checkpointing.hf.hf_files import (copy_other_files, other_files, r
                                                 read_weights, write_hf_dir)
 from megatron.checkpointing.hf.layouts import pad_rows
 from megatron.checkpointing.io import save_file, write_text
+from megatron.checkpointing.portable import resolve_stored_paths
 from megatron.checkpointing.layout import (CHECKPOINT_VERSION, TRACKER, checkpoint_path,
                                            to_megatron_layout)
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
 
-HF_FILES = "hf_files"
+HF_FILES = "hf_files"  # portable.FILES_DIR
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -115,15 +119,28 @@ def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ConversionError(f"the model does not fit TP {tp} x PP {pp}: {err}") from None
 
 
+def generation_config(load: Optional[str], hf: dict) -> dict:
+    """The HF directory `load`'s generation_config.json, else the one transformers derives
+    from the model config (its bos / eos / pad ids)."""
+    path = os.path.join(load, GENERATION_CONFIG) if load else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    ids = {name: hf[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if hf.get(name) is not None}
+    return {"_from_model_config": True, **ids}
+
+
 def _config_dict(cfg: ModelConfig, arch: str, hf: dict, rows: int, load: str, files_dir) -> dict:
-    """Our config as a dict, plus an "hf" entry that the way back needs."""
+    """Our config as a dict, with an "hf" entry that the way back needs. The tokenizer files
+    are referenced relative to the checkpoint (`files_dir`: a name inside it)."""
     config = Config(model=cfg)
     if files_dir and any(os.path.isfile(os.path.join(load, n)) for n in TOKENIZER_FILES):
         config.data.tokenizer_type = "PretrainedFromHF"
         config.data.tokenizer_name_or_path = files_dir
-    out = config.to_dict()
-    out["hf"] = {"architecture": arch, "config": hf, "vocab_rows": rows, "files_dir": files_dir}
-    return out
+    config.hf = {"architecture": arch, "config": hf, "vocab_rows": rows, "files_dir": files_dir,
+                 "generation_config": generation_config(load, hf)}
+    return config.to_dict()
 
 
 def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
@@ -143,7 +160,7 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         if name in flat:
             flat[name] = pad_rows(flat[name], cfg.padded_vocab_size)
     sharding = sharding_for(cfg, flat)
-    files_dir = os.path.join(os.path.abspath(save), HF_FILES) if other_files(load) else None
+    files_dir = HF_FILES if other_files(load) else None
     config = _config_dict(cfg, arch, hf, rows, load, files_dir)
     if tp == 1 and pp == 1:
         write_release(save, flat, config, sharding)
@@ -155,7 +172,7 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     if files_dir:
-        copy_other_files(load, files_dir)
+        copy_other_files(load, os.path.join(save, files_dir))
     return os.path.join(save, "release")
 
 
@@ -165,7 +182,8 @@ def read_full_model(load: str):
     shards = [reshard.global_shard(source, t)[0] for t in range(source.tp)]
     full = reshard.merge_tensor_parallel(shards, source.sharding)
     full.pop(reshard.HEAD, None)  # the last stage's copy of the tied embeddings
-    return full, source.states[min(source.states)].get("config") or {}
+    stored = source.states[min(source.states)].get("config") or {}
+    return full, resolve_stored_paths(copy.deepcopy(stored), load)
 
 
 class _Tracked(dict):
@@ -198,7 +216,10 @@ def hf_target(stored: dict, load: str, vocab_size: Optional[int] = None):
     the stored "hf" entry of a converted checkpoint, else derived from our config."""
     entry = stored.get("hf")
     if entry:
-        return entry["architecture"], entry["config"], entry["vocab_rows"], entry.get("files_dir")
+        hf = dict(entry["config"])
+        if not hf.get("architectures"):
+            hf["architectures"] = [entry["architecture"]]
+        return entry["architecture"], hf, entry["vocab_rows"], entry.get("files_dir")
     config = Config.from_dict(stored)
     rows = vocab_size or _tokenizer_size(config.data, load)
     if rows > config.model.padded_vocab_size:
@@ -222,5 +243,6 @@ def megatron_to_hf(load: str, save: str, vocab_size: Optional[int] = None) -> st
     if unused:
         raise ConversionError(f"{len(unused)} tensors have no Hugging Face counterpart in "
                               f"{arch}, e.g. {unused[0]}")
-    write_hf_dir(save, hf, weights, files_dir)
+    generation = (stored.get("hf") or {}).get("generation_config") or generation_config(None, hf)
+    write_hf_dir(save, hf, weights, files_dir, {GENERATION_CONFIG: generation})
     return save

@@ -1,17 +1,19 @@
 """The supported Hugging Face architectures, each with its mapping module."""
 from megatron.config import ConfigError, ModelConfig
-from megatron.checkpointing.hf import ConversionError, bloom, gpt2, llama
+from megatron.checkpointing.hf import ConversionError, bloom, gemma, gpt2, llama, qwen2, qwen3
 
-FAMILIES = {arch: module for module in (gpt2, llama, bloom) for arch in module.ARCHITECTURES}
-# The HF architecture a model of ours is exported as, by its position encoding.
-BY_POSITIONS = {"learned_absolute": gpt2, "rope": llama, "alibi": bloom}
+FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma)
+            for arch in module.ARCHITECTURES}
+# The HF architectures a model of ours may be exported as, by its position encoding (the
+# first that expresses it exactly).
+BY_POSITIONS = {"learned_absolute": (gpt2,), "rope": (llama, qwen2, qwen3, gemma), "alibi": (bloom,)}
 # The ModelConfig fields an exported HF config must reproduce.
 ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
     "num_query_groups", "position_embedding_type", "rotary_percent", "rotary_base",
     "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
-    "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "activation", "add_bias_linear",
-    "add_qkv_bias", "untie_embeddings_and_output_weights")
+    "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier", "activation",
+    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights")
 
 
 def family_of(hf_config: dict):
@@ -27,10 +29,21 @@ def family_of(hf_config: dict):
 def hf_config_for(cfg: ModelConfig, vocab: int):
     """(architecture, HF config) that describe our model `cfg` exactly, or a one-line error
     naming the first field no supported architecture expresses."""
-    family = BY_POSITIONS.get(cfg.position_embedding_type)
-    if family is None:
+    families = BY_POSITIONS.get(cfg.position_embedding_type)
+    if families is None:
         raise ConversionError(f"--position-embedding-type {cfg.position_embedding_type} has no "
                               f"Hugging Face architecture to export to")
+    first_error = None
+    for family in families:
+        try:
+            return _described(family, cfg, vocab)
+        except ConversionError as err:
+            first_error = first_error or err
+    raise first_error
+
+
+def _described(family, cfg: ModelConfig, vocab: int):
+    """(architecture, HF config) of `family` if it expresses `cfg` exactly."""
     hf = family.hf_config(cfg, vocab)
     arch = hf["architectures"][0]
     try:

@@ -65,10 +65,17 @@ def copy_other_files(source: str, target: str) -> list:
     return names
 
 
+def _write_json(path: str, content: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(content, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def write_hf_dir(directory: str, config: dict, weights: Dict[str, torch.Tensor],
-                 extra_files_from: str = None) -> None:
-    """config.json + model.safetensors (+ the other files of `extra_files_from`), written
-    under a temporary name and renamed into place."""
+                 extra_files_from: str = None, defaults: Dict[str, dict] = None) -> None:
+    """config.json + model.safetensors (+ the other files of `extra_files_from`, and the
+    JSON files of `defaults` {name: content} that it lacks), written under a temporary
+    name and renamed into place."""
     if os.path.exists(directory) and os.listdir(directory):
         raise ConversionError(f"--save {directory} exists and is not empty; choose a new directory")
     tmp = f"{directory.rstrip(os.sep)}.tmp.{os.getpid()}"
@@ -76,11 +83,12 @@ def write_hf_dir(directory: str, config: dict, weights: Dict[str, torch.Tensor],
     try:
         tensors = {name: t.detach().contiguous().clone() for name, t in weights.items()}
         _safetensors().save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
+        _write_json(os.path.join(tmp, CONFIG), config)
         if extra_files_from and os.path.isdir(extra_files_from):
             copy_other_files(extra_files_from, tmp)
+        for name, content in (defaults or {}).items():
+            if not os.path.exists(os.path.join(tmp, name)):
+                _write_json(os.path.join(tmp, name), content)
         if os.path.isdir(directory):
             os.rmdir(directory)
         os.replace(tmp, directory)
