@@ -31,6 +31,23 @@ def _future(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
 
 
+def _outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
+    """True where a query (the last sq of sk positions) may not see a key: in its future,
+    or window or more positions before it."""
+    query = torch.arange(sk - sq, sk, device=device)[:, None]
+    key = torch.arange(sk, device=device)[None, :]
+    return (key > query) | (key <= query - window)
+
+
+def windowed_mask(mask, sq: int, sk: int, window, device):
+    """`mask` (None: causal) with the sliding window's hidden keys added; unchanged when
+    no key falls outside the window."""
+    if window is None or sk <= window:
+        return mask
+    hidden = _outside_window(sq, sk, window, device)[None, None]
+    return hidden if mask is None else mask.bool() | hidden
+
+
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
 
@@ -43,6 +60,7 @@ class CoreAttention(torch.nn.Module):
     def forward(self, q, k, v, mask, bias=None):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
+        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
         if self._use_cpu_kernel(q, k, v, mask, bias):
             return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
