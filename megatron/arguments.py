@@ -115,6 +115,8 @@ def _add_parallel_args(parser):
     _flag(g, "--tensor-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--pipeline-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--num-layers-per-virtual-pipeline-stage", "parallel", type=int, default=None)
+    _flag(g, "--context-parallel-size", "parallel", type=int, default=1)
+    _flag(g, "--cp-comm-type", "parallel", choices=["p2p", "a2a"], default="p2p")
     _flag(g, "--sequence-parallel", "parallel", action="store_true")
     _flag(g, "--distributed-backend", "parallel", choices=["nccl", "gloo"], default=None)
     _flag(g, "--DDP-impl", "parallel", field="DDP_impl", choices=["local", "torch"], default="local")

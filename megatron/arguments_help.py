@@ -43,6 +43,8 @@ HELP = {
     "--yarn-beta-fast": "yarn: rotations above which frequencies are kept (default 32)",
     "--yarn-beta-slow": "yarn: rotations below which frequencies are interpolated (default 1)",
     "--yarn-attention-factor": "yarn: cos / sin multiplier (default 0.1 ln(factor) + 1)",
+    "--context-parallel-size": "ranks that split each sequence (2·CP load-balanced chunks; default 1)",
+    "--cp-comm-type": "attention across CP ranks: p2p (K/V ring, LSE merge) or a2a (Ulysses)",
     "--window-size": "sliding-window attention: each query sees itself and the W - 1 "
                      "positions before it (Mistral's sliding_window; default: all)",
     "--normalization": "LayerNorm (GPT-2, BLOOM) or RMSNorm (LLaMA)",

@@ -52,6 +52,17 @@ def split_for_cp(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1)
     return tensor.index_select(dim, index)
 
 
+def split_batch_for_cp(batch, cp_rank: int, cp_size: int):
+    """(tokens, labels, loss_mask, attention_mask, position_ids) [b, s] -> this rank's
+    [b, s / CP] parts (the attention mask must be None: plain causal)."""
+    tokens, labels, loss_mask, mask, position_ids = batch
+    if cp_size == 1:
+        return batch
+    assert mask is None, "an attention mask cannot be split over CP ranks"
+    return (*(split_for_cp(t, cp_rank, cp_size) for t in (tokens, labels, loss_mask)), None,
+            split_for_cp(position_ids, cp_rank, cp_size))
+
+
 def cp_positions(local_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
     """Float positions [local_len] of the local tokens in the whole sequence."""
     return cp_token_index(local_len * cp_size, cp_rank, cp_size).to(

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron import fused
+from megatron.model import context_parallel as cp
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
 from megatron.mpu.sharding import qkv_meta
 from megatron.model.spec import make_norm, mlp_activation
@@ -162,6 +163,7 @@ class ParallelAttention(torch.nn.Module):
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)
         self.core_attention = CoreAttention(cfg, layer_number)
+        self.cp_group, self.cp_comm_type = None, "p2p"  # set by enable_context_parallel
         self.dense = RowParallelLinear(
             cfg.query_projection_size, cfg.hidden_size, bias=cfg.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True,
@@ -208,17 +210,43 @@ class ParallelAttention(torch.nn.Module):
             q, k = self._head_norm(self.q_layernorm, q), self._head_norm(self.k_layernorm, k)
         if self.rotary is not None:
             offset = 0 if inference_params is None else inference_params.length
-            cos, sin = self.rotary(q.shape[0], offset, q.device)
+            cos, sin = self.rotary(q.shape[0], offset, q.device, positions=self._cp_positions(q))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_params is not None:
             k, v = inference_params.update(self.layer_number, k, v)
+        attend = self._attend if group_size(self.cp_group) == 1 else self._attend_across_cp
+        if self.cfg.recompute_granularity == "selective" and self.training:
+            context = checkpoint(attend, q, k, v, mask)
+        else:
+            context = attend(q, k, v, mask)
+        return self.dense(context)
+
+    def _attend(self, q, k, v, mask):
         k, v = self._expand_groups(k), self._expand_groups(v)
         bias = None if self.alibi is None else self.alibi(k.shape[0], q.dtype, q.device)
-        if self.cfg.recompute_granularity == "selective" and self.training:
-            context = checkpoint(self.core_attention, q, k, v, mask, bias)
-        else:
-            context = self.core_attention(q, k, v, mask, bias)
-        return self.dense(context)
+        return self.core_attention(q, k, v, mask, bias)
+
+    def _attend_across_cp(self, q, k, v, mask):
+        """Attention of this rank's chunks over the whole sequence (context parallel)."""
+        if self.cp_comm_type == "p2p":
+            return cp.ring_attention(q, k, v, self.cp_group)
+        return cp.a2a_attention(q, self._expand_groups(k), self._expand_groups(v),
+                                self.cp_group, self.core_attention)
+
+    def _cp_positions(self, q):
+        """Global positions of the local tokens under context parallelism, else None."""
+        size = group_size(self.cp_group)
+        if size == 1:
+            return None
+        return cp.cp_positions(q.shape[0], group_rank(self.cp_group), size, q.device)
+
+
+def enable_context_parallel(model: torch.nn.Module, group, comm_type: str = "p2p") -> None:
+    """Make every attention module of `model` attend across the CP `group` (its inputs
+    are then this rank's two sequence chunks, megatron.model.context_parallel)."""
+    for module in model.modules():
+        if isinstance(module, ParallelAttention):
+            module.cp_group, module.cp_comm_type = group, comm_type
 
 
 class ParallelMLP(torch.nn.Module):
