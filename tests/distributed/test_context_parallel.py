@@ -67,3 +67,64 @@ def test_split_holds_chunks_r_and_2cp_minus_1_minus_r():
     assert cp_token_index(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     every = torch.cat([cp_token_index(24, r, 3) for r in range(3)])
     assert sorted(every.tolist()) == list(range(24))
+
+
+# -- the whole model: gradients of every parameter ---------------------------------
+
+def _llama_cfg(**changes):
+    from megatron.config import ModelConfig
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=256,
+                  max_position_embeddings=256, position_embedding_type="rope",
+                  normalization="RMSNorm", activation="swiglu", group_query_attention=True,
+                  num_query_groups=2, add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                  attention_dropout=0.0, use_cpu_initialization=True, padded_vocab_size=64)
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
+def _loss_and_grads(cfg, tokens, labels, group=None, comm_type="p2p"):
+    """Mean token loss and {name: grad} (summed over the CP group) of a fresh model."""
+    import torch.distributed as dist
+    from megatron.model import GPTModel
+    from megatron.model.transformer import enable_context_parallel
+    from megatron.model.context_parallel import split_batch_for_cp
+    from megatron.mpu.mappings import all_reduce, group_rank, group_size
+    model = GPTModel(cfg)
+    model.init_weights(1234)
+    model.train()
+    size, rank = group_size(group), group_rank(group)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    tokens, labels, mask, _, positions = split_batch_for_cp(
+        (tokens, labels, mask, None, positions), rank, size)
+    enable_context_parallel(model, group, comm_type)
+    loss = (model(tokens, positions, labels=labels) * mask).sum() / all_reduce(mask.sum(), group)
+    loss.backward()
+    grads = {n: all_reduce(p.grad.clone(), group) for n, p in model.named_parameters()}
+    return float(all_reduce(loss.detach().clone(), group)), grads
+
+
+def _model_check(rank, world_size):
+    import torch.distributed as dist
+    group = dist.new_group(list(range(world_size)))
+    gen = torch.Generator().manual_seed(5)
+    text = torch.randint(0, 60, (2, 257), generator=gen)
+    tokens, labels = text[:, :-1], text[:, 1:]
+    errors = {}
+    for name, comm, changes in (("p2p", "p2p", {}), ("a2a", "a2a", {}),
+                                ("p2p-full-recompute", "p2p", {"recompute_granularity": "full"}),
+                                ("a2a-window", "a2a", {"window_size": 48})):
+        cfg = _llama_cfg(**changes)
+        ref_loss, ref = _loss_and_grads(cfg, tokens, labels)
+        loss, got = _loss_and_grads(cfg, tokens, labels, group, comm)
+        worst = max(float((got[n] - g).abs().max() / g.abs().max()) for n, g in ref.items())
+        errors[name] = (abs(loss - ref_loss) / ref_loss, worst, len(ref))
+    return errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_parameter_gradient_equals_one_process(cp):
+    for errors in run_ranks(_model_check, cp):
+        for name, (loss_err, grad_err, count) in errors.items():
+            assert count == 15 and loss_err < 1e-6 and grad_err < 1e-5, (name, errors)

@@ -95,3 +95,20 @@ def test_cp_layout_losses_equal_one_process(name, reference, spawns):
 def test_cp_checkpoint_resumes_exactly(name, workdir, spawns):
     layout = LAYOUTS[name]
     L.check_resume(name, layout, spawns[layout.world], workdir[1])
+
+
+def test_cp2_checkpoint_resumes_in_one_process(workdir, reference, spawns):
+    """Checkpoints do not depend on CP: CP 2's iteration-5 checkpoint continues at CP 1
+    (no flag) with the single-process losses."""
+    import pretrain_gpt
+    from tests.gpt_setup import losses, one_thread, tiny_gpt_argv
+    prefix, out = workdir
+    name = "cp2-dp2-distributed-optimizer" if "cp2-dp2-distributed-optimizer" in LAYOUTS else "cp2"
+    if name not in LAYOUTS:
+        pytest.skip("CP_TEST_ONLY left out the CP 2 layouts")
+    extra = ["--use-distributed-optimizer"] if "distributed" in name else []
+    with one_thread():
+        state = pretrain_gpt.main(tiny_gpt_argv(
+            prefix, out / "cache-ref", *MODEL, *extra, "--load", L.checkpoint_dir(out, name),
+            mbs=2, gbs=L.GLOBAL_BATCH, iters=L.ITERS))
+    L.assert_close(losses(state), reference[L.SAVE_AT:], f"{name} resumed at CP 1")

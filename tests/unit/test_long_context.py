@@ -77,3 +77,41 @@ def test_bad_long_context_settings_are_one_line_exit_2(capsys, argv, message):
         _parse(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def _parse_world(argv, world):
+    from megatron.arguments import parse_args
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", "1",
+            "--lr", "1e-3", "--position-embedding-type", "rope", "--attention-dropout", "0"]
+    return parse_args(base + argv, world_size=world)[0]
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--context-parallel-size", "2", "--seq-length", "30", "--max-position-embeddings", "64"],
+     2, "--seq-length (30) must be divisible by 2 x --context-parallel-size (4)"),
+    (["--context-parallel-size", "4", "--tensor-model-parallel-size", "2"], 4,
+     "--context-parallel-size (4) x --pipeline-model-parallel-size (1) must divide the world size (4)"),
+    (["--context-parallel-size", "8", "--cp-comm-type", "a2a", "--seq-length", "64"], 8,
+     "--cp-comm-type a2a needs the heads per TP rank (4) divisible by --context-parallel-size (8)"),
+    (["--context-parallel-size", "2", "--reset-attention-mask"], 2,
+     "--reset-attention-mask is not supported with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--position-embedding-type", "alibi"], 2,
+     "ALiBi (--position-embedding-type alibi) is not supported with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--window-size", "8"], 2,
+     "--window-size with --cp-comm-type p2p is not supported"),
+    (["--context-parallel-size", "0"], 1, "--context-parallel-size must be >= 1, got 0"),
+    (["--cp-comm-type", "ring"], 1, "--cp-comm-type: invalid choice: 'ring'"),
+])
+def test_bad_context_parallel_settings_are_one_line_exit_2(capsys, argv, world, message):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_world(argv, world)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_cp_settings_that_are_fine():
+    config = _parse_world(["--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                           "--window-size", "8", "--tensor-model-parallel-size", "2"], 8)
+    assert (config.parallel.context_parallel_size, config.parallel.cp_comm_type) == (2, "a2a")
+    assert config.training.global_batch_size == 2  # DP = 8 / (TP 2 x CP 2)
