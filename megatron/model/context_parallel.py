@@ -9,7 +9,9 @@ Ring attention (`--cp-comm-type p2p`, `RingAttention`): the keys / values of eac
 rank travel once around the CP ring (p2p to the next rank, from the previous one,
 started before the local block is computed). Each query chunk attends to each key
 chunk by their global chunk indices: earlier chunks fully, its own chunk causally,
-later chunks not at all. Partial results merge by their log-sum-exp. The backward
+later chunks not at all (the diagonal, causal blocks go through the CPU flash-attention
+kernel, which returns the log-sum-exp and takes the merged one back in its backward, where
+it applies). Partial results merge by their log-sum-exp. The backward
 pass recomputes each block's probabilities from the saved log-sum-exp, and the
 key / value gradients circulate with their keys and values, one more hop at the end
 bringing them home.
@@ -25,6 +27,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from megatron import fused
 from megatron.mpu.mappings import group_rank, group_size
 
 CP_COMM_TYPES = ("p2p", "a2a")
@@ -94,18 +97,49 @@ def _scores(q, k, scale, causal):
     return s
 
 
-def block_forward(q, k, v, scale: float, causal: bool):
+def _kernel_layout(*tensors):
+    """[b, h, s, d] -> [s, b, h, d] views, the CPU kernel's layout."""
+    return [t.permute(2, 0, 1, 3) for t in tensors]
+
+
+def _use_kernel(q, k, causal: bool, fusion: bool) -> bool:
+    """The CPU flash-attention kernel (causal, float32, head_dim % 16) for diagonal blocks."""
+    if not (fusion and causal and q.shape == k.shape):
+        return False
+    q_s, k_s = _kernel_layout(q, k)
+    return fused.causal_attention_fusable(q_s, k_s, k_s)
+
+
+def _kernel_forward(q, k, v, scale):
+    b, h, s, _ = q.shape
+    out, lse = fused.causal_attention_with_lse(*_kernel_layout(q, k, v), scale)
+    return out.permute(1, 2, 0, 3), lse.view(b, h, s)
+
+
+def _kernel_backward(q, k, v, out, lse, dout, scale):
+    b, h, s, _ = q.shape
+    grads = fused.causal_attention_with_lse_backward(
+        *_kernel_layout(dout, q, k, v, out), lse.reshape(b * h, s), scale)
+    return [g.permute(1, 2, 0, 3) for g in grads]
+
+
+def block_forward(q, k, v, scale: float, causal: bool, fusion: bool = True):
     """(out [b, h, sq, d], lse [b, h, sq]) of q over one key block (k / v grouped)."""
+    if _use_kernel(q, _expand(k, q.shape[1]), causal, fusion):
+        return _kernel_forward(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), scale)
     s = _scores(q, _expand(k, q.shape[1]), scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), _expand(v, q.shape[1]))
     return out, lse
 
 
-def block_backward(q, k, v, out, lse, dout, scale: float, causal: bool):
+def block_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fusion: bool = True):
     """(dq, dk, dv) of one block, from the final output and log-sum-exp of its rows."""
     heads, groups = q.shape[1], k.shape[1]
     ke, ve = _expand(k, heads), _expand(v, heads)
+    if _use_kernel(q, ke, causal, fusion):
+        dq, dk, dv = _kernel_backward(q, ke, ve, out, lse, dout, scale)
+        return dq, _fold(dk, groups), _fold(dv, groups)
     p = torch.exp(_scores(q, ke, scale, causal) - lse[..., None])
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)
     dp = torch.matmul(dout, ve.transpose(-1, -2)).float()
@@ -155,7 +189,7 @@ def _chunks(t):
     return t.chunk(2, dim=2)
 
 
-def _ring_forward(q, k, v, scale, group):
+def _ring_forward(q, k, v, scale, group, fusion=True):
     """Outputs and log-sum-exps of both local query chunks over every rank's keys."""
     size, rank = group_size(group), group_rank(group)
     q_ids = cp_chunk_indices(rank, size)
@@ -167,7 +201,8 @@ def _ring_forward(q, k, v, scale, group):
             for ki, (k_part, v_part) in enumerate(zip(_chunks(k), _chunks(v))):
                 kind = block_kind(q_ids[qi], k_ids[ki])
                 if kind != "none":
-                    block = block_forward(q_part, k_part, v_part, scale, kind == "causal")
+                    block = block_forward(q_part, k_part, v_part, scale, kind == "causal",
+                                          fusion)
                     results[qi] = list(merge(*results[qi], *block))
         if pending:
             _wait(pending[0])
@@ -177,7 +212,7 @@ def _ring_forward(q, k, v, scale, group):
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, scale, group):
+def _ring_backward(q, k, v, out, lse, dout, scale, group, fusion=True):
     size, rank = group_size(group), group_rank(group)
     q_ids = cp_chunk_indices(rank, size)
     dq = torch.zeros_like(q)
@@ -193,7 +228,7 @@ def _ring_backward(q, k, v, out, lse, dout, scale, group):
                 if kind == "none":
                     continue
                 g = block_backward(q_part, k_part, v_part, o_part, l_part[..., 0], do_part,
-                                   scale, kind == "causal")
+                                   scale, kind == "causal", fusion)
                 _chunks(dq)[qi].add_(g[0])
                 dk_parts[ki].add_(g[1])
                 dv_parts[ki].add_(g[2])
@@ -213,23 +248,25 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, group):
-        out, lse = _ring_forward(q, k, v, scale, group)
+    def forward(ctx, q, k, v, scale, group, fusion):
+        out, lse = _ring_forward(q, k, v, scale, group, fusion)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group = scale, group
+        ctx.scale, ctx.group, ctx.fusion = scale, group, fusion
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout.contiguous(), ctx.scale, ctx.group)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout.contiguous(), ctx.scale, ctx.group,
+                                    ctx.fusion)
+        return dq, dk, dv, None, None, None
 
 
-def ring_attention(q, k, v, group):
-    """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d]."""
+def ring_attention(q, k, v, group, fusion: bool = True):
+    """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d].
+    `fusion`: the CPU kernel for the diagonal blocks where it applies."""
     q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
-    out = RingAttention.apply(q, k, v, 1.0 / math.sqrt(q.shape[-1]), group)
+    out = RingAttention.apply(q, k, v, 1.0 / math.sqrt(q.shape[-1]), group, fusion)
     b, h, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 

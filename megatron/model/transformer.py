@@ -229,7 +229,8 @@ class ParallelAttention(torch.nn.Module):
     def _attend_across_cp(self, q, k, v, mask):
         """Attention of this rank's chunks over the whole sequence (context parallel)."""
         if self.cp_comm_type == "p2p":
-            return cp.ring_attention(q, k, v, self.cp_group)
+            return cp.ring_attention(q, k, v, self.cp_group,
+                                     fusion=self.core_attention._fusion())
         return cp.a2a_attention(q, self._expand_groups(k), self._expand_groups(v),
                                 self.cp_group, self.core_attention)
 
