@@ -173,7 +173,7 @@ def _ring_exchange(tensors, group):
     size, rank = group_size(group), group_rank(group)
     ranks = dist.get_process_group_ranks(group)
     nxt, prev = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
     return dist.batch_isend_irecv(ops), received
@@ -265,7 +265,7 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, group, fusion: bool = True):
     """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d].
     `fusion`: the CPU kernel for the diagonal blocks where it applies."""
-    q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views: saved as they are
     out = RingAttention.apply(q, k, v, 1.0 / math.sqrt(q.shape[-1]), group, fusion)
     b, h, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
