@@ -165,6 +165,55 @@ def block_kind(q_chunk: int, k_chunk: int) -> str:
     return "full" if k_chunk < q_chunk else ("causal" if k_chunk == q_chunk else "none")
 
 
+# -- tiles: the plain path holds TILE x TILE scores at a time -----------------------
+
+TILE = 512
+
+
+def _tile_pairs(q, k, causal: bool):
+    """(query slice, key slice, causal) of the tiles of a block that attend at all."""
+    q_tiles = [slice(i, min(i + TILE, q.shape[2])) for i in range(0, q.shape[2], TILE)]
+    k_tiles = [slice(i, min(i + TILE, k.shape[2])) for i in range(0, k.shape[2], TILE)]
+    for qi, qs in enumerate(q_tiles):
+        for ki, ks in enumerate(k_tiles):
+            kind = block_kind(qi, ki) if causal else "full"
+            if kind != "none":
+                yield qs, ks, kind == "causal"
+
+
+def _whole_block(q, k, causal: bool, fusion: bool) -> bool:
+    """The block runs in one piece: through the kernel (it tiles itself), or small."""
+    small = q.shape[2] <= TILE and k.shape[2] <= TILE
+    return small or _use_kernel(q, _expand(k, q.shape[1]), causal, fusion)
+
+
+def tiled_forward(q, k, v, scale: float, causal: bool, fusion: bool = True):
+    """`block_forward` tile by tile, merged by log-sum-exp (bounded scores memory)."""
+    if _whole_block(q, k, causal, fusion):
+        return block_forward(q, k, v, scale, causal, fusion)
+    rows = {}
+    for qs, ks, tile_causal in _tile_pairs(q, k, causal):
+        part = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, tile_causal, fusion)
+        rows[qs.start] = merge(*rows.get(qs.start, (None, None)), *part)
+    starts = sorted(rows)
+    return (torch.cat([rows[i][0] for i in starts], dim=2),
+            torch.cat([rows[i][1] for i in starts], dim=2))
+
+
+def tiled_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fusion: bool = True):
+    """`block_backward` tile by tile."""
+    if _whole_block(q, k, causal, fusion):
+        return block_backward(q, k, v, out, lse, dout, scale, causal, fusion)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, ks, tile_causal in _tile_pairs(q, k, causal):
+        g = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                           dout[:, :, qs], scale, tile_causal, fusion)
+        dq[:, :, qs] += g[0]
+        dk[:, :, ks] += g[1]
+        dv[:, :, ks] += g[2]
+    return dq, dk, dv
+
+
 # -- ring communication -------------------------------------------------------------
 
 def _ring_exchange(tensors, group):
@@ -201,7 +250,7 @@ def _ring_forward(q, k, v, scale, group, fusion=True):
             for ki, (k_part, v_part) in enumerate(zip(_chunks(k), _chunks(v))):
                 kind = block_kind(q_ids[qi], k_ids[ki])
                 if kind != "none":
-                    block = block_forward(q_part, k_part, v_part, scale, kind == "causal",
+                    block = tiled_forward(q_part, k_part, v_part, scale, kind == "causal",
                                           fusion)
                     results[qi] = list(merge(*results[qi], *block))
         if pending:
@@ -227,7 +276,7 @@ def _ring_backward(q, k, v, out, lse, dout, scale, group, fusion=True):
                 kind = block_kind(q_ids[qi], k_ids[ki])
                 if kind == "none":
                     continue
-                g = block_backward(q_part, k_part, v_part, o_part, l_part[..., 0], do_part,
+                g = tiled_backward(q_part, k_part, v_part, o_part, l_part[..., 0], do_part,
                                    scale, kind == "causal", fusion)
                 _chunks(dq)[qi].add_(g[0])
                 dk_parts[ki].add_(g[1])

@@ -51,6 +51,15 @@ def _check(rank, world_size):
     attends = {"p2p": lambda q, k, v: ring_attention(q, k, v, group),
                "p2p-plain": lambda q, k, v: ring_attention(q, k, v, group, fusion=False),
                "a2a": lambda q, k, v: a2a_attention(q, _expand(k), _expand(v), group, _causal)}
+    from megatron.model import context_parallel as cp
+
+    def tiled(q, k, v):
+        cp.TILE = 4  # the plain path's 8-row chunks run in tiles of 4 (kernel off)
+        try:
+            return ring_attention(q, k, v, group, fusion=False)
+        finally:
+            cp.TILE = 512
+    attends["p2p-tiled"] = tiled
     for name, attend in attends.items():
         got = _run(*local, attend)
         want = [split_for_cp(t, rank, world_size, dim=0) for t in expected]
@@ -151,3 +160,19 @@ def test_ring_blocks_use_the_cpu_kernel_where_it_applies():
     want = block_backward(q, k, v, out, merged_lse, dout, 0.25, True, fusion=False)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_blocks_equal_whole_blocks(monkeypatch, causal):
+    """Blocks longer than a tile run tile by tile (uneven last tile too), merged by LSE."""
+    from megatron.model import context_parallel as cp
+    gen = torch.Generator().manual_seed(4)
+    q, dout = torch.randn(2, 2, 4, 40, 8, generator=gen)
+    k, v = torch.randn(2, 2, 2, 40, 8, generator=gen)
+    whole = cp.block_forward(q, k, v, 0.3, causal, fusion=False)
+    whole_grads = cp.block_backward(q, k, v, *whole, dout, 0.3, causal, fusion=False)
+    monkeypatch.setattr(cp, "TILE", 16)
+    tiled = cp.tiled_forward(q, k, v, 0.3, causal, fusion=False)
+    tiled_grads = cp.tiled_backward(q, k, v, *whole, dout, 0.3, causal, fusion=False)
+    for got, want in zip((*tiled, *tiled_grads), (*whole, *whole_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
