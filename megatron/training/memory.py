@@ -19,6 +19,10 @@ k = query groups x kv_channels (per rank: at least one group), f = ffn width:
   QKV output s b (q + 2k) / t; attention output (SDPA) s b q / t; its copy for the
   dense layer s b q / t; MLP: activation input and output 2 s b f / t (gated: 4);
   explicit softmax: the probabilities b (heads / t) s^2.
+At the peak, the start of the backward, the last layer's MLP backward also holds the
+gradients of its inner tensors and its activation's temporaries (`backward_working_set`:
+s b (h + 5 f / t) for a gated MLP, s b (h + 3 f / t) otherwise; measured with
+benchmarks/bench_long_context.py, whose RSS it brings within a few percent).
 Context parallelism (CP = c) divides the sequence: s above is s / c. The ring
 (--cp-comm-type p2p) saves what SDPA does (q, k, v, its output and log-sum-exp);
 while a layer runs, two K/V blocks travel (received and in flight: 4 s b k / t,
@@ -156,6 +160,14 @@ def layer_activation_elements(config, micro_batch: int, device_type: str) -> flo
     return elements
 
 
+def backward_working_set(config) -> float:
+    """Bytes the MLP backward holds on top of the saved activations (see the docstring)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    s, b = local_seq_length(config), config.training.micro_batch_size
+    inner = (5 if m.gated_mlp else 3) * m.ffn_hidden_size / tp
+    return s * b * (m.hidden_size + inner) * _bytes_per(config)
+
+
 def head_activation_elements(config, micro_batch: int) -> float:
     """The last stage's final norm, output layer and cross entropy."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
@@ -202,7 +214,7 @@ def estimate(config, layout: Layout, device_flops: Optional[float] = None,
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     out: Dict[str, float] = dict(state_bytes(config, layout))
     acts = activation_bytes(config, layout, micro)
-    out["activations"] = acts["total"] + cp_ring_buffers(config)
+    out["activations"] = acts["total"] + cp_ring_buffers(config) + backward_working_set(config)
     out["activations_per_micro_batch"] = acts["per_micro_batch"]
     out["in_flight_micro_batches"] = acts["in_flight"]
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
