@@ -194,7 +194,8 @@ class Trainer:
         self.timers.start("grads-all-reduce")
         for reducer in self.reducers:
             reducer.finish_grad_sync()
-            all_reduce(reducer.buffer, self.pstate.cp_group)  # the CP ranks' parts: DP x CP
+            if self.pstate.cp_size > 1:  # the CP ranks' parts of each gradient: DP x CP
+                all_reduce(reducer.buffer, self.pstate.cp_group)
         self.timers.stop("grads-all-reduce")
         if self.config.model.sequence_parallel:
             allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)
