@@ -60,6 +60,9 @@ def test_logits_equal_transformers_at_every_position(variant):
         logits = model(tokens, position_ids(tokens))[..., :vocab]
     worst = max(rel_err(logits[:, i], expected[:, i]) for i in range(tokens.shape[1]))
     assert worst < 1e-5, worst
+    print(f"{type(hf_model).__name__} {hf_model.config.rope_parameters.get('rope_type')} "
+          f"window {getattr(hf_model.config, 'sliding_window', None)}: max relative logits "
+          f"difference {worst:.2e} over {tokens.shape[1]} positions")
     plain = _without_window_or_scaling(hf_model)  # what the comparison would miss
     with torch.no_grad(), one_thread():
         assert rel_err(plain(tokens).logits[:, -1], expected[:, -1]) > 1e-3
