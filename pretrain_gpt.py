@@ -14,6 +14,7 @@ from megatron.data.mock_dataset import build_mock_datasets  # noqa: E402
 from megatron.data.weighted_split import weighted_split_datasets  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
+from megatron.model.context_parallel import split_batch_for_cp  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
 from megatron.checkpointing.loading import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
 from megatron.checkpointing.layout import CheckpointError  # noqa: E402
@@ -34,19 +35,24 @@ def model_provider(config, tp_group, vocab_size=None, **chunk):
     return GPTModel(config.model, tp_group=tp_group, vocab_limit=limit, **chunk)
 
 
-def loss_func(loss_mask, dp_group, losses):
-    """Mean loss over the micro batch's unmasked tokens; reported averaged over DP."""
-    loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
-    reported = all_reduce(loss.detach().clone(), dp_group) / group_size(dp_group)
-    return loss, {"lm loss": reported}
+def loss_func(loss_mask, dp_group, losses, cp_group=None):
+    """Mean loss over the micro batch's unmasked tokens; reported averaged over DP. Under
+    context parallelism each CP rank's part is its tokens' loss sum over the whole
+    sequence's token count (the parts sum to the loss, and so do their gradients)."""
+    count = all_reduce(loss_mask.sum(), cp_group)
+    loss = (losses.float() * loss_mask).sum() / count
+    reported = all_reduce(all_reduce(loss.detach().clone(), cp_group), dp_group)
+    return loss, {"lm loss": reported / group_size(dp_group)}
 
 
 def forward_step(config, eod, pstate, device, data_iterator, model):
     d = config.data
-    tokens, labels, loss_mask, mask, position_ids = gpt_batch(
-        next(data_iterator), eod, device, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    batch = gpt_batch(next(data_iterator), eod, device, d.reset_position_ids,
+                      d.reset_attention_mask, d.eod_mask_loss)
+    tokens, labels, loss_mask, mask, position_ids = split_batch_for_cp(
+        batch, pstate.cp_rank, pstate.cp_size)
     output = model(tokens, position_ids, mask, labels=labels)
-    return output, partial(loss_func, loss_mask, pstate.dp_group)
+    return output, partial(loss_func, loss_mask, pstate.dp_group, cp_group=pstate.cp_group)
 
 
 def split_sample_counts(config):

@@ -17,7 +17,8 @@ from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError
-from megatron.config.model import GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from megatron.config.model import (GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
+                                   ROPE_SCALING_TYPES)
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with two fixes: an error is one line (no usage dump) and exit 2,
@@ -81,6 +82,7 @@ def _add_architecture_args(parser):
     _flag(g, "--rotary-percent", "model", type=float, default=None)
     _flag(g, "--rotary-base", "model", type=int, default=None)
     _flag(g, "--rotary-seq-len-interpolation-factor", "model", type=float, default=None)
+    _add_long_context_args(g)
     _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
     for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm",
@@ -98,11 +100,27 @@ def _add_architecture_args(parser):
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 
+def _add_long_context_args(g):
+    """RoPE scalings (llama3, yarn) and sliding-window attention."""
+    _flag(g, "--rope-scaling-type", "model", default=None, choices=list(ROPE_SCALING_TYPES))
+    _flag(g, "--use-rope-scaling", "model", "rope_scaling_type", action="store_const",
+          const="llama3")
+    for name in ("--rope-scaling-factor", "--rotary-scaling-factor"):
+        _flag(g, name, "model", "rope_scaling_factor", type=float, default=None)
+    for name in ("--rope-scaling-low-freq-factor", "--rope-scaling-high-freq-factor",
+                 "--yarn-beta-fast", "--yarn-beta-slow", "--yarn-attention-factor"):
+        _flag(g, name, "model", type=float, default=None)
+    _flag(g, "--rope-scaling-original-max-position-embeddings", "model", type=int, default=None)
+    _flag(g, "--window-size", "model", type=int, default=None)
+
+
 def _add_parallel_args(parser):
     g = parser.add_argument_group("parallelism")
     _flag(g, "--tensor-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--pipeline-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--num-layers-per-virtual-pipeline-stage", "parallel", type=int, default=None)
+    _flag(g, "--context-parallel-size", "parallel", type=int, default=1)
+    _flag(g, "--cp-comm-type", "parallel", choices=["p2p", "a2a"], default="p2p")
     _flag(g, "--sequence-parallel", "parallel", action="store_true")
     _flag(g, "--distributed-backend", "parallel", choices=["nccl", "gloo"], default=None)
     _flag(g, "--DDP-impl", "parallel", field="DDP_impl", choices=["local", "torch"], default="local")

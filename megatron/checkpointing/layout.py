@@ -172,12 +172,13 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         checkpoint_io.remove_stale_temp_files(root)
     if dist.is_initialized():
         dist.barrier()
-    if pstate.dp_rank == 0:
+    writer = getattr(pstate, "cp_rank", 0) == 0  # CP ranks hold the same model and optimizer
+    if pstate.dp_rank == 0 and writer:
         checkpoint_io.save_file(state, path)
         if sharded:  # shards of a larger DP size saved here before would confuse loading
             for stale in _shard_files(os.path.dirname(path), from_rank=pstate.dp_size):
                 os.remove(stale)
-    if sharded:
+    if sharded and writer:
         checkpoint_io.save_file(optimizer.state_dict(), distributed_optimizer_path(
             root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, pstate.dp_rank))
     if dist.is_initialized():

@@ -34,10 +34,11 @@ class Config:
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
         m, p, t = self.model, self.parallel, self.training
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        require(world_size % (tp * pp) == 0,
-                f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) "
-                f"must divide the world size ({world_size})")
+        tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.context_parallel_size)
+        require(world_size % (tp * cp * pp) == 0,
+                f"--tensor-model-parallel-size ({tp}) x --context-parallel-size ({cp}) x "
+                f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
         require(m.num_attention_heads % tp == 0,
                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})")
@@ -55,7 +56,8 @@ class Config:
             require(m.seq_length % tp == 0,
                     f"--seq-length ({m.seq_length}) must be divisible by "
                     f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
-        dp = world_size // (tp * pp)
+        self._check_context_parallel(tp, cp)
+        dp = world_size // (tp * cp * pp)
         self._check_step_schedule(dp)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
@@ -87,6 +89,34 @@ class Config:
         require(t.global_batch_size >= max(batches), f"--global-batch-size "
                 f"({t.global_batch_size}) is smaller than the --step-batch-size-schedule's "
                 f"largest batch ({max(batches)})")
+
+    def _check_context_parallel(self, tp: int, cp: int) -> None:
+        if cp == 1:
+            return
+        m, kind = self.model, self.parallel.cp_comm_type
+        require(m.seq_length % (2 * cp) == 0,
+                f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size "
+                f"({2 * cp}): each CP rank holds two of 2·CP equal chunks")
+        if self.parallel.sequence_parallel:
+            require(m.seq_length // cp % tp == 0,
+                    f"--seq-length / --context-parallel-size ({m.seq_length // cp}) must be "
+                    f"divisible by --tensor-model-parallel-size ({tp}) with --sequence-parallel")
+        require(kind != "a2a" or m.num_attention_heads // tp % cp == 0,
+                f"--cp-comm-type a2a needs the heads per TP rank ({m.num_attention_heads // tp}) "
+                f"divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p")
+        require(not self.data.reset_attention_mask,
+                f"--reset-attention-mask is not supported with --context-parallel-size {cp}; "
+                f"drop one of them")
+        require(m.position_embedding_type != "alibi",
+                f"ALiBi (--position-embedding-type alibi) is not supported with "
+                f"--context-parallel-size {cp}; use rope")
+        require(kind != "p2p" or m.window_size is None,
+                f"--window-size with --cp-comm-type p2p is not supported; use --cp-comm-type a2a")
+        require(kind != "p2p" or m.attention_dropout == 0,
+                f"--attention-dropout {m.attention_dropout} with --cp-comm-type p2p is not "
+                f"supported; use --attention-dropout 0 or --cp-comm-type a2a")
+        require(kind != "p2p" or not m.apply_query_key_layer_scaling,
+                "--apply-query-key-layer-scaling with --cp-comm-type p2p is not supported")
 
     def _check_virtual_pipeline(self, pp: int, dp: int) -> None:
         layers_per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage

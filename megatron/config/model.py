@@ -8,6 +8,7 @@ ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
+ROPE_SCALING_TYPES = ("llama3", "yarn")
 ACTIVATIONS = ("gelu", "openai_gelu", "squared_relu") + GLU_ACTIVATIONS
 
 
@@ -77,6 +78,26 @@ class ModelConfig:
     """RoPE frequency base (--rotary-base)."""
     rotary_seq_len_interpolation_factor: Optional[float] = None
     """Positions are divided by this before RoPE (linear interpolation), >= 1."""
+    rope_scaling_type: Optional[str] = None
+    """RoPE frequency scaling (--rope-scaling-type): llama3 (LLaMA-3.1's, also
+    --use-rope-scaling) | yarn; None: none (linear: --rotary-seq-len-interpolation-factor)."""
+    rope_scaling_factor: float = 8.0
+    """Context extension factor of llama3 / yarn (--rope-scaling-factor; Megatron-LM's 8)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original / this are fully scaled (--rope-scaling-low-freq-factor)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original / this are kept (--rope-scaling-high-freq-factor)."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """The pretraining context of llama3 / yarn (--rope-scaling-original-max-position-embeddings)."""
+    yarn_beta_fast: float = 32.0
+    """yarn: frequencies with more rotations than this over the original context are kept."""
+    yarn_beta_slow: float = 1.0
+    """yarn: frequencies with fewer rotations than this are fully interpolated."""
+    yarn_attention_factor: Optional[float] = None
+    """yarn: cos / sin multiplier (--yarn-attention-factor); None: 0.1 ln(factor) + 1."""
+    window_size: Optional[int] = None
+    """Sliding-window attention (--window-size): a query sees itself and the window_size - 1
+    positions before it (Mistral's sliding_window); None: every earlier position."""
     normalization: str = "LayerNorm"
     """LayerNorm | RMSNorm (--normalization)."""
     apply_layernorm_1p: bool = False
@@ -152,6 +173,7 @@ class ModelConfig:
         factor = self.rotary_seq_len_interpolation_factor
         require(factor is None or factor >= 1.0,
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+        self._check_long_context()
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
         require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
                 f"--rotary-percent {self.rotary_percent} of {self.kv_channels} channels per head "
@@ -162,6 +184,27 @@ class ModelConfig:
                 f"({self.num_attention_heads})")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
+
+    def _check_long_context(self):
+        require(self.window_size is None or self.window_size > 0,
+                f"--window-size must be a positive number of positions, got {self.window_size}")
+        kind = self.rope_scaling_type
+        require(kind is None or kind in ROPE_SCALING_TYPES,
+                f"--rope-scaling-type {kind!r} is not one of {ROPE_SCALING_TYPES} (linear "
+                f"scaling: --rotary-seq-len-interpolation-factor)")
+        if kind is None:
+            return
+        require(self.position_embedding_type == "rope",
+                f"--rope-scaling-type {kind} needs --position-embedding-type rope, "
+                f"got {self.position_embedding_type}")
+        require(self.rope_scaling_factor >= 1.0,
+                f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}")
+        require(self.rope_scaling_original_max_position_embeddings > 0,
+                f"--rope-scaling-original-max-position-embeddings must be positive, got "
+                f"{self.rope_scaling_original_max_position_embeddings}")
+        require(self.rope_scaling_high_freq_factor > self.rope_scaling_low_freq_factor > 0,
+                f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}) must "
+                f"exceed --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
 
     @property
     def gated_mlp(self) -> bool:

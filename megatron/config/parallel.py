@@ -13,6 +13,11 @@ class ParallelConfig:
     """Pipeline stages (--pipeline-model-parallel-size)."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual stage for the interleaved schedule."""
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (--context-parallel-size): 2·CP load-balanced chunks."""
+    cp_comm_type: str = "p2p"
+    """Attention across CP ranks (--cp-comm-type): p2p (ring of K/V blocks, merged by their
+    log-sum-exp) | a2a (all-to-all over heads, DeepSpeed-Ulysses)."""
     sequence_parallel: bool = False
     """Split layer norms and dropout along the sequence over the TP group."""
     distributed_backend: Optional[str] = None
@@ -32,6 +37,13 @@ class ParallelConfig:
                 f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
         require(self.pipeline_model_parallel_size >= 1,
                 f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}")
+        require(self.context_parallel_size >= 1,
+                f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
+        require(self.cp_comm_type in ("p2p", "a2a"),
+                f"--cp-comm-type {self.cp_comm_type!r} is not p2p or a2a")
+        require(not (self.DDP_impl == "torch" and self.context_parallel_size > 1),
+                "--context-parallel-size > 1 needs --DDP-impl local (its gradient buffer is "
+                "reduced over CP); drop --DDP-impl torch")
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
@@ -55,4 +67,6 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Ranks per copy of the data stream: TP x CP x PP."""
+        return (self.tensor_model_parallel_size * self.context_parallel_size
+                * self.pipeline_model_parallel_size)

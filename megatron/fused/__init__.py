@@ -447,6 +447,19 @@ def causal_attention_fusable(q, k, v) -> bool:
     return module is not None and hasattr(module, "causal_attention_forward")
 
 
+def causal_attention_with_lse(q, k, v, scale):
+    """(out [sq, b, heads, head_dim], lse float32 [b * heads, sq]) of the CPU kernel, without
+    autograd: the diagonal blocks of ring attention, whose log-sum-exps merge with the
+    other blocks' (check `causal_attention_fusable` first)."""
+    return _ext(q).causal_attention_forward(q, k, v, float(scale))
+
+
+def causal_attention_with_lse_backward(dout, q, k, v, out, lse, scale):
+    """(dq, dk, dv) of the CPU kernel for a given output and log-sum-exp: with those of the
+    whole row (merged over every key block) it gives one block's share of the gradients."""
+    return _ext(q).causal_attention_backward(dout, q, k, v, out, lse.contiguous(), float(scale))
+
+
 def causal_attention(q, k, v, scale):
     """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
     with the CPU kernel (check `causal_attention_fusable` first)."""

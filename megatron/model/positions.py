@@ -8,6 +8,12 @@ ALiBi adds slope_h * (key position) to the attention scores of head h (equal to
 slope_h * (j - i) up to a per-row shift, which softmax ignores). The slopes follow
 the ALiBi paper / BLOOM: a geometric sequence for the closest power of two below
 the head count, then every other slope of the next power of two.
+
+RoPE frequency scalings (`--rope-scaling-type`, as Hugging Face's `rope_type`):
+llama3 (LLaMA-3.1: long wavelengths divided by the factor, short ones kept, a smooth
+ramp between) and yarn (per-frequency blend of interpolated and original frequencies,
+cos / sin multiplied by the attention factor); linear scaling divides the positions
+(--rotary-seq-len-interpolation-factor).
 """
 import math
 
@@ -16,24 +22,77 @@ import torch
 from megatron.config import ModelConfig
 
 
+def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """LLaMA-3.1's scaling: wavelengths above original / low_freq_factor are divided by the
+    factor, those below original / high_freq_factor kept, a linear ramp in between."""
+    factor, low, high = (cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor,
+                         cfg.rope_scaling_high_freq_factor)
+    original = cfg.rope_scaling_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's cos / sin multiplier: --yarn-attention-factor, else 0.1 ln(factor) + 1."""
+    if cfg.yarn_attention_factor is not None:
+        return cfg.yarn_attention_factor
+    return 1.0 if cfg.rope_scaling_factor <= 1 else 0.1 * math.log(cfg.rope_scaling_factor) + 1.0
+
+
+def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig, device) -> torch.Tensor:
+    """YaRN: original frequencies above beta_fast rotations over the original context,
+    interpolated (divided by the factor) below beta_slow, a linear ramp between."""
+    original = cfg.rope_scaling_original_max_position_embeddings
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).to(device)
+    return (1.0 / (cfg.rope_scaling_factor * pos_freqs)) * (1 - extrapolation) + \
+        (1.0 / pos_freqs) * extrapolation
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """The rotary_dim / 2 inverse frequencies, scaled by --rope-scaling-type."""
+    dim, base = cfg.rotary_dim, cfg.rotary_base
+    if cfg.rope_scaling_type == "yarn":
+        return _yarn_inv_freq(dim, base, cfg, device)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if cfg.rope_scaling_type == "llama3":
+        return _llama3_inv_freq(inv_freq, cfg)
+    return inv_freq
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos / sin tables of the positions being processed; holds no parameters."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.dim = cfg.rotary_dim
-        self.base = cfg.rotary_base
+        self.cfg = cfg
         self.interpolation = cfg.rotary_seq_len_interpolation_factor
+        self.magnitude = yarn_attention_factor(cfg) if cfg.rope_scaling_type == "yarn" else 1.0
 
-    def forward(self, seq_len: int, offset: int, device):
-        """(cos, sin), each [seq_len, 1, 1, rotary_dim], for positions offset .. offset + seq_len - 1."""
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32,
-                                                     device=device) / self.dim))
-        positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
+    def forward(self, seq_len: int, offset: int, device, positions=None):
+        """(cos, sin), each [seq_len, 1, 1, rotary_dim], for positions offset .. offset +
+        seq_len - 1, or for the given float `positions` [seq_len]."""
+        inv_freq = rope_inv_freq(self.cfg, device)
+        if positions is None:
+            positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
         if self.interpolation is not None:
             positions = positions / self.interpolation
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        if self.magnitude != 1.0:
+            return angles.cos() * self.magnitude, angles.sin() * self.magnitude
         return angles.cos(), angles.sin()
 
 

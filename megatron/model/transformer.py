@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron import fused
+from megatron.model import context_parallel as cp
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
 from megatron.mpu.sharding import qkv_meta
 from megatron.model.spec import make_norm, mlp_activation
@@ -31,6 +32,23 @@ def _future(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
 
 
+def _outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
+    """True where a query (the last sq of sk positions) may not see a key: in its future,
+    or window or more positions before it."""
+    query = torch.arange(sk - sq, sk, device=device)[:, None]
+    key = torch.arange(sk, device=device)[None, :]
+    return (key > query) | (key <= query - window)
+
+
+def windowed_mask(mask, sq: int, sk: int, window, device):
+    """`mask` (None: causal) with the sliding window's hidden keys added; unchanged when
+    no key falls outside the window."""
+    if window is None or sk <= window:
+        return mask
+    hidden = _outside_window(sq, sk, window, device)[None, None]
+    return hidden if mask is None else mask.bool() | hidden
+
+
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
 
@@ -43,6 +61,7 @@ class CoreAttention(torch.nn.Module):
     def forward(self, q, k, v, mask, bias=None):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
+        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
         if self._use_cpu_kernel(q, k, v, mask, bias):
             return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
@@ -144,6 +163,7 @@ class ParallelAttention(torch.nn.Module):
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)
         self.core_attention = CoreAttention(cfg, layer_number)
+        self.cp_group, self.cp_comm_type = None, "p2p"  # set by enable_context_parallel
         self.dense = RowParallelLinear(
             cfg.query_projection_size, cfg.hidden_size, bias=cfg.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True,
@@ -190,17 +210,44 @@ class ParallelAttention(torch.nn.Module):
             q, k = self._head_norm(self.q_layernorm, q), self._head_norm(self.k_layernorm, k)
         if self.rotary is not None:
             offset = 0 if inference_params is None else inference_params.length
-            cos, sin = self.rotary(q.shape[0], offset, q.device)
+            cos, sin = self.rotary(q.shape[0], offset, q.device, positions=self._cp_positions(q))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_params is not None:
             k, v = inference_params.update(self.layer_number, k, v)
+        attend = self._attend if group_size(self.cp_group) == 1 else self._attend_across_cp
+        if self.cfg.recompute_granularity == "selective" and self.training:
+            context = checkpoint(attend, q, k, v, mask)
+        else:
+            context = attend(q, k, v, mask)
+        return self.dense(context)
+
+    def _attend(self, q, k, v, mask):
         k, v = self._expand_groups(k), self._expand_groups(v)
         bias = None if self.alibi is None else self.alibi(k.shape[0], q.dtype, q.device)
-        if self.cfg.recompute_granularity == "selective" and self.training:
-            context = checkpoint(self.core_attention, q, k, v, mask, bias)
-        else:
-            context = self.core_attention(q, k, v, mask, bias)
-        return self.dense(context)
+        return self.core_attention(q, k, v, mask, bias)
+
+    def _attend_across_cp(self, q, k, v, mask):
+        """Attention of this rank's chunks over the whole sequence (context parallel)."""
+        if self.cp_comm_type == "p2p":
+            return cp.ring_attention(q, k, v, self.cp_group,
+                                     fusion=self.core_attention._fusion())
+        return cp.a2a_attention(q, self._expand_groups(k), self._expand_groups(v),
+                                self.cp_group, self.core_attention)
+
+    def _cp_positions(self, q):
+        """Global positions of the local tokens under context parallelism, else None."""
+        size = group_size(self.cp_group)
+        if size == 1:
+            return None
+        return cp.cp_positions(q.shape[0], group_rank(self.cp_group), size, q.device)
+
+
+def enable_context_parallel(model: torch.nn.Module, group, comm_type: str = "p2p") -> None:
+    """Make every attention module of `model` attend across the CP `group` (its inputs
+    are then this rank's two sequence chunks, megatron.model.context_parallel)."""
+    for module in model.modules():
+        if isinstance(module, ParallelAttention):
+            module.cp_group, module.cp_comm_type = group, comm_type
 
 
 class ParallelMLP(torch.nn.Module):

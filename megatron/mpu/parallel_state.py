@@ -34,6 +34,8 @@ class ParallelState:
     pp_ranks: List[int] = field(default_factory=lambda: [0])
     dp_ranks: List[int] = field(default_factory=lambda: [0])
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
+    cp_rank: int = 0
+    cp_group: Optional[object] = None
 
     @property
     def tp_size(self) -> int:
@@ -46,6 +48,10 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.dims.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
 
     @property
     def virtual_pp_size(self) -> Optional[int]:
@@ -90,30 +96,34 @@ def _my_group(groups, rank, backend, timeout=None):
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int] = None,
-                              backend: Optional[str] = None, timeout=None) -> ParallelState:
+                              backend: Optional[str] = None, timeout=None,
+                              cp: int = 1) -> ParallelState:
     """Build the TP, DP, PP, model-parallel and embedding groups of this rank.
 
     `timeout` (a timedelta) bounds every operation on them (torch's default otherwise)."""
     global _STATE
     if not dist.is_initialized():
-        if tp * pp != 1:
-            raise ValueError(f"tensor ({tp}) x pipeline ({pp}) parallelism needs torch.distributed "
-                             f"with {tp * pp} or more processes; launch with torchrun")
+        if tp * pp * cp != 1:
+            raise ValueError(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallelism needs "
+                             f"torch.distributed with {tp * pp * cp} or more processes; launch "
+                             f"with torchrun")
         _STATE = single_process_state()
         return _STATE
     rank = dist.get_rank()
-    dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp)
+    dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp,
+                        cp=cp)
     pp_rank, dp_rank, tp_rank = dims.coordinates(rank)
     tp_group, _ = _my_group(dims.tensor_parallel_groups(), rank, backend, timeout)
     dp_group, dp_ranks = _my_group(dims.data_parallel_groups(), rank, backend, timeout)
     pp_group, pp_ranks = _my_group(dims.pipeline_parallel_groups(), rank, backend, timeout)
     mp_group, _ = _my_group(dims.model_parallel_groups(), rank, backend, timeout)
     emb_group, emb_ranks = _my_group(dims.embedding_groups(), rank, backend, timeout)
+    cp_group, _ = _my_group(dims.context_parallel_groups(), rank, backend, timeout)
     _STATE = ParallelState(
         dims=dims, rank=rank, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,
         embedding_group=emb_group, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
-        embedding_ranks=emb_ranks or [])
+        embedding_ranks=emb_ranks or [], cp_rank=dims.cp_rank_of(rank), cp_group=cp_group)
     return _STATE
 
 

@@ -1,9 +1,10 @@
 """Rank arithmetic for 3D parallelism: pure functions, no torch.distributed.
 
-Megatron's rank order: global rank = pp_rank * (TP * DP) + dp_rank * TP + tp_rank.
+Megatron-Core's rank order tp-cp-dp-pp (RankGenerator): global rank =
+pp_rank * (TP * CP * DP) + dp_rank * (TP * CP) + cp_rank * TP + tp_rank.
 Tensor-parallel groups are therefore contiguous ranks (one node keeps its TP
-traffic on NVLink), data-parallel groups stride by TP and pipeline groups stride
-by TP * DP.
+traffic on NVLink), context-parallel groups stride by TP, data-parallel groups
+by TP * CP and pipeline groups by TP * CP * DP.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -17,16 +18,17 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     virtual_pp: Optional[int] = None
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "pp"):
+        for name in ("world_size", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.world_size % (self.tp * self.pp) != 0:
+        if self.world_size % (self.tp * self.cp * self.pp) != 0:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by tensor-model-parallel-size "
-                f"({self.tp}) x pipeline-model-parallel-size ({self.pp}); choose sizes whose "
-                f"product divides the number of processes")
+                f"({self.tp}) x context-parallel-size ({self.cp}) x pipeline-model-parallel-size "
+                f"({self.pp}); choose sizes whose product divides the number of processes")
         if self.virtual_pp is not None and self.virtual_pp > 1 and self.pp < 2:
             raise ValueError(
                 f"virtual pipeline stages ({self.virtual_pp}) need pipeline-model-parallel-size > 1 "
@@ -34,35 +36,58 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.cp * self.pp)
 
-    def coordinates(self, rank: int) -> Tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+    def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        pp_rank, rest = divmod(rank, self.tp * self.dp)
-        dp_rank, tp_rank = divmod(rest, self.tp)
-        return pp_rank, dp_rank, tp_rank
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.tp * self.dp + dp_rank * self.tp + tp_rank
+    def coordinates(self, rank: int) -> Tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank (its cp_rank: `cp_rank_of`)."""
+        self._check_rank(rank)
+        pp_rank, rest = divmod(rank, self.tp * self.cp * self.dp)
+        dp_rank, rest = divmod(rest, self.tp * self.cp)
+        return pp_rank, dp_rank, rest % self.tp
+
+    def cp_rank_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.tp % self.cp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def _grid(self):
+        return [(p, d, c, t) for p in range(self.pp) for d in range(self.dp)
+                for c in range(self.cp) for t in range(self.tp)]
+
+    def _groups(self, varying: str) -> List[List[int]]:
+        """Ranks that differ only in the coordinates named in `varying` (of "pdct")."""
+        groups: dict = {}
+        for coords in self._grid():
+            key = tuple(x for x, name in zip(coords, "pdct") if name not in varying)
+            p, d, c, t = coords
+            groups.setdefault(key, []).append(self.rank_of(p, d, t, c))
+        return list(groups.values())
 
     def tensor_parallel_groups(self) -> List[List[int]]:
-        return [[self.rank_of(p, d, t) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
+        return self._groups("t")
+
+    def context_parallel_groups(self) -> List[List[int]]:
+        return self._groups("c")
 
     def data_parallel_groups(self) -> List[List[int]]:
-        return [[self.rank_of(p, d, t) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]
+        return self._groups("d")
+
+    def data_context_parallel_groups(self) -> List[List[int]]:
+        """DP x CP: the ranks whose weight gradients are reduced together."""
+        return self._groups("dc")
 
     def pipeline_parallel_groups(self) -> List[List[int]]:
-        return [[self.rank_of(p, d, t) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]
+        return self._groups("p")
 
     def model_parallel_groups(self) -> List[List[int]]:
-        """All TP x PP ranks that hold one copy of the model (one per DP rank)."""
-        return [[self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp)]
+        """All TP x PP ranks that hold one copy of the model (one per DP and CP rank)."""
+        return self._groups("pt")
 
     def embedding_groups(self) -> List[List[int]]:
         """First and last stage of each pipeline: they share the tied word embeddings."""

@@ -19,6 +19,15 @@ k = query groups x kv_channels (per rank: at least one group), f = ffn width:
   QKV output s b (q + 2k) / t; attention output (SDPA) s b q / t; its copy for the
   dense layer s b q / t; MLP: activation input and output 2 s b f / t (gated: 4);
   explicit softmax: the probabilities b (heads / t) s^2.
+At the peak, the start of the backward, the last layer's MLP backward also holds the
+gradients of its inner tensors and its activation's temporaries (`backward_working_set`:
+s b (h + 5 f / t) for a gated MLP, s b (h + 3 f / t) otherwise; measured with
+benchmarks/bench_long_context.py, whose RSS it brings within a few percent).
+Context parallelism (CP = c) divides the sequence: s above is s / c. The ring
+(--cp-comm-type p2p) saves what SDPA does (q, k, v, its output and log-sum-exp);
+while a layer runs, two K/V blocks travel (received and in flight: 4 s b k / t,
+`cp_ring_buffers`). All-to-all (a2a) saves the whole-sequence attention of heads / c,
+as many elements.
 """
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -112,10 +121,29 @@ def _uses_sdpa(m, device_type: str) -> bool:
     return m.attention_impl == "auto" and not cpu_dropout
 
 
+def local_seq_length(config) -> int:
+    """Tokens of each sequence on one rank: seq / CP."""
+    return config.model.seq_length // config.parallel.context_parallel_size
+
+
+def _ring(config) -> bool:
+    p = config.parallel
+    return p.context_parallel_size > 1 and p.cp_comm_type == "p2p"
+
+
+def cp_ring_buffers(config) -> float:
+    """Bytes of the K/V blocks in transit around the ring (one layer at a time)."""
+    if not _ring(config):
+        return 0.0
+    tp = config.parallel.tensor_model_parallel_size
+    s, b = local_seq_length(config), config.training.micro_batch_size
+    return 4 * s * b * _kv_per_rank(config.model, tp) * _bytes_per(config)
+
+
 def layer_activation_elements(config, micro_batch: int, device_type: str) -> float:
     """Elements one transformer layer saves for backward over one micro batch."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    s, b, h = m.seq_length, micro_batch, m.hidden_size
+    s, b, h = local_seq_length(config), micro_batch, m.hidden_size
     sp = s // tp if m.sequence_parallel else s
     if m.recompute_granularity == "full":
         return sp * b * h / m.checkpoint_num_layers
@@ -125,17 +153,25 @@ def layer_activation_elements(config, micro_batch: int, device_type: str) -> flo
     elements += s * b * f * (4 if m.gated_mlp else 2)
     elements += 4 * sp * b  # the norms' mean and 1 / std
     selective = m.recompute_granularity == "selective"
-    if _uses_sdpa(m, device_type):
+    if _ring(config) or _uses_sdpa(m, device_type):
         elements += 0 if selective else s * b * q + b * heads * s  # output, log-sum-exp
     elif not selective:
         elements += b * heads * s * s  # the probabilities
     return elements
 
 
+def backward_working_set(config) -> float:
+    """Bytes the MLP backward holds on top of the saved activations (see the docstring)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    s, b = local_seq_length(config), config.training.micro_batch_size
+    inner = (5 if m.gated_mlp else 3) * m.ffn_hidden_size / tp
+    return s * b * (m.hidden_size + inner) * _bytes_per(config)
+
+
 def head_activation_elements(config, micro_batch: int) -> float:
     """The last stage's final norm, output layer and cross entropy."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    s, b, h = m.seq_length, micro_batch, m.hidden_size
+    s, b, h = local_seq_length(config), micro_batch, m.hidden_size
     sp = s // tp if m.sequence_parallel else s
     return sp * b * h + s * b * h + s * b * m.padded_vocab_size / tp
 
@@ -161,7 +197,8 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     if layout.pp_rank == pp - 1:
         per_micro += head_activation_elements(config, b)
     per_micro *= _bytes_per(config)
-    head_fp32 = 4 * m.seq_length * b * m.padded_vocab_size / config.parallel.tensor_model_parallel_size
+    head_fp32 = 4 * local_seq_length(config) * b * m.padded_vocab_size / \
+        config.parallel.tensor_model_parallel_size
     if layout.pp_rank == pp - 1 and _bytes_per(config) == 2 and not m.fp16_lm_cross_entropy:
         per_micro += head_fp32 / 2  # the cross entropy runs on fp32 logits
     in_flight = in_flight_micro_batches(config, layout.pp_rank, num_microbatches)
@@ -177,13 +214,23 @@ def estimate(config, layout: Layout, device_flops: Optional[float] = None,
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     out: Dict[str, float] = dict(state_bytes(config, layout))
     acts = activation_bytes(config, layout, micro)
-    out["activations"] = acts["total"]
+    out["activations"] = acts["total"] + cp_ring_buffers(config) + backward_working_set(config)
     out["activations_per_micro_batch"] = acts["per_micro_batch"]
     out["in_flight_micro_batches"] = acts["in_flight"]
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
     if device_flops:
         out.update(step_time(config, layout, micro, device_flops, link_bandwidth))
     return out
+
+
+def _cp_ring_bytes(config, micro: int, layers: int) -> float:
+    """Bytes each rank sends around the CP ring per step: K/V (CP - 1) hops forward and
+    in the backward, the K/V gradients CP hops."""
+    cp = config.parallel.context_parallel_size
+    if not _ring(config):
+        return 0.0
+    per_hop = cp_ring_buffers(config) / 2  # one K/V block
+    return layers * micro * per_hop * ((cp - 1) * 2 + cp)
 
 
 def step_time(config, layout: Layout, micro: int, device_flops: float,
@@ -200,12 +247,13 @@ def step_time(config, layout: Layout, micro: int, device_flops: float,
     comm = 0.0
     if link_bandwidth:
         item = _bytes_per(config)
-        tokens = micro * t.micro_batch_size * m.seq_length
+        tokens = micro * t.micro_batch_size * local_seq_length(config)
         layers = stage_layers(config)
         # 2 all-reduces forward + 2 backward per layer, ring: 2 (t - 1) / t of the data each
         comm += 4 * layers * tokens * m.hidden_size * item * 2 * (tp - 1) / tp / link_bandwidth
         comm += 2 * (dp - 1) / dp * state_bytes(config, layout)["gradients"] / link_bandwidth
-        comm += 2 * micro * (pp - 1 > 0) * t.micro_batch_size * m.seq_length * m.hidden_size * item \
-            / tp ** (1 if m.sequence_parallel else 0) / link_bandwidth
+        comm += 2 * micro * (pp - 1 > 0) * t.micro_batch_size * local_seq_length(config) \
+            * m.hidden_size * item / tp ** (1 if m.sequence_parallel else 0) / link_bandwidth
+        comm += _cp_ring_bytes(config, micro, layers) / link_bandwidth
     return {"compute_seconds": compute, "communication_seconds": comm, "step_seconds": compute + comm,
             "hardware_flops": flops}

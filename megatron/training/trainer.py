@@ -14,6 +14,8 @@ import torch.distributed as dist
 from megatron.distributed.ddp import build_grad_reducers
 from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
+from megatron.model.transformer import enable_context_parallel
+from megatron.mpu.mappings import all_reduce
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
@@ -53,6 +55,7 @@ def build_model_chunks(config, pstate, device, model_provider: Callable) -> List
         model = model_provider(pre_process=pre, post_process=post, layer_offset=offset,
                                num_layers=count)
         model.init_weights(config.training.seed)
+        enable_context_parallel(model, pstate.cp_group, config.parallel.cp_comm_type)
         models.append(model.to(device=device, dtype=params_dtype(config)))
         if config.training.torch_compile:
             compile_layers(model)
@@ -125,7 +128,7 @@ class Trainer:
         p = self.pstate
         if p.pp_size == 1:
             return None
-        seq = self.config.model.seq_length
+        seq = self.config.model.seq_length // p.cp_size
         if self.config.model.sequence_parallel:
             seq //= p.tp_size
         shape = (seq, self.config.training.micro_batch_size, self.config.model.hidden_size)
@@ -190,6 +193,8 @@ class Trainer:
         self.timers.start("grads-all-reduce")
         for reducer in self.reducers:
             reducer.finish_grad_sync()
+            if self.pstate.cp_size > 1:  # the CP ranks' parts of each gradient: DP x CP
+                all_reduce(reducer.buffer, self.pstate.cp_group)
         self.timers.stop("grads-all-reduce")
         if self.config.model.sequence_parallel:
             allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)

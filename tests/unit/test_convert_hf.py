@@ -109,8 +109,6 @@ def _edited(small_dirs, tmp_path, name, **changes):
      "not divisible"),
     ("gpt2", {"activation_function": "relu"}, [], "activation_function"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [], "rope scaling"),
-    ("llama", {"sliding_window": 32, "architectures": ["MistralForCausalLM"]}, [],
-     "--seq-length 32"),
     ("llama", {"attention_bias": True}, [], "attention_bias"),
     ("llama", {"hidden_act": "gelu"}, [], "hidden_act"),
     ("llama", {}, ["--seq-length", "1000"], "--seq-length 1000"),

@@ -42,3 +42,35 @@ def test_rejects_sizes_that_do_not_divide_the_world():
         ParallelDims(12, tp=8, pp=1)
     with pytest.raises(ValueError, match="virtual"):
         ParallelDims(4, tp=1, pp=1, virtual_pp=2)
+
+
+def test_context_parallel_in_megatron_core_order_tp_cp_dp_pp():
+    """Megatron-Core's RankGenerator order: tp fastest, then cp, dp, pp."""
+    dims = ParallelDims(16, tp=2, pp=2, cp=2)
+    assert dims.dp == 2
+    assert dims.tensor_parallel_groups()[:2] == [[0, 1], [2, 3]]
+    assert dims.context_parallel_groups()[:2] == [[0, 2], [1, 3]]
+    assert dims.data_parallel_groups()[:2] == [[0, 4], [1, 5]]
+    assert dims.data_context_parallel_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.pipeline_parallel_groups()[0] == [0, 8]
+    assert dims.model_parallel_groups()[0] == [0, 1, 8, 9]
+    for rank in range(16):
+        pp, dp, tp = dims.coordinates(rank)
+        cp = dims.cp_rank_of(rank)
+        assert rank == ((pp * 2 + dp) * 2 + cp) * 2 + tp == dims.rank_of(pp, dp, tp, cp)
+    for groups, size in ((dims.context_parallel_groups(), 2),
+                         (dims.data_context_parallel_groups(), 4)):
+        assert all(len(g) == size for g in groups)
+        _check_partition(groups, 16)
+
+
+def test_cp_1_keeps_the_3d_rank_order():
+    plain, with_cp = ParallelDims(8, tp=2, pp=2), ParallelDims(8, tp=2, pp=2, cp=1)
+    assert plain.data_parallel_groups() == with_cp.data_parallel_groups() == [[0, 2], [1, 3],
+                                                                              [4, 6], [5, 7]]
+    assert with_cp.context_parallel_groups() == [[r] for r in range(8)]
+
+
+def test_rejects_cp_that_does_not_divide_the_world():
+    with pytest.raises(ValueError, match=r"world size \(6\).*context-parallel-size \(4\)"):
+        ParallelDims(6, tp=1, pp=1, cp=4)

@@ -13,7 +13,14 @@ ARCHITECTURE_FIELDS = (
     "num_query_groups", "position_embedding_type", "rotary_percent", "rotary_base",
     "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier", "activation",
-    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights")
+    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "window_size",
+    "rope_scaling_type")
+# Fields that matter only with the scaling type they belong to.
+SCALING_FIELDS = {
+    "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
+               "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"),
+    "yarn": ("rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
+             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")}
 
 
 def family_of(hf_config: dict):
@@ -50,7 +57,7 @@ def _described(family, cfg: ModelConfig, vocab: int):
         described = ModelConfig(**family.model_fields(hf, cfg.seq_length))
     except ConfigError as err:
         raise ConversionError(f"the model cannot be exported as {arch}: {err}") from None
-    for name in ARCHITECTURE_FIELDS:
+    for name in ARCHITECTURE_FIELDS + SCALING_FIELDS.get(cfg.rope_scaling_type, ()):
         ours, theirs = getattr(cfg, name), getattr(described, name)
         if ours != theirs:
             raise ConversionError(f"{name}={ours} cannot be expressed in {arch} (it would be "

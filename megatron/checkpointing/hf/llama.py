@@ -4,6 +4,8 @@ RoPE (HF's rotate-half convention is ours: q/k_proj need no permutation),
 RMSNorm, SwiGLU ([gate; up] rows), grouped-query attention (q/k/v_proj fused
 into our grouped QKV rows), untied head unless tie_word_embeddings.
 """
+import math
+
 import torch
 
 from megatron.checkpointing.hf import common as c
@@ -11,21 +13,73 @@ from megatron.checkpointing.hf.layouts import fuse_qkv, split_qkv
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 P = "model.layers."
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """rope_parameters (transformers 5) updated by rope_scaling (older configs)."""
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    return params
+
+
+def _llama3_fields(params: dict) -> dict:
+    return dict(rope_scaling_type="llama3", rope_scaling_factor=float(params["factor"]),
+                rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
+                rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
+                rope_scaling_original_max_position_embeddings=int(
+                    params["original_max_position_embeddings"]))
+
+
+def _yarn_attention_factor(params: dict, factor: float):
+    """HF's yarn attention factor: given, or from mscale / mscale_all_dim, else None
+    (ours then derives 0.1 ln(factor) + 1, as HF)."""
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if params.get("attention_factor") is not None or not (mscale and mscale_all_dim):
+        value = params.get("attention_factor")
+        return None if value is None else float(value)
+
+    def get(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    return float(get(mscale) / get(mscale_all_dim))
+
+
+def _yarn_fields(params: dict, hf: dict) -> dict:
+    c.refuse(params.get("truncate", True) is not True,
+             "yarn rope scaling with truncate=false is not supported")
+    factor = params.get("factor")
+    original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    factor = float(factor if factor is not None else hf["max_position_embeddings"] / original)
+    return dict(rope_scaling_type="yarn", rope_scaling_factor=factor,
+                rope_scaling_original_max_position_embeddings=original,
+                yarn_beta_fast=float(params.get("beta_fast") or 32),
+                yarn_beta_slow=float(params.get("beta_slow") or 1),
+                yarn_attention_factor=_yarn_attention_factor(params, factor))
 
 
 def _rope(hf: dict) -> dict:
-    """rotary_base and the linear interpolation factor; other scalings are refused."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    params.update(scaling)
+    """rotary_base and the scaling: linear (the interpolation factor), llama3, yarn."""
+    params = _rope_parameters(hf)
     kind = params.get("rope_type", params.get("type", "default"))
-    c.refuse(kind not in ("default", "linear"),
-             f"rope scaling {kind!r} is not supported (only none or 'linear')")
+    c.refuse(kind not in ROPE_TYPES,
+             f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     theta = float(c.setting(params, "rope_theta", default=hf.get("rope_theta", 10000.0)))
     fields = dict(rotary_base=int(theta) if theta.is_integer() else theta)
     if kind == "linear":
         fields["rotary_seq_len_interpolation_factor"] = float(params["factor"])
+    elif kind == "llama3":
+        fields.update(_llama3_fields(params))
+    elif kind == "yarn":
+        fields.update(_yarn_fields(params, hf))
     return fields
+
+
+def _window(hf: dict) -> dict:
+    """Mistral's sliding_window (LlamaForCausalLM ignores the key, as transformers does)."""
+    window = hf.get("sliding_window")
+    if "MistralForCausalLM" not in (hf.get("architectures") or []) or window is None:
+        return {}
+    return dict(window_size=int(window))
 
 
 def _biases(hf: dict) -> dict:
@@ -42,10 +96,6 @@ def model_fields(hf: dict, seq_length=None) -> dict:
     groups = hf.get("num_key_value_heads") or heads
     positions = hf["max_position_embeddings"]
     seq = c.sequence_length(seq_length, positions)
-    window = hf.get("sliding_window")
-    c.refuse(window is not None and window < seq,
-             f"sliding_window {window} is smaller than the sequence length {seq}: sliding-window "
-             f"attention is not supported; convert with --seq-length {window} or less")
     return dict(num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
                 group_query_attention=groups != heads, num_query_groups=groups,
                 kv_channels=hf.get("head_dim") or hidden // heads,
@@ -54,7 +104,7 @@ def model_fields(hf: dict, seq_length=None) -> dict:
                 layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
                 hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
                 untie_embeddings_and_output_weights=c.untied(hf),
-                **_rope(hf), **_biases(hf))
+                **_rope(hf), **_biases(hf), **_window(hf))
 
 
 def _kinds(cfg, qkv: bool = False):
@@ -127,7 +177,30 @@ def hf_config(cfg, vocab: int) -> dict:
           "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
           "attention_dropout": cfg.attention_dropout,
           "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
-    if cfg.rotary_seq_len_interpolation_factor is not None:
-        hf["rope_scaling"] = {"rope_type": "linear",
-                              "factor": cfg.rotary_seq_len_interpolation_factor}
+    scaling = _rope_scaling(cfg)
+    if scaling:
+        hf["rope_scaling"] = scaling
+    if cfg.window_size is not None:
+        hf.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                  sliding_window=cfg.window_size)
     return hf
+
+
+def _rope_scaling(cfg) -> dict:
+    """The HF rope_scaling entry of our RoPE scaling (empty: none)."""
+    if cfg.rotary_seq_len_interpolation_factor is not None:
+        return {"rope_type": "linear", "factor": cfg.rotary_seq_len_interpolation_factor}
+    original = cfg.rope_scaling_original_max_position_embeddings
+    if cfg.rope_scaling_type == "llama3":
+        return {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                "low_freq_factor": cfg.rope_scaling_low_freq_factor,
+                "high_freq_factor": cfg.rope_scaling_high_freq_factor,
+                "original_max_position_embeddings": original}
+    if cfg.rope_scaling_type == "yarn":
+        out = {"rope_type": "yarn", "factor": cfg.rope_scaling_factor,
+               "original_max_position_embeddings": original,
+               "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow}
+        if cfg.yarn_attention_factor is not None:
+            out["attention_factor"] = cfg.yarn_attention_factor
+        return out
+    return {}

@@ -1,0 +1,111 @@
+"""The longest sequence that trains in a memory budget, at CP 1 and CP 2 (2 processes).
+
+Model: LLaMA-style (RoPE, RMSNorm, SwiGLU, GQA with 2 groups), hidden 256, 8 heads,
+2 layers, vocabulary 256, micro batch 1, float32, mock data. For each CP size the
+planner (megatron/training/memory.py, as tools/estimate.py) gives the longest
+sequence, in steps of 2048 tokens, whose per-rank total fits the budget; then one
+training step at that length runs in CP processes and each reports its peak RSS
+(ru_maxrss) and its RSS before training (imports and the torch runtime, which the
+planner does not count). glibc's mmap threshold is fixed at 128 KiB for the runs
+(MALLOC_MMAP_THRESHOLD_): its default, dynamic threshold keeps freed tensors in the heap,
+and RSS then records the allocator's fragmentation rather than live memory (10-20% more
+here, and more with CP's many short-lived blocks). Printed per CP size: the sequence, the planner's per-rank
+total, the measured peak per rank, and planner / (peak - baseline).
+
+    python benchmarks/bench_long_context.py [--budget-gib 20] [--step 2048]
+
+At 20 GiB one step runs sequences near 10^5 tokens, whose attention takes long on a
+few shared cores; --budget-gib 1 measures the same ratios in minutes.
+"""
+import argparse
+import os
+import resource
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.arguments import build_parser, parse_args  # noqa: E402
+from megatron.tokenizer import padded_vocab_size  # noqa: E402
+from megatron.training.memory import GiB, Layout, estimate  # noqa: E402
+from tests.distributed.run_ranks import run_ranks  # noqa: E402
+
+VOCAB = 255  # NullTokenizer ids (+1 end of document)
+
+
+def flags(seq: int, cp: int):
+    return ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8",
+            "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+            "--normalization", "RMSNorm", "--use-rotary-position-embeddings",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+            "--make-vocab-size-divisible-by", "128", "--eval-interval", "1000",
+            "--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",
+            "--context-parallel-size", str(cp)]
+
+
+def planned_bytes(seq: int, cp: int) -> float:
+    config, _ = parse_args(flags(seq, cp), parser=build_parser(), world_size=cp)
+    config.model.padded_vocab_size = padded_vocab_size(VOCAB + 1, 128, 1)
+    config.model.sequence_parallel = False
+    return estimate(config, Layout(world_size=cp, device_type="cpu"))["total"]
+
+
+def longest(budget: float, cp: int, step: int) -> int:
+    """The longest multiple of `step` whose planned per-rank total fits `budget`."""
+    low, high = 0, step
+    while planned_bytes(high, cp) <= budget:
+        low, high = high, 2 * high
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        low, high = (mid, high) if planned_bytes(mid, cp) <= budget else (low, mid)
+    return low
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _train(rank, world_size, seq):
+    import pretrain_gpt
+    baseline = _peak_rss_bytes()
+    pretrain_gpt.main(flags(seq, world_size))
+    return {"baseline": baseline, "peak": _peak_rss_bytes()}
+
+
+def measure(seq: int, cp: int):
+    if cp == 1:  # in a process of its own too, so that earlier runs do not count
+        return run_ranks(_train, 1, seq, timeout=3600)
+    return run_ranks(_train, cp, seq, timeout=3600)
+
+
+def main(argv=None):
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the ranks
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget-gib", type=float, default=20.0)
+    p.add_argument("--step", type=int, default=2048, help="sequence granularity (tokens)")
+    p.add_argument("--plan-only", action="store_true", help="skip the measured runs")
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args(argv)
+    budget = args.budget_gib * GiB
+    lengths = {}
+    for cp in args.cp_sizes:
+        seq = lengths[cp] = longest(budget, cp, args.step)
+        planned = planned_bytes(seq, cp)
+        line = f"CP {cp}: longest sequence {seq} | planner per rank {planned / GiB:.3f} GiB"
+        if not args.plan_only:
+            for rank, r in enumerate(measure(seq, cp)):
+                used = r["peak"] - r["baseline"]
+                line += (f" | rank {rank}: peak RSS {r['peak'] / GiB:.3f} GiB (baseline "
+                         f"{r['baseline'] / GiB:.3f}), planner / measured "
+                         f"{planned / used:.3f}")
+        print(line, flush=True)
+    if 1 in lengths and 2 in lengths:
+        print(f"CP 2 / CP 1 longest sequence: {lengths[2] / lengths[1]:.2f}x "
+              f"(budget {args.budget_gib} GiB)")
+
+
+if __name__ == "__main__":
+    main()
