@@ -14,6 +14,7 @@ the flattened shard for the distributed optimizer) cut at block boundaries and m
 global offsets; layer tensors get the leading layer axis of Megatron-Core's stacked
 layout. Regions become torch.distributed.checkpoint's ShardedTensor chunks.
 """
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -132,14 +133,37 @@ def flat_piece_regions(place: Placement, local_shape: Sequence[int], flat: torch
     return regions
 
 
+def _complement(local: List[ShardMetadata], size: Sequence[int], rank: int, world: int):
+    """Shard metadata covering what the local shards do not (placed on another rank): the
+    cells of the grid cut at every local boundary. torch's ShardedTensor checks that the
+    shards it is told of cover the tensor; DCP reads and writes the local ones only."""
+    if not size:
+        return []
+    cuts = [sorted({0, n} | {m.shard_offsets[d] for m in local}
+                   | {m.shard_offsets[d] + m.shard_sizes[d] for m in local})
+            for d, n in enumerate(size)]
+    covered = [(m.shard_offsets, m.shard_sizes) for m in local]
+    other = f"rank:{(rank + 1) % world}/cpu"
+    out = []
+    for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+        start = [a for a, _ in cell]
+        if not any(all(o[d] <= start[d] < o[d] + z[d] for d in range(len(size)))
+                   for o, z in covered):
+            out.append(ShardMetadata(start, [b - a for a, b in cell], other))
+    return out
+
+
 def sharded_tensors(regions: Dict[str, List[Tuple[torch.Tensor, Tuple[int, ...]]]],
-                    shapes: Dict[str, Tuple[int, ...]], rank: int) -> Dict[str, ShardedTensor]:
+                    shapes: Dict[str, Tuple[int, ...]], rank: int,
+                    world: int) -> Dict[str, ShardedTensor]:
     """One ShardedTensor per key from this rank's regions (no communication)."""
     out = {}
     for key, pieces in regions.items():
         shards = [Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device}"))
                   for t, off in pieces]
         props = TensorProperties(dtype=pieces[0][0].dtype)
-        meta = ShardedTensorMetadata([s.metadata for s in shards], torch.Size(shapes[key]), props)
+        local = [s.metadata for s in shards]
+        missing = _complement(local, shapes[key], rank, world) if world > 1 else []
+        meta = ShardedTensorMetadata(local + missing, torch.Size(shapes[key]), props)
         out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
     return out

@@ -52,7 +52,7 @@ def _add(regions: dict, shapes: dict, key: str, shape, pieces) -> None:
         shapes[key] = shape
 
 
-def model_state(entries: List[Entry], rank: int, saving: bool) -> dict:
+def model_state(entries: List[Entry], rank: int, world: int, saving: bool) -> dict:
     """{key: ShardedTensor} of the weights (views of the parameters)."""
     regions, shapes = {}, {}
     for e in entries:
@@ -61,7 +61,7 @@ def model_state(entries: List[Entry], rank: int, saving: bool) -> dict:
         zeros = (0,) * e.param.dim()
         _add(regions, shapes, e.place.key, e.place.global_shape,
              split_regions(e.place, e.param.detach(), zeros))
-    return sharded_tensors(regions, shapes, rank)
+    return sharded_tensors(regions, shapes, rank, world)
 
 
 def moment_names(optimizer) -> List[str]:
@@ -101,7 +101,7 @@ class OptimizerTensors:
         names = ([FP32] if opt.is_distributed or opt.mixed else []) + list(self.moments)
         return {name: torch.zeros(shape, dtype=torch.float32) for name in names}
 
-    def state(self, rank: int, saving: bool) -> dict:
+    def state(self, rank: int, world: int, saving: bool) -> dict:
         regions, shapes = {}, {}
         opt = self.optimizer
         for k, tensors in self.tensors.items():
@@ -113,7 +113,7 @@ class OptimizerTensors:
                 key = optimizer_key(name, entry.place.key)
                 _add(regions, shapes, key, entry.place.global_shape,
                      self._regions(entry, param, tensor, k))
-        return sharded_tensors(regions, shapes, rank)
+        return sharded_tensors(regions, shapes, rank, world)
 
     def _regions(self, entry: Entry, param, tensor, k: int):
         if self.optimizer.is_distributed:
@@ -121,8 +121,6 @@ class OptimizerTensors:
                                       self.optimizer.pieces[k].start)
         return split_regions(entry.place, tensor.detach().view(param.shape), (0,) * param.dim())
 
-    def keys(self, rank: int) -> List[str]:
-        return list(self.state(rank, saving=False))
 
 
 def group_decays(optimizer, i: int) -> bool:

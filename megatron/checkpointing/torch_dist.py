@@ -213,12 +213,12 @@ def _layout(pstate, num_chunks: int) -> dict:
 def sharded_state(models, optimizer, config, pstate, saving: bool, with_optimizer: bool):
     """({key: ShardedTensor}, the optimizer tensors or None) of this rank."""
     entries = dist_state.model_entries(models, pstate, config.model.num_layers)
-    state = dist_state.model_state(entries, _rank(), saving)
+    state = dist_state.model_state(entries, _rank(), _world(), saving)
     tensors = None
     if with_optimizer:
         moments = dist_state.moment_names(optimizer)
         tensors = dist_state.OptimizerTensors(optimizer, entries, moments, fresh=not saving)
-        state.update(tensors.state(_rank(), saving))
+        state.update(tensors.state(_rank(), _world(), saving))
     return state, tensors
 
 
@@ -366,7 +366,7 @@ def _load(root, directory, release, models, optimizer, scheduler, config, pstate
     check_keys(state, metadata, directory, "a model weight")
     have_fp32 = False
     if with_optimizer:
-        optim_state = tensors.state(_rank(), saving=False)
+        optim_state = tensors.state(_rank(), _world(), saving=False)
         fp32 = {k: v for k, v in optim_state.items() if f".{dist_state.FP32}." in k}
         have_fp32 = bool(fp32) and all(k in metadata.state_dict_metadata for k in fp32)
         if not have_fp32:
