@@ -68,15 +68,19 @@ def _patch_cpu() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
 
 
-def mcore_gpt(tp: int, layers: int, hidden: int, heads: int, vocab: int, seq: int):
+def mcore_gpt(tp: int, layers: int, hidden: int, heads: int, vocab: int, seq: int,
+              activation_func=None, **model_kwargs):
     """A Megatron-Core GPTModel (local spec, dropout 0, CPU init) at TP `tp`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             use_cpu_initialization=True, hidden_dropout=0.0,
                             attention_dropout=0.0, tensor_model_parallel_size=tp,
-                            params_dtype=torch.float32)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq)
+                            params_dtype=torch.float32,
+                            **({"activation_func": activation_func} if activation_func else {}))
+    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
+                    **model_kwargs)

@@ -237,10 +237,6 @@ def common_state(iteration, models, optimizer, scheduler, config, pstate, consum
     return common
 
 
-def _staging(root: str, iteration: int) -> str:
-    return os.path.join(root, f".iter_{iteration:07d}.torch_dist.tmp")
-
-
 def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, config, pstate,
                     consumed_train: int, consumed_valid: int) -> None:
     """Write this rank's chunks; rank 0 the common state, then rename and move the tracker."""
@@ -260,9 +256,12 @@ def _save(root, iteration, models, optimizer, scheduler, config, pstate, consume
     write_iteration(root, iteration, state, common)
 
 
-def write_iteration(root: str, iteration: int, state: dict, common: Optional[dict]) -> None:
-    """Collective: the DCP files of `state`, rank 0's `common`, the rename, the tracker."""
-    rank, staging = _rank(), _staging(root, iteration)
+def write_iteration(root: str, iteration: Optional[int], state: dict, common: dict,
+                    final: Optional[str] = None) -> None:
+    """Collective: the DCP files of `state`, rank 0's `common`, the rename, the tracker
+    (without an `iteration`: to `root/final`, no tracker)."""
+    final = final or os.path.basename(iteration_dir(root, iteration))
+    rank, staging = _rank(), os.path.join(root, f".{final}.torch_dist.tmp")
     if rank == 0:
         io.remove_stale_temp_files(root)
         shutil.rmtree(staging, ignore_errors=True)
@@ -276,8 +275,9 @@ def write_iteration(root: str, iteration: int, state: dict, common: Optional[dic
         io.save_file(common, os.path.join(staging, COMMON))
         io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
         io.fsync_dir(staging)
-        _publish(root, staging, iteration_dir(root, iteration))
-        io.write_text(os.path.join(root, TRACKER), str(iteration))
+        _publish(root, staging, os.path.join(root, final))
+        if iteration is not None:
+            io.write_text(os.path.join(root, TRACKER), str(iteration))
     _barrier()
 
 
@@ -335,6 +335,27 @@ def load_sharded(directory: str, state: dict) -> None:
     """Fill `state` (this rank's ShardedTensors) from the checkpoint: collective."""
     dcp.load(state, storage_reader=SafeReader(directory), planner=DefaultLoadPlanner(),
              no_dist=not dist.is_initialized())
+
+
+def load_model_weights(directory: str, models, num_layers: int, pstate) -> None:
+    """Only the weights of a torch_dist iteration directory (ours or Megatron-Core's), at this
+    run's layout: collective over all ranks."""
+    with process_group():
+        entries = dist_state.model_entries(models, pstate, num_layers)
+        state = dist_state.model_state(entries, _rank(), _world(), saving=False)
+        check_keys(state, SafeReader(directory).read_metadata(), directory, "a model weight")
+        with torch.no_grad():
+            load_sharded(directory, state)
+
+
+def save_model_weights(directory: str, models, num_layers: int, pstate) -> None:
+    """Only the weights, as a torch_dist iteration directory (no tracker, no common state
+    beyond the format's metadata): collective over all ranks."""
+    with process_group():
+        entries = dist_state.model_entries(models, pstate, num_layers)
+        state = dist_state.model_state(entries, _rank(), _world(), saving=True)
+        root, name = os.path.split(os.path.abspath(directory))
+        write_iteration(root, None, state, {}, final=name)
 
 
 def load_checkpoint(root: str, directory: str, release: bool, models, optimizer, scheduler,
