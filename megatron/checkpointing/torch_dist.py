@@ -21,6 +21,7 @@ is a pickle: it is read with an unpickler that admits DCP's metadata classes onl
 tensors are read with torch.load(weights_only=True).
 """
 import contextlib
+import copy as copy_module
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ CHECKSUMS = "checksums.sha256"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
 TRACKER = "latest_checkpointed_iteration.txt"
+STAGING_SUFFIX = ".torch_dist.tmp"
 
 
 def iteration_dir(root: str, iteration: int, release: bool = False) -> str:
@@ -58,17 +60,17 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _gather(obj) -> Optional[list]:
+def _gather(obj, group=None) -> Optional[list]:
     """Every rank's `obj` on rank 0 (None elsewhere)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * _world() if _rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
@@ -161,10 +163,10 @@ def _my_files(directory: str, rank: int) -> list:
     return sorted(names + ([".metadata"] if rank == 0 else []))
 
 
-def _write_checksums(directory: str, rank: int) -> None:
+def _write_checksums(directory: str, rank: int, group=None) -> None:
     """Each rank hashes what it wrote; rank 0 writes the manifest."""
     lines = [f"{_sha256(os.path.join(directory, n))}  {n}\n" for n in _my_files(directory, rank)]
-    gathered = _gather(lines)
+    gathered = _gather(lines, group)
     if rank == 0:
         text = "".join(line for part in gathered for line in part)
         io.write_text(os.path.join(directory, CHECKSUMS), text)
@@ -241,36 +243,64 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
                     consumed_train: int, consumed_valid: int) -> None:
     """Write this rank's chunks; rank 0 the common state, then rename and move the tracker."""
     with process_group():
-        _save(root, iteration, models, optimizer, scheduler, config, pstate, consumed_train,
-              consumed_valid)
+        prepare_iteration(root)
+        _barrier()
+        state, common = snapshot(iteration, models, optimizer, scheduler, config, pstate,
+                                 consumed_train, consumed_valid, copy=False)
+        write_iteration(root, iteration, state, common)
 
 
-def _save(root, iteration, models, optimizer, scheduler, config, pstate, consumed_train,
-          consumed_valid) -> None:
+def snapshot(iteration: int, models, optimizer, scheduler, config, pstate, consumed_train: int,
+             consumed_valid: int, copy: bool):
+    """(sharded state, common state) of this rank; with `copy` the tensors are CPU copies
+    (for a write while training goes on). Collective (the RNG states go to rank 0)."""
     ckpt = config.checkpoint
     with_optimizer = not ckpt.no_save_optim
     state, _ = sharded_state(models, optimizer, config, pstate, True, with_optimizer)
+    if copy:
+        for tensor in state.values():
+            for shard in tensor.local_shards():
+                shard.tensor = shard.tensor.detach().to("cpu", copy=True)
     rng = None if ckpt.no_save_rng else _rng_states(pstate)
     common = common_state(iteration, models, optimizer, scheduler, config, pstate,
                           consumed_train, consumed_valid, with_optimizer, rng)
-    write_iteration(root, iteration, state, common)
+    return state, (copy_module.deepcopy(common) if copy else common)
+
+
+def staging_dir(root: str, final: str) -> str:
+    return os.path.join(root, f".{final}{STAGING_SUFFIX}")
+
+
+def remove_stale_staging(root: str) -> None:
+    """Staging directories of saves killed before their rename (call with no save running)."""
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.endswith(STAGING_SUFFIX) or name.endswith(".old.tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def prepare_iteration(root: str) -> None:
+    """Rank 0 clears what killed saves left (before a save's first collective)."""
+    if _rank() == 0:
+        io.remove_stale_temp_files(root)
+        remove_stale_staging(root)
 
 
 def write_iteration(root: str, iteration: Optional[int], state: dict, common: dict,
-                    final: Optional[str] = None) -> None:
-    """Collective: the DCP files of `state`, rank 0's `common`, the rename, the tracker
-    (without an `iteration`: to `root/final`, no tracker)."""
+                    final: Optional[str] = None, group=None) -> None:
+    """Collective over `group` (default: all ranks): the DCP files of `state`, rank 0's
+    `common`, the rename, the tracker (without an `iteration`: to `root/final`, no tracker).
+    Call `prepare_iteration` first, while no other save runs."""
     final = final or os.path.basename(iteration_dir(root, iteration))
-    rank, staging = _rank(), os.path.join(root, f".{final}.torch_dist.tmp")
+    rank, staging = _rank(), staging_dir(root, final)
     if rank == 0:
-        io.remove_stale_temp_files(root)
-        shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    _barrier()
+    _barrier(group)
     dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True,
                                                     single_file_per_rank=True),
-             planner=DefaultSavePlanner(), no_dist=not dist.is_initialized())
-    _write_checksums(staging, rank)
+             planner=DefaultSavePlanner(), process_group=group,
+             no_dist=not dist.is_initialized())
+    _write_checksums(staging, rank, group)
     if rank == 0:
         io.save_file(common, os.path.join(staging, COMMON))
         io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
@@ -278,7 +308,7 @@ def write_iteration(root: str, iteration: Optional[int], state: dict, common: di
         _publish(root, staging, os.path.join(root, final))
         if iteration is not None:
             io.write_text(os.path.join(root, TRACKER), str(iteration))
-    _barrier()
+    _barrier(group)
 
 
 def _publish(root: str, staging: str, final: str) -> None:
@@ -355,6 +385,8 @@ def save_model_weights(directory: str, models, num_layers: int, pstate) -> None:
         entries = dist_state.model_entries(models, pstate, num_layers)
         state = dist_state.model_state(entries, _rank(), _world(), saving=True)
         root, name = os.path.split(os.path.abspath(directory))
+        prepare_iteration(root)
+        _barrier()
         write_iteration(root, None, state, {}, final=name)
 
 
