@@ -109,3 +109,27 @@ def test_async_save_at_tp2_resumes_exactly(corpus):
     for tracked, full, resumed in run_ranks(_rank, 2, prefix, workdir, timeout=300):
         assert tracked == ITERS
         assert resumed == full[3:]
+
+
+def test_exit_signal_handler_waits_for_the_pending_save(corpus):
+    """SIGTERM while a background write is in flight: the run saves the current iteration,
+    waits for the writes and exits 0 with the tracker on that iteration, complete."""
+    prefix, workdir = corpus
+    save = os.path.join(workdir, "sigterm")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    argv = _argv(prefix, workdir, *ASYNC, "--save", save, "--exit-signal-handler")
+    proc = subprocess.Popen([sys.executable, os.path.join(str(ROOT), "pretrain_gpt.py"), *argv],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not _staging(save) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-2000:]
+    assert "exiting program" in output
+    stopped = _tracker(save)
+    assert stopped < ITERS
+    assert f"saving checkpoint at iteration {stopped:7d}" in output
+    folder = os.path.join(save, f"iter_{stopped:07d}")
+    assert {"common.pt", ".metadata", "metadata.json"} <= set(os.listdir(folder))
+    assert not _staging(save)
