@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from typing import Optional
 
 import torch
@@ -37,6 +38,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from megatron.checkpointing import dist_state, io
 from megatron.checkpointing.io import CheckpointError
+
+# DCP warns at every ShardedTensor (deprecated in favour of DTensor, which cannot express
+# the fused QKV / gated-MLP blocks) and at every single-process save: say it once here.
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                        "ShardedTensor", category=FutureWarning)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -109,23 +117,28 @@ def is_torch_dist(directory: str) -> bool:
 
 
 # -- reading DCP metadata safely ----------------------------------------------------
-_SAFE_MODULES = ("torch.distributed.checkpoint.", "collections", "torch.serialization")
+_DCP_MODULES = "torch.distributed.checkpoint."
+_PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Admits the classes of DCP's metadata (and torch.Size, dtypes, layouts, paths,
+    OrderedDict): constructing those runs no code of the file's choosing."""
+
     def find_class(self, module, name):
-        if module == "builtins" and name in ("set", "frozenset", "slice", "tuple", "list",
-                                               "dict", "getattr"):
-            return super().find_class(module, name)
-        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath",
-                                             "PureWindowsPath", "Path"):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                               torch.dtype)):
+        if module == "torch" and (name == "Size" or isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
             return getattr(torch, name)
-        if module.startswith(_SAFE_MODULES) or module in ("torch._utils",) and name in (
-                "_rebuild_tensor_v2",):
+        allowed = ((module == "pathlib" and name in _PATHS)
+                   or (module == "torch.serialization" and name == "_get_layout")
+                   or (module == "collections" and name == "OrderedDict")
+                   or (module == "builtins" and name in ("set", "frozenset")))
+        if allowed:
             return super().find_class(module, name)
+        if module.startswith(_DCP_MODULES):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
