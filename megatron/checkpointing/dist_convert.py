@@ -124,13 +124,14 @@ def torch_dist_to_torch(load: str, save: str, tp: int, pp: int) -> str:
 def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int) -> str:
     """tools/merge_mp_partitions.py: re-shard or convert the latest checkpoint under `load`
     to `ckpt_format` under `save` (torch at TP `tp` x PP `pp`; torch_dist has no layout)."""
+    is_dist = torch_dist.stored_common(load) is not None
+    if ckpt_format == "torch" and not is_dist:
+        return reshard.reshard(load, save, tp, pp)
     if os.path.realpath(load) == os.path.realpath(save):
         raise CheckpointError(f"--save {save} is the --load directory; write the converted "
                               f"checkpoint elsewhere (the input is never modified)")
-    is_dist = torch_dist.stored_common(load) is not None
     if ckpt_format == "torch":
-        return torch_dist_to_torch(load, save, tp, pp) if is_dist \
-            else reshard.reshard(load, save, tp, pp)
+        return torch_dist_to_torch(load, save, tp, pp)
     if is_dist:
         raise CheckpointError(f"{load} is already torch_dist, which re-shards at load; there is "
                               f"nothing to convert")
