@@ -198,6 +198,9 @@ def _add_checkpoint_args(parser):
     _flag(g, "--save-interval", "checkpoint", type=int, default=None)
     for name in ("--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng", "--finetune"):
         _flag(g, name, "checkpoint", action="store_true")
+    _flag(g, "--ckpt-format", "checkpoint", choices=["torch", "torch_dist"], default="torch")
+    for name in ("--auto-detect-ckpt-format", "--async-save"):
+        _flag(g, name, "checkpoint", action="store_true")
 
 
 def _add_logging_args(parser):

@@ -157,6 +157,10 @@ HELP = {
     "--max-consecutive-nan-iterations": "stop (exit 1) after this many nan/inf iterations in a row "
                                         "(default 10; 0: never)",
     "--distributed-timeout-minutes": "collective timeout; a silent peer ends the run (default 10)",
+    "--ckpt-format": "torch: one file per model-parallel rank; torch_dist: Megatron-Core's "
+                     "torch.distributed.checkpoint shards, re-sharded to any layout at load",
+    "--auto-detect-ckpt-format": "at --load, read the format found on disk (torch or torch_dist)",
+    "--async-save": "torch_dist: write checkpoints in the background from a CPU copy",
     "--no-verify-checkpoint": "do not check the checksums of a checkpoint at --load",
     # Megatron-LM / Megatron-DeepSpeed compatibility
     "--recompute-activations": "Megatron-LM's selective recompute (attention core only)",

@@ -1,10 +1,13 @@
-"""Re-shard a GPT checkpoint to another tensor / pipeline parallel layout.
+"""Re-shard a GPT checkpoint to another tensor / pipeline parallel layout, or convert it
+between the torch and torch_dist formats (the input's format is detected).
 
     python tools/merge_mp_partitions.py --load CKPT --save OUT \\
         --target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 1
+    python tools/merge_mp_partitions.py --load CKPT --save OUT --ckpt-format torch_dist
 
 The input is only read; the output is written under a temporary name and renamed.
-How shards are merged and split: megatron/checkpointing/reshard.py.
+How shards are merged and split: megatron/checkpointing/reshard.py; the conversions:
+megatron/checkpointing/dist_convert.py (weights and counters; no optimizer state).
 """
 import argparse
 import os
@@ -14,7 +17,9 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from megatron.checkpointing.reshard import ReshardError, reshard  # noqa: E402
+from megatron.checkpointing.dist_convert import convert  # noqa: E402
+from megatron.checkpointing.io import CheckpointError  # noqa: E402
+from megatron.checkpointing.reshard import ReshardError  # noqa: E402
 
 
 def get_args(argv=None):
@@ -24,6 +29,9 @@ def get_args(argv=None):
     parser.add_argument("--save", required=True, help="directory to write the new checkpoint to")
     parser.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                        help="format of the output (torch_dist has no layout: the target "
+                             "sizes apply to torch)")
     parser.add_argument("--model-type", choices=["GPT"], default="GPT",
                         help="accepted for Megatron compatibility (GPT only)")
     args, rest = parser.parse_known_args(argv)
@@ -41,11 +49,12 @@ def main(argv=None) -> int:
     args = get_args(argv)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     try:
-        path = reshard(args.load, args.save, tp, pp)
-    except (ReshardError, OSError, RuntimeError) as err:
+        path = convert(args.load, args.save, args.ckpt_format, tp, pp)
+    except (ReshardError, CheckpointError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    print(f" re-sharded {args.load} to TP={tp} PP={pp}: {path}", flush=True)
+    layout = "torch_dist" if args.ckpt_format == "torch_dist" else f"TP={tp} PP={pp}"
+    print(f" re-sharded {args.load} to {layout}: {path}", flush=True)
     return 0
 
 

@@ -147,6 +147,10 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
                     consumed_train: int, consumed_valid: int) -> None:
     """Write this rank's file (DP rank 0 of each model-parallel group) and the tracker."""
     ckpt = config.checkpoint
+    if ckpt.ckpt_format == "torch_dist":
+        from megatron.checkpointing import torch_dist
+        return torch_dist.save_checkpoint(root, iteration, models, optimizer, scheduler, config,
+                                          pstate, consumed_train, consumed_valid)
     state = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
              "config": config.to_dict(), "consumed_train_samples": consumed_train,
              "consumed_valid_samples": consumed_valid,
@@ -277,6 +281,11 @@ def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):
     Returns (iteration, consumed_train_samples, consumed_valid_samples); zeros when
     there is no checkpoint, or with --finetune (weights only, counters reset).
     """
+    from megatron.checkpointing import torch_dist
+    found = torch_dist.torch_dist_iteration(root, config.checkpoint)
+    if found is not None:  # any saved layout: re-sharded by torch.distributed.checkpoint
+        return torch_dist.load_checkpoint(root, *found, models, optimizer, scheduler, config,
+                                          pstate)
     state = None
     if config.checkpoint.universal_checkpoint:
         from megatron.checkpointing.universal import resharded_state

@@ -54,7 +54,10 @@ def checkpoint_file(root: str) -> str:
 def read_stored_config(root: str) -> Dict[str, Any]:
     """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
     # verified at the full load; here only the stored config is read
-    state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
+    from megatron.checkpointing import torch_dist
+    state = torch_dist.stored_common(root)
+    if state is None:
+        state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
     config = state.get("config") or state.get("megatron_config") or {}
     config = resolve_stored_paths(dict(config), root) if isinstance(config, dict) else {}
     if isinstance(state.get("tokenizer_files"), dict):

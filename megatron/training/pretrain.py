@@ -77,6 +77,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
             trainer.tensorboard.close()
             return state
     finally:
+        _wait_for_saves(trainer)  # a save in flight (--async-save) is durable before we go on
         guard.close()
     if valid_iters is not None and config.training.eval_iters > 0:
         _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}", verbose=True)
@@ -103,9 +104,26 @@ def _load(trainer: Trainer, config, pstate) -> None:
 
 def _save(trainer: Trainer) -> None:
     cfg, state = trainer.config, trainer.state
+    if cfg.checkpoint.async_save:
+        from megatron.checkpointing.async_save import AsyncSaver
+        saver = trainer.__dict__.setdefault("async_saver", AsyncSaver())
+        saver.save(cfg.checkpoint.save, state.iteration, trainer.models, trainer.optimizer,
+                   trainer.scheduler, cfg, trainer.pstate, state.consumed_train,
+                   state.consumed_valid)
+        print_rank_0(f" saving checkpoint at iteration {state.iteration:7d} to "
+                     f"{cfg.checkpoint.save} in the background (--async-save)")
+        return
     save_checkpoint(cfg.checkpoint.save, state.iteration, trainer.models, trainer.optimizer,
                     trainer.scheduler, cfg, trainer.pstate, state.consumed_train, state.consumed_valid)
     print_rank_0(f" saved checkpoint at iteration {state.iteration:7d} to {cfg.checkpoint.save}")
+
+
+def _wait_for_saves(trainer: Trainer) -> None:
+    saver = trainer.__dict__.get("async_saver")
+    if saver is not None and saver.pending:
+        print_rank_0(" waiting for the checkpoint being written (--async-save)")
+    if saver is not None:
+        saver.wait()
 
 
 def _throughput_meter(config, pstate, device) -> Optional[ThroughputMeter]:

@@ -177,7 +177,11 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
 
 
 def read_full_model(load: str):
-    """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint."""
+    """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint
+    (torch or torch_dist, ours or Megatron-Core's)."""
+    from megatron.checkpointing import dist_convert, torch_dist
+    if torch_dist.stored_common(load) is not None:
+        return dist_convert.read_full_model(load)
     source = reshard.read_source(load)
     shards = [reshard.global_shard(source, t)[0] for t in range(source.tp)]
     full = reshard.merge_tensor_parallel(shards, source.sharding)

@@ -1,0 +1,202 @@
+"""This rank's model and optimizer tensors as torch.distributed.checkpoint ShardedTensors.
+
+`Entries` lists every parameter of the rank's model chunks with its Megatron-Core key
+(mcore_keys.py) and its placement in the global tensor (dist_regions.py). From them:
+
+- model regions: the weights (views of the parameters);
+- optimizer regions, keys `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>`, in
+  model space, so that they re-shard like the weights: the regular optimizer holds whole
+  shards, the distributed optimizer its flat pieces (cut into rectangles).
+
+For saving the regions view the live tensors (DCP copies them); for loading they view
+fresh buffers (`OptimizerBuffers`) that are then handed to the optimizer's
+`load_state_dict`. The last stage's copy of tied embeddings is the first stage's tensor:
+it is saved once (by the first stage) and loaded from the same key.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.checkpointing.dist_regions import (Placement, flat_piece_regions, placement,
+                                                 sharded_tensors, split_regions)
+from megatron.checkpointing.mcore_keys import mcore_key, optimizer_key
+
+FP32 = "fp32_param"
+
+
+@dataclass
+class Entry:
+    param: torch.nn.Parameter
+    place: Placement
+    head_copy: bool
+
+
+def model_entries(models, pstate, num_layers: int) -> List[Entry]:
+    """Every parameter of this rank's chunks, in the chunks' order."""
+    entries = []
+    for model in models:
+        global_name = {id(p): name for name, p in model.global_parameter_names().items()}
+        meta = model.sharding_metadata()
+        for name, param in model.named_parameters():
+            key, layer = mcore_key(global_name[id(param)])
+            place = placement(key, layer, num_layers, tuple(param.shape), meta[name],
+                              pstate.tp_rank, pstate.tp_size)
+            entries.append(Entry(param, place, bool(getattr(param, "shared_embedding", False))))
+    return entries
+
+
+def _add(regions: dict, shapes: dict, key: str, shape, pieces) -> None:
+    if pieces:
+        regions.setdefault(key, []).extend(pieces)
+        shapes[key] = shape
+
+
+def model_state(entries: List[Entry], rank: int, world: int, saving: bool) -> dict:
+    """{key: ShardedTensor} of the weights (views of the parameters)."""
+    regions, shapes = {}, {}
+    for e in entries:
+        if saving and e.head_copy:
+            continue
+        zeros = (0,) * e.param.dim()
+        _add(regions, shapes, e.place.key, e.place.global_shape,
+             split_regions(e.place, e.param.detach(), zeros))
+    return sharded_tensors(regions, shapes, rank, world)
+
+
+def moment_names(optimizer) -> List[str]:
+    """Names of the per-element optimizer tensors (Adam's exp_avg, exp_avg_sq; SGD's
+    momentum_buffer); empty before the first step."""
+    for state in optimizer.optimizer.state.values():
+        return sorted(name for name, value in state.items()
+                      if torch.is_tensor(value) and value.dim() > 0)
+    return []
+
+
+class OptimizerTensors:
+    """The optimizer's per-parameter tensors, live (saving) or fresh buffers (loading)."""
+
+    def __init__(self, optimizer, entries: List[Entry], moments: List[str], fresh: bool):
+        self.optimizer, self.moments, self.fresh = optimizer, moments, fresh
+        self.by_param = {id(e.param): e for e in entries}
+        self.tensors: Dict[int, Dict[str, torch.Tensor]] = {}
+        """Distributed: piece number -> {name: flat}; regular: param index -> {name: shard}."""
+        units = optimizer.pieces if optimizer.is_distributed else optimizer.model_params
+        for k, unit in enumerate(units):
+            self.tensors[k] = self._tensors(k, unit)
+
+    def _live(self, k: int) -> Dict[str, torch.Tensor]:
+        opt = self.optimizer
+        main = opt.pieces[k].main if opt.is_distributed else opt.main_params[k]
+        state = opt.optimizer.state.get(main, {})
+        out = {FP32: main} if opt.is_distributed or opt.mixed else {}
+        out.update({m: state[m] for m in self.moments if m in state})
+        return out
+
+    def _tensors(self, k: int, unit) -> Dict[str, torch.Tensor]:
+        if not self.fresh:
+            return self._live(k)
+        shape = (unit.main.numel(),) if self.optimizer.is_distributed else tuple(unit.shape)
+        opt = self.optimizer
+        names = ([FP32] if opt.is_distributed or opt.mixed else []) + list(self.moments)
+        return {name: torch.zeros(shape, dtype=torch.float32) for name in names}
+
+    def state(self, rank: int, world: int, saving: bool) -> dict:
+        regions, shapes = {}, {}
+        opt = self.optimizer
+        for k, tensors in self.tensors.items():
+            param = opt.pieces[k].param if opt.is_distributed else opt.model_params[k]
+            entry = self.by_param[id(param)]
+            if saving and entry.head_copy:
+                continue
+            for name, tensor in tensors.items():
+                key = optimizer_key(name, entry.place.key)
+                _add(regions, shapes, key, entry.place.global_shape,
+                     self._regions(entry, param, tensor, k))
+        return sharded_tensors(regions, shapes, rank, world)
+
+    def _regions(self, entry: Entry, param, tensor, k: int):
+        if self.optimizer.is_distributed:
+            return flat_piece_regions(entry.place, tuple(param.shape), tensor.detach().view(-1),
+                                      self.optimizer.pieces[k].start)
+        return split_regions(entry.place, tensor.detach().view(param.shape), (0,) * param.dim())
+
+
+
+def group_decays(optimizer, i: int) -> bool:
+    """Whether param group `i` is the weight-decay group (matrices) or not (1-D tensors)."""
+    if optimizer.is_distributed:
+        return i == 0
+    params = optimizer.optimizer.param_groups[i]["params"]
+    return bool(params) and params[0].dim() != 1
+
+
+def optimizer_common(optimizer, moments: List[str]) -> dict:
+    """What the optimizer state holds besides per-element tensors (step, hyper-parameters)."""
+    groups = [dict({k: v for k, v in group.items() if k != "params"},
+                   decays=group_decays(optimizer, i))
+              for i, group in enumerate(optimizer.optimizer.param_groups)]
+    step: Optional[float] = None
+    for state in optimizer.optimizer.state.values():
+        if "step" in state:
+            step = float(state["step"])
+            break
+    common = {"moments": list(moments), "step": step, "param_groups": groups,
+              "distributed": optimizer.is_distributed}
+    if optimizer.grad_scaler is not None:
+        common["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    return common
+
+
+def _param_groups(optimizer, common: dict) -> List[dict]:
+    """The current groups (their parameter ids) with the saved hyper-parameters."""
+    saved = {g["decays"]: g for g in common["param_groups"]}
+    groups = []
+    for i, group in enumerate(optimizer.optimizer.state_dict()["param_groups"]):
+        found = saved.get(group_decays(optimizer, i), {})
+        hyper = {k: v for k, v in found.items() if k not in ("params", "decays")}
+        groups.append(dict(group, **hyper))
+    return groups
+
+
+def _torch_state(tensors: Dict[str, torch.Tensor], common: dict, shape=None) -> dict:
+    out = {m: (t.view(shape) if shape is not None else t)
+           for m, t in tensors.items() if m != FP32}
+    if out and common["step"] is not None:
+        out["step"] = torch.tensor(common["step"], dtype=torch.float32)
+    return out
+
+
+def load_distributed(optimizer, loaded: OptimizerTensors, common: dict, have_fp32: bool) -> None:
+    """Hand the loaded pieces to the distributed optimizer as its own shard."""
+    mains, state = [], {}
+    for k, piece in enumerate(optimizer.pieces):
+        tensors = loaded.tensors[k]
+        mains.append(tensors[FP32] if have_fp32 else piece.model_slice().float().clone())
+        state[k] = _torch_state(tensors, common)
+    shard = {"pieces": [[p.index, p.start, p.end] for p in optimizer.pieces],
+             "param_shapes": [list(p.shape) for p in optimizer.model_params],
+             "main_params": mains,
+             "optimizer": {"state": state, "param_groups": _param_groups(optimizer, common)}}
+    if "grad_scaler" in common:
+        shard["grad_scaler"] = common["grad_scaler"]
+    optimizer.load_state_dict(shard)
+
+
+def load_regular(optimizer, loaded: OptimizerTensors, common: dict, have_fp32: bool) -> None:
+    """Hand the loaded shards to the regular optimizer in its state_dict() form."""
+    index_of = {id(main): i for i, main in enumerate(optimizer.main_params)}
+    state, at = {}, 0
+    for group in optimizer.optimizer.param_groups:
+        for main in group["params"]:
+            i = index_of[id(main)]
+            state[at] = _torch_state(loaded.tensors[i], common, tuple(main.shape))
+            at += 1
+    regular = {"optimizer": {"state": state, "param_groups": _param_groups(optimizer, common)}}
+    if optimizer.mixed:
+        regular["fp32_from_fp16_params"] = [
+            loaded.tensors[i][FP32].view(p.shape) if have_fp32 else p.detach().float()
+            for i, p in enumerate(optimizer.model_params)]
+    if "grad_scaler" in common:
+        regular["grad_scaler"] = common["grad_scaler"]
+    optimizer.load_state_dict(regular)

@@ -1,0 +1,63 @@
+"""Megatron-Core's state-dict keys for our parameter names (GPT, local layer spec).
+
+Megatron-Core's `sharded_state_dict` of a GPT model names every layer's tensor once,
+stacked along a leading layer axis (`decoder.layers.<name>` of shape [num_layers, ...]),
+and its local spec stores each layer norm inside the linear that follows it, under
+Transformer Engine's names:
+
+    language_model.embedding.word_embeddings.weight      embedding.word_embeddings.weight
+    language_model.embedding.position_embeddings.weight  embedding.position_embeddings.weight
+    ...layers.N.input_layernorm.X                        decoder.layers.self_attention.linear_qkv.layer_norm_X
+    ...layers.N.self_attention.query_key_value.X         decoder.layers.self_attention.linear_qkv.X
+    ...layers.N.self_attention.dense.X                   decoder.layers.self_attention.linear_proj.X
+    ...layers.N.post_attention_layernorm.X               decoder.layers.mlp.linear_fc1.layer_norm_X
+    ...layers.N.mlp.dense_h_to_4h.X                      decoder.layers.mlp.linear_fc1.X
+    ...layers.N.mlp.dense_4h_to_h.X                      decoder.layers.mlp.linear_fc2.X
+    language_model.encoder.final_layernorm.X             decoder.final_layernorm.X
+    language_model.output_layer.weight                   output_layer.weight
+
+The fused QKV rows (query groups of [q heads, k, v]) and the gated MLP's [gate; up] rows
+are the same in both. A name Megatron-Core lacks (e.g. BLOOM's embedding layer norm) keeps
+its place under the same prefix (`embedding.word_embeddings.norm.weight`). The optimizer
+state of a parameter with key K is `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.K`.
+"""
+import re
+from typing import Optional, Tuple
+
+_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+_IN_LAYER = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+             ("self_attention.query_key_value.", "self_attention.linear_qkv."),
+             ("self_attention.dense.", "self_attention.linear_proj."),
+             ("post_attention_layernorm.", "mlp.linear_fc1.layer_norm_"),
+             ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
+             ("mlp.dense_4h_to_h.", "mlp.linear_fc2."))
+_TOP = (("language_model.embedding.", "embedding."),
+        ("language_model.encoder.final_layernorm.", "decoder.final_layernorm."),
+        ("language_model.output_layer.", "output_layer."),
+        ("language_model.encoder.", "decoder."))
+OPTIMIZER_PREFIX = "optimizer.state"
+
+
+def _rename(name: str, table) -> Optional[str]:
+    for ours, theirs in table:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    return None
+
+
+def mcore_key(global_name: str) -> Tuple[str, Optional[int]]:
+    """(Megatron-Core key, global layer index or None) of a parameter named with global
+    layer numbers (GPTModel.global_parameter_names)."""
+    match = _LAYER.match(global_name)
+    if match:
+        inner = match.group(2)
+        return "decoder.layers." + (_rename(inner, _IN_LAYER) or inner), int(match.group(1))
+    key = _rename(global_name, _TOP)
+    if key is None:
+        raise KeyError(f"parameter {global_name!r} has no Megatron-Core key")
+    return key, None
+
+
+def optimizer_key(state_name: str, key: str) -> str:
+    """Key of one optimizer tensor (fp32_param, exp_avg, exp_avg_sq) of parameter `key`."""
+    return f"{OPTIMIZER_PREFIX}.{state_name}.{key}"

@@ -1,0 +1,99 @@
+"""torch_dist checkpoints go both ways between Megatron-Core 0.16.1 and this framework (issue 20).
+
+In one spawn of 2 gloo ranks, at TP 1 and TP 2: a Megatron-Core GPTModel (local spec, 2
+layers, hidden 64, 4 heads, tied embeddings, tanh GeLU as our default) is saved with
+Megatron-Core's `dist_checkpointing.save`; our GPTModel loads it and gives Megatron-Core's
+logits on the same tokens (atol 1e-6). Our model, saved in torch_dist, loads into a freshly
+initialised Megatron-Core model with `dist_checkpointing.load` and gives our logits.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.run_ranks import run_ranks
+from tests.mcore_setup import have_mcore
+
+pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 64, 4, 128, 16
+
+
+def _mcore_model(tp: int, seed: int):
+    from tests.mcore_setup import mcore_gpt
+    torch.manual_seed(seed)
+    return mcore_gpt(tp, LAYERS, HIDDEN, HEADS, VOCAB, SEQ,
+                     activation_func=lambda x: F.gelu(x, approximate="tanh"),
+                     share_embeddings_and_output_weights=True, parallel_output=False)
+
+
+def _our_model(tp: int):
+    from megatron.config import ModelConfig
+    from megatron.model import GPTModel
+    from megatron.mpu.parallel_state import initialize_model_parallel
+    pstate = initialize_model_parallel(tp=tp)
+    cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                      seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, tp_group=pstate.tp_group, parallel_output=False)
+    return model.eval(), pstate
+
+
+def _tokens():
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    return tokens, torch.arange(SEQ).expand(2, SEQ)
+
+
+def _mcore_load(model, directory):
+    from megatron.core import dist_checkpointing
+    wanted = {k: v for k, v in model.sharded_state_dict().items()
+              if not k.endswith("_extra_state")}  # None for the local spec; not written here
+    model.load_state_dict(dist_checkpointing.load(wanted, directory), strict=False)
+
+
+def _rank(rank, world_size, workdir):
+    from tests.mcore_setup import import_mcore
+    import_mcore()
+    from megatron.checkpointing import torch_dist
+    from megatron.core import dist_checkpointing, parallel_state
+    tokens, positions = _tokens()
+    out = {}
+    for tp in (1, 2):
+        theirs = _mcore_model(tp, seed=1).eval()
+        mcore_dir = os.path.join(workdir, f"mcore-tp{tp}")
+        if rank == 0:
+            os.makedirs(mcore_dir)
+        torch.distributed.barrier()
+        dist_checkpointing.save(theirs.sharded_state_dict(), mcore_dir)
+        with torch.no_grad():
+            their_logits = theirs(tokens, positions, None)
+        ours, pstate = _our_model(tp)
+        torch_dist.load_model_weights(mcore_dir, [ours], LAYERS, pstate)
+        with torch.no_grad():
+            our_logits = ours(tokens, positions)
+        out[f"mcore->ours tp{tp}"] = (our_logits - their_logits).abs().max().item()
+        ours_dir = os.path.join(workdir, f"ours-tp{tp}", "iter_0000001")
+        torch_dist.save_model_weights(ours_dir, [ours], LAYERS, pstate)
+        fresh = _mcore_model(tp, seed=2).eval()
+        _mcore_load(fresh, ours_dir)
+        with torch.no_grad():
+            out[f"ours->mcore tp{tp}"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
+            out[f"fresh differs tp{tp}"] = (_mcore_model(tp, 2)(tokens, positions, None)
+                                             - our_logits).abs().max().item()
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawn2(tmp_path_factory):
+    return run_ranks(_rank, 2, str(tmp_path_factory.mktemp("mcore")), timeout=600)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("direction", ["mcore->ours", "ours->mcore"])
+def test_logits_equal_after_loading(direction, tp, spawn2):
+    for rank, result in enumerate(spawn2):
+        assert result[f"{direction} tp{tp}"] < 1e-6, (rank, result)
+        assert result[f"fresh differs tp{tp}"] > 1e-3  # the load did change the model

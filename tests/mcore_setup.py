@@ -1,0 +1,86 @@
+"""Megatron-Core 0.16.1 as the reference implementation of torch_dist (../shared/references.md).
+
+Megatron-Core installs a namespace package `megatron` (with only `megatron/core`), which our
+own `megatron` package shadows. `import_mcore()` appends the installed directory to our
+package's `__path__`, so `megatron.core` resolves to the installed one and everything else
+to ours; only test processes that call it see `megatron.core` (our package defines no
+`core`). It then applies the CPU monkeypatches the dense GPT model and
+`dist_checkpointing` need (items 1-4 of references.md), after init_process_group.
+"""
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+
+import torch
+
+
+def mcore_dir():
+    """The installed `megatron` directory of megatron-core 0.16.1, or None."""
+    try:
+        dist = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = os.path.join(str(dist.locate_file("")), "megatron")
+    return path if dist.version == "0.16.1" and os.path.isdir(os.path.join(path, "core")) \
+        else None
+
+
+def have_mcore() -> bool:
+    return mcore_dir() is not None
+
+
+def import_mcore():
+    import megatron
+    path = mcore_dir()
+    if path not in megatron.__path__:
+        megatron.__path__.append(path)
+    import megatron.core  # noqa: F401
+    _patch_cpu()
+    return megatron.core
+
+
+def _patch_cpu() -> None:
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer import utils
+    torch.cuda.current_device = lambda: torch.device("cpu")  # 1: allocation device
+
+    def causal(sq):
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    utils.get_default_causal_mask = causal  # 3: masks on CPU
+    fused_softmax.get_default_causal_mask = causal
+    torch.cuda.synchronize = lambda *a, **k: None  # 4: dist_checkpointing's synchronize
+
+    class CpuTracker(mc_random.CudaRNGStatesTracker):  # 2: no CUDA RNG states
+        @contextlib.contextmanager
+        def fork(self, name=None):
+            yield
+
+        def add(self, name, seed):
+            pass
+    tracker = CpuTracker()
+    mc_random._CUDA_RNG_STATE_TRACKER = tracker
+    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mc_random.get_cuda_rng_tracker = lambda *a, **k: tracker
+    tensor_parallel.get_cuda_rng_tracker = mc_random.get_cuda_rng_tracker
+    tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
+
+
+def mcore_gpt(tp: int, layers: int, hidden: int, heads: int, vocab: int, seq: int,
+              activation_func=None, **model_kwargs):
+    """A Megatron-Core GPTModel (local spec, dropout 0, CPU init) at TP `tp`."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            use_cpu_initialization=True, hidden_dropout=0.0,
+                            attention_dropout=0.0, tensor_model_parallel_size=tp,
+                            params_dtype=torch.float32,
+                            **({"activation_func": activation_func} if activation_func else {}))
+    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
+                    **model_kwargs)
