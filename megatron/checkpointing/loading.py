@@ -121,7 +121,8 @@ MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond 
 MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                         "num_query_groups", "kv_channels", "activation", "normalization",
                         "position_embedding_type", "untie_embeddings_and_output_weights",
-                        "add_bias_linear", "add_qkv_bias", "embed_layernorm", "qk_layernorm")
+                        "add_bias_linear", "add_qkv_bias", "embed_layernorm", "qk_layernorm",
+                        "scale_embeddings")
 
 
 # Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
@@ -132,7 +133,7 @@ _FILE_TOKENIZERS = {"PretrainedFromHF", "HuggingFaceTokenizer", "SentencePieceTo
 
 
 # Fields whose flag is not --<field-name>.
-_FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--squared-relu",
+_FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--exact-gelu/--squared-relu",
             "add_bias_linear": "--disable-bias-linear"}
 
 

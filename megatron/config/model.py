@@ -5,10 +5,10 @@ from typing import Optional
 from megatron.config.errors import require
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "sinusoidal", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "reglu", "liglu")
-ACTIVATIONS = ("gelu", "openai_gelu", "squared_relu") + GLU_ACTIVATIONS
+ACTIVATIONS = ("gelu", "openai_gelu", "exact_gelu", "squared_relu") + GLU_ACTIVATIONS
 
 
 def default_ffn_hidden_size(hidden_size: int, gated: bool) -> int:
@@ -66,7 +66,8 @@ class ModelConfig:
 
     # -- architecture (the declarative model spec) ---------------------------
     position_embedding_type: str = "learned_absolute"
-    """learned_absolute | rope | alibi | none (--position-embedding-type)."""
+    """learned_absolute | rope | alibi | sinusoidal | none (--position-embedding-type);
+    sinusoidal is fairseq's fixed table (positions.sinusoidal_table)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates, in (0, 1] (--rotary-percent)."""
     rotary_base: int = 10000
@@ -81,9 +82,12 @@ class ModelConfig:
     """Normalise queries and keys per head before attention (--qk-layernorm)."""
     embed_layernorm: bool = False
     """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
+    scale_embeddings: bool = False
+    """Multiply the word embeddings by sqrt(hidden-size) before positions are added, as
+    fairseq's embed_scale (--scale-embeddings)."""
     activation: str = "gelu"
-    """MLP activation: gelu | openai_gelu | squared_relu, or a gated one: swiglu | geglu |
-    reglu | liglu (--swiglu, --glu-activation, --openai-gelu, --squared-relu). A gated MLP's
+    """MLP activation: gelu | openai_gelu | exact_gelu (erf, fairseq's) | squared_relu, or a gated one: swiglu | geglu |
+    reglu | liglu (--swiglu, --glu-activation, --openai-gelu, --exact-gelu, --squared-relu). A gated MLP's
     first weight holds [gate; up] rows (each TP shard its own [gate_r; up_r])."""
     group_query_attention: bool = False
     """Grouped-query attention (--group-query-attention): --num-query-groups K/V heads."""
