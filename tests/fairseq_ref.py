@@ -59,7 +59,7 @@ def detokenize(python: str, src: str, dst: str, cwd: str) -> None:
     """fairseq's examples/megatron_11b/detok.py."""
     script = fairseq_script(python, os.path.join("examples", "megatron_11b", "detok.py"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with open(dst, "w", encoding="utf-8") as f:
+    with open(os.path.join(cwd, dst), "w", encoding="utf-8") as f:
         subprocess.run([python, script, src], cwd=cwd, env=env, stdout=f, check=True)
 
 
