@@ -42,9 +42,10 @@ def run(python: str, args: List[str], cwd: str, timeout: int = 600) -> str:
 
 def fairseq_script(python: str, relative: str) -> str:
     """Path of a script shipped in the fairseq package (its examples/)."""
-    out = subprocess.run([python, "-c", "import fairseq, os; print(os.path.dirname(fairseq.__file__))"],
-                         capture_output=True, text=True, check=True)
-    return os.path.join(out.stdout.strip(), relative)
+    find = ("import importlib.util as u; "
+            "print(u.find_spec('fairseq').submodule_search_locations[0])")  # imports nothing
+    out = subprocess.run([python, "-c", find], capture_output=True, text=True, check=True)
+    return os.path.join(out.stdout.strip().splitlines()[-1], relative)
 
 
 def bpe_encode(python: str, src: str, dst: str, cwd: str) -> None:
