@@ -40,7 +40,7 @@ from megatron.checkpointing.loading import (build_tokenizer_and_vocab,  # noqa: 
 from megatron.checkpointing.layout import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.trainer import is_last_rank, print_rank_0, print_rank_last  # noqa: E402
-from tasks.fairseq_lm.detok import MissingSacremoses  # noqa: E402
+from tasks.fairseq_lm.detok import MissingSacremoses, moses_detokenizer  # noqa: E402
 from tasks.fairseq_lm.stream import (fairseq_metrics, format_fairseq,  # noqa: E402
                                      read_fairseq_stream)
 from tasks.zeroshot_gpt.datasets import TaskDataError, read_lambada, read_wikitext  # noqa: E402
@@ -160,6 +160,8 @@ def check_flags(ns, seq_length: int) -> None:
     if len(ns.valid_data) > 1:
         fail(f"--valid-data takes exactly one file, got {len(ns.valid_data)}: "
              f"{' '.join(ns.valid_data)}")
+    if detokenizer_of(ns) == "fairseq":
+        check_sacremoses()
     if ns.fairseq_eval_lm:
         check_fairseq_flags(ns, seq_length)
         return
@@ -174,12 +176,14 @@ def check_fairseq_flags(ns, seq_length: int) -> None:
     if not 0 <= ns.context_window < seq_length:
         fail(f"--context-window ({ns.context_window}) must be in 0..{seq_length - 1} (below "
              f"--tokens-per-sample {seq_length})")
-    if detokenizer_of(ns) == "fairseq":
-        try:
-            from tasks.fairseq_lm.detok import moses_detokenizer
-            moses_detokenizer()
-        except MissingSacremoses as err:
-            fail(str(err))
+
+
+def check_sacremoses() -> None:
+    """--detokenizer fairseq needs sacremoses: one line and exit 2 without it."""
+    try:
+        moses_detokenizer()
+    except MissingSacremoses as err:
+        fail(str(err))
 
 
 def evaluation_length(config, ns) -> int:

@@ -84,9 +84,9 @@ def test_missing_sacremoses_is_one_line_exit_2(monkeypatch, capsys):
     from tasks import main as tasks_main
     monkeypatch.setitem(sys.modules, "sacremoses", None)
     ns = argparse.Namespace(task="WIKITEXT103", context_window=0, detokenizer="fairseq",
-                            fairseq_eval_lm=True, valid_data=["x.tokens"])
+                            fairseq_eval_lm=False, valid_data=["x.tokens"], overlapping_eval=None)
     with pytest.raises(SystemExit) as exit_info:
-        tasks_main.check_fairseq_flags(ns, 16)
+        tasks_main.check_flags(ns, 16)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert "pip install sacremoses" in err
