@@ -127,17 +127,6 @@ def merge_partitions(models: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.T
     return merged
 
 
-def split_partitions(model: Dict[str, torch.Tensor], n: int) -> List[Dict[str, torch.Tensor]]:
-    """fairseq's model-parallel state dicts (n ranks) of a full state dict."""
-    parts = [{} for _ in range(n)]
-    for name, tensor in model.items():
-        dim = partition_dim(name)
-        pieces = [tensor] * n if dim is None else torch.chunk(tensor, n, dim=dim)
-        for part, piece in zip(parts, pieces):
-            part[name] = piece.clone() if dim is not None else piece
-    return parts
-
-
 def read_checkpoint(load: str) -> Tuple[Dict[str, torch.Tensor], dict, List[str]]:
     """(full state dict, the first file's state, the files read) of `load`."""
     paths = find_files(load)
