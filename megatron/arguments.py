@@ -85,13 +85,14 @@ def _add_architecture_args(parser):
     _add_long_context_args(g)
     _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
-    for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm",
+    for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm", "--scale-embeddings",
                  "--group-query-attention", "--add-qkv-bias",
                  "--untie-embeddings-and-output-weights"):
         _flag(g, name, "model", action="store_true")
     _flag(g, "--glu-activation", "model", "activation", default=None,
           choices=sorted(GLU_ACTIVATIONS))
     for name, activation in (("--swiglu", "swiglu"), ("--openai-gelu", "openai_gelu"),
+                             ("--exact-gelu", "exact_gelu"),
                              ("--squared-relu", "squared_relu")):
         _flag(g, name, "model", "activation", action="store_const", const=activation)
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):

@@ -29,7 +29,7 @@ HELP = {
     "--no-persist-layer-norm": "use torch.nn.functional.layer_norm (same as --no-layer-norm-fusion)",
     "--no-layer-norm-fusion": "use torch.nn.functional.layer_norm",
     # architecture (the model spec)
-    "--position-embedding-type": "learned_absolute (GPT-2), rope (LLaMA), alibi (BLOOM) or none",
+    "--position-embedding-type": "learned_absolute (GPT-2), rope (LLaMA), alibi (BLOOM), sinusoidal (fairseq) or none",
     "--use-rotary-position-embeddings": "same as --position-embedding-type rope",
     "--rotary-percent": "fraction of each head's channels that RoPE rotates, in (0, 1] (default 1)",
     "--rotary-base": "RoPE frequency base (default 10000; LLaMA-3 uses 500000)",
@@ -54,6 +54,8 @@ HELP = {
     "--apply-layernorm-1p": "norm weights stored zero-centred, applied as 1 + w",
     "--qk-layernorm": "normalise queries and keys per head before attention",
     "--embed-layernorm": "a norm right after the word embeddings (BLOOM)",
+    "--scale-embeddings": "multiply the word embeddings by sqrt(hidden size) (fairseq's embed_scale)",
+    "--exact-gelu": "the exact erf GeLU (fairseq's gelu) instead of the tanh approximation",
     "--swiglu": "gated SiLU MLP (LLaMA); same as --glu-activation swiglu",
     "--glu-activation": "gated MLP activation: geglu, liglu, reglu or swiglu",
     "--openai-gelu": "OpenAI's tanh-approximated GeLU, unfused (the fused default computes the same)",

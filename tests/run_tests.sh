@@ -17,4 +17,7 @@ $PY -c "import deepspeed" 2>/dev/null || {
 # --no-deps, so torch and numpy stay as they are; its tests skip when this fails (offline).
 $PY -m pip install -q --no-deps megatron-core==0.16.1 psutil packaging \
     || echo "megatron-core not installed: its interoperability tests are skipped" >&2
+# fairseq, the reference of tests/distributed/test_fairseq.py, in its own venv (numpy 1.x);
+# the wheel is cached under ~/.cache/megatron-fairseq. Without it those tests skip.
+bash tests/install_fairseq.sh "$PY" || echo "run_tests.sh: fairseq could not be installed; its tests will skip" >&2
 exec $PY -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,8 +1,15 @@
-"""Convert checkpoints between Hugging Face `transformers` and this framework.
+"""Convert checkpoints between Hugging Face `transformers` or fairseq and this framework.
 
     python tools/convert_checkpoint.py --from hf --to megatron --load HF_DIR --save CKPT \\
         [--target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P]
     python tools/convert_checkpoint.py --from megatron --to hf --load CKPT --save HF_DIR
+    python tools/convert_checkpoint.py --from fairseq --to megatron --load DIR/model.pt \\
+        --save CKPT [--fairseq-dict dict.txt --vocab-file encoder.json --merge-file vocab.bpe]
+    python tools/convert_checkpoint.py --from megatron --to fairseq --load CKPT --save DIR
+
+fairseq: a single model.pt or its model-parallel partitions DIR/model-model_part-K.pt
+(--load DIR/model.pt or DIR finds them) with the dict.txt beside it; the rows stay in
+the dictionary's order (tokenizer FairseqGPT2BPETokenizer, see megatron/checkpointing/fairseq).
 
 Supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, BloomForCausalLM,
 read from / written to config.json + model.safetensors (a sharded
@@ -20,21 +27,26 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+from megatron.checkpointing.fairseq.convert import (fairseq_to_megatron,  # noqa: E402
+                                                    megatron_to_fairseq)
 from megatron.checkpointing.hf import ConversionError  # noqa: E402
 from megatron.checkpointing.hf.convert import (VocabOptions, hf_to_megatron,  # noqa: E402
                                                megatron_to_hf)
 from megatron.checkpointing.layout import CheckpointError  # noqa: E402
 from megatron.checkpointing.reshard import ReshardError  # noqa: E402
 
-DIRECTIONS = {("hf", "megatron"), ("megatron", "hf")}
+DIRECTIONS = {("hf", "megatron"), ("megatron", "hf"), ("fairseq", "megatron"),
+              ("megatron", "fairseq")}
+FORMATS = ["hf", "megatron", "fairseq"]
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Convert Hugging Face <-> Megatron checkpoints",
-                                     allow_abbrev=False)
-    parser.add_argument("--from", dest="source", choices=["hf", "megatron"], required=True)
-    parser.add_argument("--to", dest="target", choices=["hf", "megatron"], required=True)
-    parser.add_argument("--load", required=True, help="directory to read")
+    parser = argparse.ArgumentParser(
+        description="Convert Hugging Face / fairseq <-> Megatron checkpoints", allow_abbrev=False)
+    parser.add_argument("--from", dest="source", choices=FORMATS, required=True)
+    parser.add_argument("--to", dest="target", choices=FORMATS, required=True)
+    parser.add_argument("--load", required=True,
+                        help="directory to read (fairseq: also a model.pt file)")
     parser.add_argument("--save", required=True, help="directory to write (new or empty)")
     parser.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
@@ -48,19 +60,30 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, default=None,
                         help="training sequence length stored with the model (default: its "
                              "max positions; BLOOM: 2048)")
+    parser.add_argument("--fairseq-dict", default=None,
+                        help="--from fairseq: the model's dict.txt (default: beside the checkpoint)")
+    parser.add_argument("--vocab-file", default=None,
+                        help="--from fairseq: GPT-2 encoder.json stored as the tokenizer's")
+    parser.add_argument("--merge-file", default=None,
+                        help="--from fairseq: GPT-2 vocab.bpe stored as the tokenizer's")
     return parser
 
 
 def convert(args) -> str:
     if (args.source, args.target) not in DIRECTIONS:
         raise ConversionError(f"--from {args.source} --to {args.target}: convert between hf "
-                              f"and megatron")
+                              f"or fairseq and megatron")
+    if args.target == "fairseq":
+        return megatron_to_fairseq(args.load, args.save)
     if args.target == "hf":
         return megatron_to_hf(args.load, args.save, args.hf_vocab_size)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConversionError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")
     vocab = VocabOptions(args.make_vocab_size_divisible_by, args.pad_vocab_size_to)
+    if args.source == "fairseq":
+        return fairseq_to_megatron(args.load, args.save, tp, pp, args.fairseq_dict,
+                                   args.vocab_file, args.merge_file, args.seq_length, vocab)
     return hf_to_megatron(args.load, args.save, tp, pp, args.seq_length, vocab)
 
 

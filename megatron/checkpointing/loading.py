@@ -199,7 +199,7 @@ MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
                         "rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
                         "untie_embeddings_and_output_weights", "add_bias_linear",
                         "add_qkv_bias", "embed_layernorm", "embedding_multiplier",
-                        "qk_layernorm")
+                        "qk_layernorm", "scale_embeddings")
 
 
 # Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
@@ -210,7 +210,7 @@ _FILE_TOKENIZERS = {"PretrainedFromHF", "HuggingFaceTokenizer", "SentencePieceTo
 
 
 # Fields whose flag is not --<field-name>.
-_FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--squared-relu",
+_FLAG_OF = {"activation": "--swiglu/--glu-activation/--openai-gelu/--exact-gelu/--squared-relu",
             "add_bias_linear": "--disable-bias-linear", "layernorm_epsilon": "--norm-epsilon"}
 
 

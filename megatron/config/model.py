@@ -1,15 +1,16 @@
 """Configuration of the GPT model."""
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config.errors import require
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "sinusoidal", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
-ACTIVATIONS = ("gelu", "openai_gelu", "squared_relu") + GLU_ACTIVATIONS
+ACTIVATIONS = ("gelu", "openai_gelu", "exact_gelu", "squared_relu") + GLU_ACTIVATIONS
 
 
 def default_ffn_hidden_size(hidden_size: int, gated: bool) -> int:
@@ -71,7 +72,8 @@ class ModelConfig:
 
     # -- architecture (the declarative model spec) ---------------------------
     position_embedding_type: str = "learned_absolute"
-    """learned_absolute | rope | alibi | none (--position-embedding-type)."""
+    """learned_absolute | rope | alibi | sinusoidal | none (--position-embedding-type);
+    sinusoidal is fairseq's fixed table (positions.sinusoidal_table)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates, in (0, 1] (--rotary-percent)."""
     rotary_base: int = 10000
@@ -108,9 +110,14 @@ class ModelConfig:
     """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
     embedding_multiplier: float = 1.0
     """Word embeddings are multiplied by this (Gemma: sqrt(hidden-size)) (--embedding-multiplier)."""
+    scale_embeddings: bool = False
+    """Multiply the word embeddings by sqrt(hidden-size) before positions are added, as
+    fairseq's embed_scale (--scale-embeddings); the same product as the multiplier's."""
     activation: str = "gelu"
-    """MLP activation: gelu | openai_gelu | squared_relu, or a gated one: swiglu | geglu |
-    reglu | liglu, geglu_tanh (GeGLU with the tanh GeLU, Gemma's) (--swiglu, --glu-activation, --openai-gelu, --squared-relu). A gated MLP's
+    """MLP activation: gelu | openai_gelu | exact_gelu (erf in float32, fairseq's) |
+    squared_relu, or a gated one: swiglu | geglu | reglu | liglu | geglu_tanh (GeGLU with the
+    tanh GeLU, Gemma's) (--swiglu, --glu-activation, --openai-gelu, --exact-gelu,
+    --squared-relu). A gated MLP's
     first weight holds [gate; up] rows (each TP shard its own [gate_r; up_r])."""
     group_query_attention: bool = False
     """Grouped-query attention (--group-query-attention): --num-query-groups K/V heads."""
@@ -210,6 +217,13 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         """True for the GLU activations: the first MLP weight holds gate and up rows."""
         return self.activation in GLU_ACTIVATIONS
+
+    @property
+    def embedding_scale(self) -> float:
+        """What the word embeddings are multiplied by (--embedding-multiplier, and sqrt(hidden)
+        with --scale-embeddings)."""
+        root = math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
+        return self.embedding_multiplier * root
 
     @property
     def rotary_dim(self) -> int:

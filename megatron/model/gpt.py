@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.mpu.sharding import parameter_meta
+from megatron.model.positions import sinusoidal_table
 from megatron.model.spec import make_norm
 from megatron.model.transformer import ParallelTransformer, dropout_rng_context
 from megatron.mpu.cross_entropy import LogitsBuffers, linear_cross_entropy
@@ -34,8 +35,9 @@ WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 
 class Embedding(torch.nn.Module):
     """Word (vocab-parallel) embeddings, normalised with --embed-layernorm (BLOOM; the
-    norm is `word_embeddings.norm`, Megatron-DeepSpeed's name), plus learned absolute
-    position embeddings with --position-embedding-type learned_absolute; then dropout."""
+    norm is `word_embeddings.norm`, Megatron-DeepSpeed's name) or scaled by sqrt(h) with
+    --scale-embeddings (fairseq), plus position embeddings: learned absolute, or fairseq's
+    fixed sinusoids (a buffer, not saved); then dropout."""
 
     def __init__(self, cfg: ModelConfig, tp_group, device, dtype):
         super().__init__()
@@ -52,15 +54,22 @@ class Embedding(torch.nn.Module):
             self.position_embeddings = torch.nn.Embedding(
                 cfg.max_position_embeddings, cfg.hidden_size, device=device, dtype=dtype)
             set_parallel_attributes(self.position_embeddings.weight, False, init_method=init)
+        if cfg.position_embedding_type == "sinusoidal":
+            table = sinusoidal_table(cfg.max_position_embeddings, cfg.hidden_size)
+            self.register_buffer("sinusoids", table.to(device=device, dtype=dtype),
+                                 persistent=False)
 
     def forward(self, input_ids, position_ids):
         x = self.word_embeddings(input_ids)
-        if self.cfg.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden), in the activations' dtype
-            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
+        scale = self.cfg.embedding_scale
+        if scale != 1.0:  # Gemma's / fairseq's sqrt(hidden), in the activations' dtype
+            x = x * torch.tensor(scale, dtype=x.dtype)
         if self.cfg.embed_layernorm:
             x = self.word_embeddings.norm(x)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
+        elif self.cfg.position_embedding_type == "sinusoidal":
+            x = x + self.sinusoids[position_ids]
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.cfg.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)

@@ -128,3 +128,21 @@ class AlibiBias(torch.nn.Module):
     def forward(self, sk: int, dtype, device) -> torch.Tensor:
         keys = torch.arange(sk, dtype=torch.float32, device=device)
         return (self.slopes.to(device)[:, None, None] * keys).to(dtype)
+
+
+# fairseq numbers positions from padding_idx + 1; its dictionaries' padding index is 1.
+SINUSOIDAL_OFFSET = 2
+
+
+def sinusoidal_table(num_positions: int, dim: int, offset: int = SINUSOIDAL_OFFSET) -> torch.Tensor:
+    """fairseq's sinusoidal position embeddings [num_positions, dim] (float32) of positions
+    offset .. offset + num_positions - 1: [sin | cos] halves of position * exp(-i ln(10000) /
+    (dim / 2 - 1)), i < dim / 2, and a zero column when dim is odd."""
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -step)
+    table = torch.arange(offset + num_positions, dtype=torch.float32).unsqueeze(1) * freqs
+    table = torch.cat([torch.sin(table), torch.cos(table)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(table.shape[0], 1)], dim=1)
+    return table[offset:]

@@ -62,13 +62,18 @@ def _gelu_erf(x):
     return F.gelu(x)
 
 
+def _gelu_erf_fp32(x):
+    """The erf GeLU computed in float32 (fairseq's gelu, also for 16-bit inputs)."""
+    return F.gelu(x.float()).type_as(x)
+
+
 def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
 _GATES = {"swiglu": F.silu, "geglu": _gelu_erf, "geglu_tanh": _gelu_tanh, "reglu": F.relu,
           "liglu": lambda x: x}
-_PLAIN = {"openai_gelu": _gelu_tanh, "squared_relu": _squared_relu}
+_PLAIN = {"openai_gelu": _gelu_tanh, "exact_gelu": _gelu_erf_fp32, "squared_relu": _squared_relu}
 
 
 def mlp_activation(cfg: ModelConfig):
@@ -76,7 +81,7 @@ def mlp_activation(cfg: ModelConfig):
 
     gelu: tanh-approximated GeLU (the fused bias-GeLU path, GPT-2's);
     openai_gelu: the same tanh formula, unfused (Megatron's --openai-gelu, OpenAI's GPT-2
-    GeLU); squared_relu: relu(x)^2; gated ones (GeGLU with the erf GeLU) take the
+    GeLU); exact_gelu: the erf GeLU in float32 (fairseq's); squared_relu: relu(x)^2; gated ones (GeGLU with the erf GeLU) take the
     rank's [gate; up] halves and return act(gate) * up.
     """
     if cfg.activation == "gelu":

@@ -2,6 +2,7 @@
 from typing import Optional
 
 from megatron.tokenizer.abstract import AbstractTokenizer
+from megatron.tokenizer.fairseq_dict import FairseqGPT2BPETokenizer
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf import PretrainedFromHF
 from megatron.tokenizer.sentencepiece import (GPTSentencePieceTokenizer, Llama2Tokenizer,
@@ -11,7 +12,7 @@ from megatron.tokenizer.tiktoken_bpe import Llama3Tokenizer
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "PretrainedFromHF", "HuggingFaceTokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "Llama3Tokenizer", "NullTokenizer", "ByteLevelTokenizer")
+                   "Llama3Tokenizer", "NullTokenizer", "ByteLevelTokenizer", "FairseqGPT2BPETokenizer")
 # --tokenizer-model FILE (or DIR for HuggingFaceTokenizer), as in Megatron-LM
 _MODEL_FILE_TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer,
                           "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
@@ -30,6 +31,8 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None,
     directory in --tokenizer-model or --tokenizer-name-or-path)."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "FairseqGPT2BPETokenizer":  # --tokenizer-model: the fairseq dict.txt
+        return FairseqGPT2BPETokenizer(vocab_file, merge_file, tokenizer_model)
     if tokenizer_type in ("PretrainedFromHF", "HuggingFaceTokenizer"):
         return PretrainedFromHF(tokenizer_name_or_path or tokenizer_model)
     if tokenizer_type in _MODEL_FILE_TOKENIZERS:

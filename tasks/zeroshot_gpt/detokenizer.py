@@ -6,6 +6,7 @@ contractions (` n't`, ` 's`) and write numbers as `N`. Perplexities are only
 comparable with published numbers when the same rules, in the same order,
 rebuild the text. As in Megatron, the detokenizer is picked from the data
 file's path (`ptb`, then `wiki`, then `lambada`); `--detokenizer` forces one.
+`fairseq` is fairseq's Megatron-11b detokeniser (tasks/fairseq_lm/detok.py, needs sacremoses).
 """
 import re
 from typing import Callable, Dict, List, Optional, Tuple
@@ -74,8 +75,16 @@ LAMBADA_RULES: List[_Rule] = [
     ("strip", str.strip),
 ]
 
+def _fairseq(text: str) -> str:
+    from tasks.fairseq_lm.detok import fairseq_detokenize  # sacremoses is optional
+    return fairseq_detokenize(text)
+
+
 RULES: Dict[str, List[_Rule]] = {"ptb": PTB_RULES, "wikitext": WIKITEXT_RULES,
-                                 "lambada": LAMBADA_RULES, "none": []}
+                                 "lambada": LAMBADA_RULES,
+                                 "fairseq": [("Moses per line, then fairseq's @ and = fixes",
+                                              _fairseq)],
+                                 "none": []}
 DETOKENIZERS = tuple(RULES)
 # the path keys Megatron looks for, in its order, and the detokenizer each selects
 _PATH_KEYS = (("ptb", "ptb"), ("wiki", "wikitext"), ("lambada", "lambada"))

@@ -1,0 +1,1 @@
+"""fairseq's language-model evaluation (fairseq-preprocess + fairseq-eval-lm) on our models."""
