@@ -26,8 +26,8 @@ REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-len
             "--max-position-embeddings")
 
 
-def model_provider(config, tp_group, **chunk):
-    return GPTModel(config.model, tp_group=tp_group, **chunk)
+def model_provider(config, tp_group, expert_groups=None, **chunk):
+    return GPTModel(config.model, tp_group=tp_group, expert_groups=expert_groups, **chunk)
 
 
 def loss_func(loss_mask, dp_group, losses):
@@ -128,7 +128,8 @@ def _run(argv):
                  f"{config.model.padded_vocab_size - tokenizer.vocab_size} dummy tokens "
                  f"(new size: {config.model.padded_vocab_size})")
     return pretrain(config, pstate, device,
-                    partial(model_provider, config, pstate.tp_group),
+                    partial(model_provider, config, pstate.tp_group,
+                            expert_groups=pstate.expert_groups()),
                     partial(data_provider, config, pstate, tokenizer.vocab_size),
                     partial(forward_step, config, tokenizer.eod, pstate, device))
 

@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, field, fields
 from megatron.config.data import CheckpointConfig, DataConfig
 from megatron.config.errors import ConfigError, require
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
 
 __all__ = ["Config", "SECTIONS", "ConfigError", "ModelConfig", "ParallelConfig",
-           "TrainingConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
+           "TrainingConfig", "OptimizerConfig", "MoEConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
 
 
 @dataclass
@@ -24,6 +25,13 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self):
+        if self.moe.enabled and self.model.moe is None:
+            self.model.moe = self.moe  # the model spec carries its MoE section
+        elif self.model.moe is not None:
+            self.moe = self.model.moe
 
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
@@ -62,6 +70,27 @@ class Config:
                     f"--rampup-batch-size START ({start}) and INCR ({incr}) must be multiples of "
                     f"--micro-batch-size x data-parallel size ({step})")
         self._check_virtual_pipeline(pp, dp)
+        self._check_experts(world_size)
+
+    def _check_experts(self, world_size: int) -> None:
+        ep, p, moe = self.parallel.expert_model_parallel_size, self.parallel, self.model.moe
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if ep == 1 and (moe is None or not moe.enabled):
+            return
+        require(moe is not None and moe.enabled,
+                f"--expert-model-parallel-size {ep} needs --num-experts")
+        require(world_size % (ep * tp * pp) == 0,
+                f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
+                f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
+        require(moe.num_experts % ep == 0,
+                f"--num-experts ({moe.num_experts}) must be divisible by "
+                f"--expert-model-parallel-size ({ep})")
+        require(p.DDP_impl == "local", "MoE needs --DDP-impl local (expert gradients are "
+                                       "reduced over their own group); drop --DDP-impl torch")
+        ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
+        require(ffn % p.expert_tensor_parallel_size == 0,
+                f"--moe-ffn-hidden-size ({ffn}) must be divisible by --expert-tensor-parallel-size "
+                f"({p.expert_tensor_parallel_size})")
 
     def _check_virtual_pipeline(self, pp: int, dp: int) -> None:
         layers_per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
@@ -101,4 +130,4 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
              "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-             "logging": LoggingConfig}
+             "logging": LoggingConfig, "moe": MoEConfig}

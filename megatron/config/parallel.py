@@ -15,6 +15,10 @@ class ParallelConfig:
     """Layers per virtual stage for the interleaved schedule."""
     sequence_parallel: bool = False
     """Split layer norms and dropout along the sequence over the TP group."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of each MoE layer, carved out of data parallelism."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert (default: --tensor-model-parallel-size)."""
     distributed_backend: Optional[str] = None
     """nccl | gloo; None picks nccl when CUDA is available, else gloo."""
     DDP_impl: str = "local"
@@ -32,6 +36,13 @@ class ParallelConfig:
                 f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
         require(self.pipeline_model_parallel_size >= 1,
                 f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}")
+        require(self.expert_model_parallel_size >= 1,
+                f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        require(self.expert_tensor_parallel_size == self.tensor_model_parallel_size,
+                f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
+                f"--tensor-model-parallel-size ({self.tensor_model_parallel_size}) here; omit it")
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
