@@ -255,6 +255,8 @@ def _add_compat_args(parser):
     for name in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"):
         _flag(g, name, "optimizer", "use_checkpoint_opt_param_scheduler", action="store_true")
     _flag(g, "--universal-checkpoint", "checkpoint", action="store_true")
+    for name in ("--use-mcore-models", "--no-position-embedding", "--overlap-param-gather"):
+        _flag(g, name, "compat", action="store_true")  # Megatron-LM MoE scripts (compat.py)
     add_deepspeed_args(g, _flag)
 
 

@@ -1,6 +1,9 @@
 """One line of `--help` text for every training flag (kept apart from the parser's wiring)."""
 
 HELP = {
+    "--use-mcore-models": "accepted for Megatron-LM scripts: there is one model implementation",
+    "--no-position-embedding": "no learned absolute positions (rope/alibi stay as given)",
+    "--overlap-param-gather": "accepted; the distributed optimizer gathers after the step",
     "--num-experts": "routed experts per MoE layer (turns MoE on)",
     "--moe-ffn-hidden-size": "inner width of each expert (default --ffn-hidden-size)",
     "--moe-layer-freq": "every N-th layer is MoE, or a 0/1 list such as ([0]*1+[1]*3)*8",

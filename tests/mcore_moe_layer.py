@@ -10,12 +10,18 @@ def main():
     inputs = mcore_reference.load_inputs()
     ep = inputs["ep"]
     mcore_reference.init(ep, expert_model_parallel_size=ep)
+    mcore_reference.save_outputs({"cases": [run_case(case, ep) for case in inputs["cases"]]})
+
+
+def run_case(inputs, ep):
     import torch.distributed as dist
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
     from megatron.core.transformer.transformer_config import TransformerConfig
+    clear_aux_losses_tracker()
     rank = dist.get_rank()
     config = TransformerConfig(**inputs["config"], activation_func=F.silu, gated_linear_unit=True,
                                add_bias_linear=False, use_cpu_initialization=True,
@@ -40,8 +46,8 @@ def main():
     output, _ = layer(inputs["x"][rank])
     tracker = get_moe_layer_wise_logging_tracker()
     losses = {name: float(v["values"][0]) for name, v in tracker.items()}
-    mcore_reference.save_outputs({"output": output.detach(), "probs": seen["probs"].detach(),
-                                  "map": seen["map"], **losses})
+    return {"output": output.detach(), "probs": seen["probs"].detach(), "map": seen["map"],
+            **losses}
 
 
 if __name__ == "__main__":
