@@ -201,3 +201,42 @@ def test_seq_aux_loss_is_the_mean_over_sequences():
         per_seq.append(R.switch_aux_loss(scores, routing_map.sum(0), 6, 2, 4, 1.0))
     assert math.isclose(float(layer.router.metrics["load_balancing_loss"]),
                         float(sum(per_seq) / 3), rel_tol=1e-5)
+
+
+PLANNED = ["--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "48",
+           "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
+
+
+@pytest.mark.parametrize("extra, world", [([], 1), (["--expert-model-parallel-size", "2"], 2),
+                                          (["--expert-model-parallel-size", "2",
+                                            "--pipeline-model-parallel-size", "2"], 4)])
+def test_planner_counts_each_stages_moe_parameters(extra, world):
+    """tools/estimate.py's planner: expert parameters divided by EP, per stage, exactly."""
+    from megatron.model import GPTModel
+    from megatron.training.memory import stage_params
+    cfg = parse(*PLANNED, *extra, world_size=world)
+    cfg.model.padded_vocab_size = 128
+    pp, ep = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.expert_model_parallel_size
+    for rank in range(pp):
+        model = GPTModel(cfg.model, device="meta", pre_process=rank == 0,
+                         post_process=rank == pp - 1, layer_offset=rank * 4 // pp,
+                         num_layers=4 // pp, expert_groups=ExpertGroups(ep_size=ep))
+        assert stage_params(cfg, rank) == sum(p.numel() for p in model.parameters())
+
+
+def test_flops_count_the_activated_experts_only():
+    from megatron.training.flops import model_flops
+    dense = parse("--swiglu", "--ffn-hidden-size", "96").model
+    dense.moe, dense.padded_vocab_size = None, 128
+    moe = parse("--swiglu", "--ffn-hidden-size", "96", "--moe-ffn-hidden-size", "48",
+                "--moe-layer-freq", "2").model
+    moe.padded_vocab_size = 128
+    tokens = 2 * 32
+    # top-2 of width 48 activate as much as one MLP of width 96; plus the router (8 x h)
+    extra = 2 * 3 * 2 * tokens * 64 * 8  # 2 MoE layers, x3 forward + backward, 2 per mul-add
+    assert model_flops(moe, 2) == model_flops(dense, 2) + extra
+    many = parse("--swiglu", "--ffn-hidden-size", "96", "--moe-ffn-hidden-size", "48",
+                 "--moe-layer-freq", "2", "--num-experts", "64").model
+    many.padded_vocab_size = 128
+    assert model_flops(many, 2) - model_flops(dense, 2) == 2 * 3 * 2 * tokens * 64 * 64
