@@ -24,6 +24,8 @@ def get_args(argv=None):
     parser.add_argument("--save", required=True, help="directory to write the new checkpoint to")
     parser.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                        help="split MoE experts over this many EP ranks (mp_rank_TT[_PPP]_EEE)")
     parser.add_argument("--model-type", choices=["GPT"], default="GPT",
                         help="accepted for Megatron compatibility (GPT only)")
     args, rest = parser.parse_known_args(argv)
@@ -40,12 +42,14 @@ def get_args(argv=None):
 def main(argv=None) -> int:
     args = get_args(argv)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
+    ep = args.target_expert_model_parallel_size
     try:
-        path = reshard(args.load, args.save, tp, pp)
+        path = reshard(args.load, args.save, tp, pp, ep)
     except (ReshardError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    print(f" re-sharded {args.load} to TP={tp} PP={pp}: {path}", flush=True)
+    print(f" re-sharded {args.load} to TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''}: {path}",
+          flush=True)
     return 0
 
 
