@@ -66,3 +66,34 @@ def check_split(flat: Flat, ep: int, sharding) -> Optional[str]:
             return (f"{name} holds {tensor.shape[dim]} experts, not divisible by "
                     f"expert-model-parallel-size {ep}")
     return None
+
+
+# -- Megatron-LM's names for the experts of one layer ---------------------------------------
+_PER_EXPERT_NAMES = (
+    # Megatron-Core SequentialMLP: mlp.experts.local_experts.N.linear_fc1.weight
+    re.compile(r"^(.*\.mlp\.)experts\.local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)$"),
+    # Megatron-Core grouped GEMM (TEGroupedMLP): mlp.experts.linear_fc1.weight0
+    re.compile(r"^(.*\.mlp\.)experts\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)(?P<e>\d+)$"),
+    # Megatron-LM's legacy SwitchMLP: mlp.local_experts.N.dense_h_to_4h.weight
+    re.compile(r"^(.*\.mlp\.)local_experts\.(?P<e>\d+)\.(?P<fc>dense_h_to_4h|dense_4h_to_h)\.(?P<kind>weight|bias)$"),
+)
+_FC = {"dense_h_to_4h": "linear_fc1", "dense_4h_to_h": "linear_fc2"}
+
+
+def stack_megatron_experts(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Megatron-LM's per-expert tensors (any of its three namings) stacked into ours:
+    mlp.experts.linear_fc1.weight [E_local, ...] in expert order; other names unchanged."""
+    out, groups = {}, {}
+    for name, tensor in params.items():
+        match = next((m for m in (p.match(name) for p in _PER_EXPERT_NAMES) if m), None)
+        if match is None:
+            out[name] = tensor
+            continue
+        fc = _FC.get(match.group("fc"), match.group("fc"))
+        key = f"{match.group(1)}experts.{fc}.{match.group('kind')}"
+        groups.setdefault(key, {})[int(match.group("e"))] = tensor
+    for key, by_expert in groups.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{key}: experts {sorted(by_expert)} are not 0 .. {len(by_expert) - 1}")
+        out[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out

@@ -240,3 +240,40 @@ def test_flops_count_the_activated_experts_only():
                  "--moe-layer-freq", "2", "--num-experts", "64").model
     many.padded_vocab_size = 128
     assert model_flops(many, 2) - model_flops(dense, 2) == 2 * 3 * 2 * tokens * 64 * 64
+
+
+@pytest.mark.parametrize("naming", ["sequential", "grouped", "legacy"])
+def test_megatron_lm_moe_key_names_load(naming):
+    """A Megatron-LM file whose MoE layers name each expert's tensors separately
+    (Megatron-Core's local_experts.N.linear_fc1 or grouped linear_fc1.weightN, or the
+    legacy model's local_experts.N.dense_h_to_4h) loads into our stacked experts."""
+    import argparse
+    from megatron.checkpointing.layout import from_megatron_layout, to_megatron_layout
+    from megatron.checkpointing.megatron_legacy import to_ours
+    from megatron.model import GPTModel
+    cfg = parse(*PLANNED).model
+    cfg.padded_vocab_size = 128
+    model = GPTModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    ours = model.state_dict()
+    theirs = {}
+    for name, tensor in ours.items():
+        if ".mlp.experts.linear_fc" not in name:
+            theirs[name] = tensor
+            continue
+        head, fc, kind = name.rsplit(".", 3)[0], name.split(".")[-2], name.split(".")[-1]
+        for e, row in enumerate(tensor):
+            if naming == "sequential":
+                theirs[f"{head}.experts.local_experts.{e}.{fc}.{kind}"] = row
+            elif naming == "grouped":
+                theirs[f"{head}.experts.{fc}.{kind}{e}"] = row
+            else:
+                legacy = {"linear_fc1": "dense_h_to_4h", "linear_fc2": "dense_4h_to_h"}[fc]
+                theirs[f"{head}.local_experts.{e}.{legacy}.{kind}"] = row
+    assert not any(k.endswith(".mlp.experts.linear_fc1.weight") for k in theirs)
+    state = {"args": argparse.Namespace(num_attention_heads=4), "checkpoint_version": 3.0,
+             "model": to_megatron_layout(theirs)}
+    loaded = from_megatron_layout(to_ours(state)["model"])
+    model.load_state_dict(loaded, strict=True)
+    assert all(torch.equal(loaded[k], ours[k]) for k in ours)
