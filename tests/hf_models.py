@@ -38,7 +38,34 @@ def _bloom():  # 6 heads: ALiBi slopes of a non-power-of-two head count, 3 per T
                                          layer_norm_epsilon=1e-5)
 
 
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM, MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=197, max_position_embeddings=96, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, tie_word_embeddings=False)
+
+
+def _qwen2_moe():  # a shared expert with its sigmoid gate; layer 1 dense (mlp_only_layers)
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], vocab_size=193,
+        max_position_embeddings=96, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def _qwen3_moe():  # q/k norms, explicit head_dim, renormalised top-k
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, vocab_size=191, max_position_embeddings=96,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom}
+MOE_FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 
@@ -57,7 +84,7 @@ def perturb(model, seed: int) -> None:
 def build_hf_model(family: str, seed: int = 0, vocab_size=None, **overrides):
     """A float32, eager-attention random model of `family` (config attributes changed by
     `overrides`), in eval mode."""
-    cls, config = FAMILIES[family]()
+    cls, config = {**FAMILIES, **MOE_FAMILIES}[family]()
     config.vocab_size = vocab_size or config.vocab_size
     for name, value in overrides.items():
         setattr(config, name, value)

@@ -1,8 +1,9 @@
 """The supported Hugging Face architectures, each with its mapping module."""
 from megatron.config import ConfigError, ModelConfig
-from megatron.checkpointing.hf import ConversionError, bloom, gpt2, llama
+from megatron.checkpointing.hf import ConversionError, bloom, gpt2, llama, mixtral, qwen_moe
 
-FAMILIES = {arch: module for module in (gpt2, llama, bloom) for arch in module.ARCHITECTURES}
+FAMILIES = {arch: module for module in (gpt2, llama, bloom, mixtral, qwen_moe)
+            for arch in module.ARCHITECTURES}
 # The HF architecture a model of ours is exported as, by its position encoding.
 BY_POSITIONS = {"learned_absolute": gpt2, "rope": llama, "alibi": bloom}
 # The ModelConfig fields an exported HF config must reproduce.
