@@ -101,16 +101,13 @@ class Experts(torch.nn.Module):
     def _batched(self, x, counts):
         """Pad each expert's rows to the largest count; two batched matmuls."""
         width = max(counts) if counts else 0
-        expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        starts = torch.tensor([0] + counts[:-1]).cumsum(0)
-        slot = torch.arange(x.shape[0]) - starts[expert]
-        padded = x.new_zeros((len(counts), width, x.shape[1]))
-        padded = padded.index_put((expert, slot), x)
+        padded = torch.stack([F.pad(rows, (0, 0, 0, width - rows.shape[0]))
+                              for rows in torch.split(x, counts)])
         b1 = self.linear_fc1.bias
         h = torch.bmm(padded, self.linear_fc1.weight.transpose(1, 2))
         h = self._act(h, None if b1 is None else b1.unsqueeze(1))
         y = torch.bmm(h, self.linear_fc2.weight.transpose(1, 2))
-        return y[expert, slot]
+        return torch.cat([y[e, :count] for e, count in enumerate(counts)])
 
 
 class SharedExpert(torch.nn.Module):
