@@ -49,7 +49,7 @@ def _mixtral():
 def _qwen2_moe():  # a shared expert with its sigmoid gate; layer 1 dense (mlp_only_layers)
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
     return Qwen2MoeForCausalLM, Qwen2MoeConfig(
-        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], vocab_size=193,
         max_position_embeddings=96, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -112,7 +112,7 @@ def hf_greedy(model, prompt: torch.Tensor):
     return out[:, prompt.shape[1]:].tolist()
 
 
-def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None):
+def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None, extra=()):
     """(model chunks, tokenizer, pstate, config) through the loading path of the entry
     points: flags read from the checkpoint, tokenizer with `vocab` ids (NullTokenizer).
     A `pstate` of the same layout is reused instead of building new groups."""
@@ -121,7 +121,7 @@ def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None):
                                                 parse_inference_args)
     argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--use-cpu-initialization"]
+            "--use-cpu-initialization", *extra]
     config, _, stored = parse_inference_args(build_parser(), argv)
     tokenizer = build_tokenizer_and_vocab(config, stored)
     if pstate is None:

@@ -44,7 +44,7 @@ def test_moe_config_is_read(family, ours):
     moe = ours[2].model.moe
     assert moe.num_experts == {"mixtral": 4, "qwen2_moe": 4, "qwen3_moe": 8}[name]
     if name == "qwen2_moe":
-        assert moe.layer_pattern(3) == [1, 0, 1] and moe.moe_shared_expert_gate
+        assert moe.layer_pattern(4) == [1, 0, 1, 1] and moe.moe_shared_expert_gate
         assert moe.moe_router_pre_softmax  # norm_topk_prob False
     if name == "qwen3_moe":
         assert ours[2].model.qk_layernorm and not moe.moe_router_pre_softmax
