@@ -159,8 +159,9 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
              "consumed_valid_samples": consumed_valid,
              "parallel": {"tensor_model_parallel_size": pstate.tp_size,
                           "pipeline_model_parallel_size": pstate.pp_size,
-                          "virtual_pipeline_model_parallel_size": len(models),
-                          "expert_model_parallel_size": getattr(pstate, "ep_size", 1)}}
+                          "virtual_pipeline_model_parallel_size": len(models)}}
+    if getattr(pstate, "ep_size", 1) > 1:
+        state["parallel"]["expert_model_parallel_size"] = pstate.ep_size
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
     state["sharding"] = sharding_of(models)

@@ -327,20 +327,23 @@ def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sha
     if config:
         parallel = dict(config.get("parallel", {}))
         parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                        num_layers_per_virtual_pipeline_stage=None,
-                        expert_model_parallel_size=ep)
+                        num_layers_per_virtual_pipeline_stage=None)
+        if ep > 1 or "expert_model_parallel_size" in parallel:
+            parallel["expert_model_parallel_size"] = ep
         if tp == 1:
             parallel["sequence_parallel"] = False
         config["parallel"] = parallel
+    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+              "virtual_pipeline_model_parallel_size": 1}
+    if ep > 1:
+        layout["expert_model_parallel_size"] = ep
     return {"model": to_megatron_layout(flat), "sharding": sharding.to_dict(flat),
             "iteration": source_state.get("iteration", 0),
             "checkpoint_version": source_state.get("checkpoint_version", CHECKPOINT_VERSION),
             "config": config,
             "consumed_train_samples": source_state.get("consumed_train_samples", 0),
             "consumed_valid_samples": source_state.get("consumed_valid_samples", 0),
-            "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                         "virtual_pipeline_model_parallel_size": 1,
-                         "expert_model_parallel_size": ep}}
+            "parallel": layout}
 
 
 def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Flat],

@@ -88,9 +88,9 @@ class Config:
         require(p.DDP_impl == "local", "MoE needs --DDP-impl local (expert gradients are "
                                        "reduced over their own group); drop --DDP-impl torch")
         ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
-        require(ffn % p.expert_tensor_parallel_size == 0,
-                f"--moe-ffn-hidden-size ({ffn}) must be divisible by --expert-tensor-parallel-size "
-                f"({p.expert_tensor_parallel_size})")
+        etp = p.expert_tensor_parallel_size or tp
+        require(ffn % etp == 0, f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
+                                f"--expert-tensor-parallel-size ({etp})")
 
     def _check_virtual_pipeline(self, pp: int, dp: int) -> None:
         layers_per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage

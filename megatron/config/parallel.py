@@ -38,9 +38,8 @@ class ParallelConfig:
                 f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}")
         require(self.expert_model_parallel_size >= 1,
                 f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}")
-        if self.expert_tensor_parallel_size is None:
-            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
-        require(self.expert_tensor_parallel_size == self.tensor_model_parallel_size,
+        etp = self.expert_tensor_parallel_size  # None: TP (kept None, so re-sharding TP keeps it)
+        require(etp is None or etp == self.tensor_model_parallel_size,
                 f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
                 f"--tensor-model-parallel-size ({self.tensor_model_parallel_size}) here; omit it")
         require(self.distributed_backend in (None, "nccl", "gloo"),

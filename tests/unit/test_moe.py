@@ -31,7 +31,7 @@ def test_moe_flags_and_megatron_defaults():
     assert moe.moe_router_load_balancing_type == "aux_loss" and moe.moe_z_loss_coeff is None
     assert moe.moe_expert_capacity_factor is None and moe.moe_router_score_function == "softmax"
     assert [cfg.model.is_moe_layer(n) for n in range(1, 5)] == [False, True, False, True]
-    assert cfg.parallel.expert_tensor_parallel_size == 1
+    assert cfg.parallel.expert_tensor_parallel_size is None  # = TP
     assert parse().model.moe.layer_pattern(4) == [1, 1, 1, 1]  # --moe-layer-freq 1
 
 
