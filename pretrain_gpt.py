@@ -28,11 +28,12 @@ REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-len
             "--max-position-embeddings")
 
 
-def model_provider(config, tp_group, vocab_size=None, **chunk):
+def model_provider(config, tp_group, vocab_size=None, expert_groups=None, **chunk):
     """The GPT stage; with `vocab_size` (the real vocabulary rows) the padding rows never
     count in the loss (unless --no-mask-vocab-padding)."""
     limit = vocab_size if config.model.mask_vocab_padding else None
-    return GPTModel(config.model, tp_group=tp_group, vocab_limit=limit, **chunk)
+    return GPTModel(config.model, tp_group=tp_group, vocab_limit=limit,
+                    expert_groups=expert_groups, **chunk)
 
 
 def loss_func(loss_mask, dp_group, losses, cp_group=None):
@@ -154,7 +155,8 @@ def _run(argv):
                      f"(new size: {config.model.padded_vocab_size})")
         return pretrain(config, pstate, device,
                         partial(model_provider, config, pstate.tp_group,
-                                real_vocab_rows(config, tokenizer)),
+                                real_vocab_rows(config, tokenizer),
+                                expert_groups=pstate.expert_groups()),
                         partial(data_provider, config, pstate, tokenizer.vocab_size),
                         partial(forward_step, config, tokenizer.eod, pstate, device))
 

@@ -19,6 +19,7 @@ from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError
 from megatron.config.model import (GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
                                    ROPE_SCALING_TYPES)
+from megatron.config import moe as moe_choices
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with two fixes: an error is one line (no usage dump) and exit 2,
@@ -113,6 +114,32 @@ def _add_long_context_args(g):
         _flag(g, name, "model", type=float, default=None)
     _flag(g, "--rope-scaling-original-max-position-embeddings", "model", type=int, default=None)
     _flag(g, "--window-size", "model", type=int, default=None)
+def _add_moe_args(parser):
+    """Mixture of experts: Megatron-LM's --moe-* flags (megatron/config/moe.py)."""
+    g = parser.add_argument_group("mixture of experts")
+    for name in ("--num-experts", "--moe-ffn-hidden-size", "--moe-router-num-groups",
+                 "--moe-router-group-topk", "--moe-shared-expert-intermediate-size"):
+        _flag(g, name, "moe", type=int, default=None)
+    _flag(g, "--moe-layer-freq", "moe", default=None)
+    _flag(g, "--moe-router-topk", "moe", type=int, default=None)
+    _flag(g, "--moe-router-score-function", "moe", choices=list(moe_choices.SCORE_FUNCTIONS),
+          default=None)
+    _flag(g, "--moe-router-load-balancing-type", "moe", default=None,
+          choices=list(moe_choices.LOAD_BALANCING_TYPES))
+    _flag(g, "--moe-token-dispatcher-type", "moe", choices=list(moe_choices.DISPATCHERS),
+          default=None)
+    _flag(g, "--moe-token-drop-policy", "moe", choices=list(moe_choices.DROP_POLICIES),
+          default=None)
+    _flag(g, "--moe-router-dtype", "moe", choices=list(moe_choices.ROUTER_DTYPES), default=None)
+    for name in ("--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+                 "--moe-router-bias-update-rate", "--moe-expert-capacity-factor"):
+        _flag(g, name, "moe", type=float, default=None)
+    for name in ("--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+                 "--moe-pad-expert-input-to-capacity", "--moe-shared-expert-gate",
+                 "--moe-grouped-gemm"):
+        _flag(g, name, "moe", action="store_true", default=None)
+    _flag(g, "--expert-model-parallel-size", "parallel", type=int, default=1)
+    _flag(g, "--expert-tensor-parallel-size", "parallel", type=int, default=None)
 
 
 def _add_parallel_args(parser):
@@ -253,12 +280,14 @@ def _add_compat_args(parser):
     for name in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"):
         _flag(g, name, "optimizer", "use_checkpoint_opt_param_scheduler", action="store_true")
     _flag(g, "--universal-checkpoint", "checkpoint", action="store_true")
+    for name in ("--use-mcore-models", "--no-position-embedding", "--overlap-param-gather"):
+        _flag(g, name, "compat", action="store_true")  # Megatron-LM MoE scripts (compat.py)
     add_deepspeed_args(g, _flag)
 
 
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
     parser = OneLineParser(description=description, allow_abbrev=False)
-    for add in (_add_model_args, _add_architecture_args, _add_parallel_args, _add_training_args,
+    for add in (_add_model_args, _add_architecture_args, _add_moe_args, _add_parallel_args, _add_training_args,
                 _add_optimizer_args, _add_data_args, _add_checkpoint_args, _add_logging_args,
                 _add_reliability_args, _add_compat_args):
         add(parser)

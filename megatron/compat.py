@@ -41,6 +41,7 @@ def apply_compat(ns, parser, argv, world_size: int) -> None:
     _train_tokens(ns)
     _lr_decay_tokens(ns)
     _ddp_impl_fallback(ns)
+    _no_position_embedding(ns)
 
 
 def _data_impl(value) -> None:
@@ -73,6 +74,14 @@ def _lr_decay_tokens(ns) -> None:
     seq = getattr(ns, "model.seq_length", None)
     if tokens is not None and seq is not None:
         setattr(ns, "optimizer.lr_decay_samples_from_tokens", tokens / seq)
+
+
+def _no_position_embedding(ns) -> None:
+    """Megatron-LM's --no-position-embedding drops the learned absolute positions; with
+    --position-embedding-type rope (its Mixtral script) there are none anyway."""
+    if getattr(ns, "compat.no_position_embedding", False) and \
+            getattr(ns, "model.position_embedding_type", None) in (None, "learned_absolute"):
+        setattr(ns, "model.position_embedding_type", "none")
 
 
 def _ddp_impl_fallback(ns) -> None:

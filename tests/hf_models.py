@@ -64,6 +64,35 @@ def _gemma():  # sqrt(h) embedding scale, tanh GeGLU, 1 + w RMSNorm, head_dim 32
 
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom,
             "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma}
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM, MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=197, max_position_embeddings=96, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, tie_word_embeddings=False)
+
+
+def _qwen2_moe():  # a shared expert with its sigmoid gate; layer 1 dense (mlp_only_layers)
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], vocab_size=193,
+        max_position_embeddings=96, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def _qwen3_moe():  # q/k norms, explicit head_dim, renormalised top-k
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, vocab_size=191, max_position_embeddings=96,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+MOE_FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 
@@ -82,7 +111,7 @@ def perturb(model, seed: int) -> None:
 def build_hf_model(family: str, seed: int = 0, vocab_size=None, **overrides):
     """A float32, eager-attention random model of `family` (config attributes changed by
     `overrides`), in eval mode."""
-    cls, config = FAMILIES[family]()
+    cls, config = {**FAMILIES, **MOE_FAMILIES}[family]()
     config.vocab_size = vocab_size or config.vocab_size
     for name, value in overrides.items():
         setattr(config, name, value)
@@ -110,7 +139,7 @@ def hf_greedy(model, prompt: torch.Tensor):
     return out[:, prompt.shape[1]:].tolist()
 
 
-def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None):
+def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None, extra=()):
     """(model chunks, tokenizer, pstate, config) through the loading path of the entry
     points: flags read from the checkpoint, tokenizer with `vocab` ids (NullTokenizer).
     A `pstate` of the same layout is reused instead of building new groups."""
@@ -119,7 +148,7 @@ def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None):
                                                 parse_inference_args)
     argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--use-cpu-initialization"]
+            "--use-cpu-initialization", *extra]
     config, _, stored = parse_inference_args(build_parser(), argv)
     tokenizer = build_tokenizer_and_vocab(config, stored)
     if pstate is None:

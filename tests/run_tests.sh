@@ -13,7 +13,8 @@ $PY -c "import deepspeed" 2>/dev/null || {
     $PY -m pip install -q --no-deps --no-build-isolation deepspeed==0.19.8 &&
     $PY -m pip install -q einops hjson msgpack ninja py-cpuinfo psutil pydantic tqdm packaging; } ||
     echo "DeepSpeed did not install: its launcher test is skipped" >&2
-# Megatron-Core 0.16.1, the reference of --ckpt-format torch_dist (../shared/references.md):
+# Megatron-Core 0.16.1, the reference of --ckpt-format torch_dist and of the MoE layer
+# (../shared/references.md):
 # --no-deps, so torch and numpy stay as they are; its tests skip when this fails (offline).
 $PY -m pip install -q --no-deps megatron-core==0.16.1 psutil packaging \
     || echo "megatron-core not installed: its interoperability tests are skipped" >&2

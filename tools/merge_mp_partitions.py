@@ -32,6 +32,8 @@ def get_args(argv=None):
     parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
                         help="format of the output (torch_dist has no layout: the target "
                              "sizes apply to torch)")
+    parser.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                        help="split MoE experts over this many EP ranks (mp_rank_TT[_PPP]_EEE)")
     parser.add_argument("--model-type", choices=["GPT"], default="GPT",
                         help="accepted for Megatron compatibility (GPT only)")
     args, rest = parser.parse_known_args(argv)
@@ -48,12 +50,14 @@ def get_args(argv=None):
 def main(argv=None) -> int:
     args = get_args(argv)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
+    ep = args.target_expert_model_parallel_size
     try:
-        path = convert(args.load, args.save, args.ckpt_format, tp, pp)
+        path = convert(args.load, args.save, args.ckpt_format, tp, pp, ep)
     except (ReshardError, CheckpointError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    layout = "torch_dist" if args.ckpt_format == "torch_dist" else f"TP={tp} PP={pp}"
+    layout = ("torch_dist" if args.ckpt_format == "torch_dist"
+              else f"TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''}")
     print(f" re-sharded {args.load} to {layout}: {path}", flush=True)
     return 0
 

@@ -121,12 +121,16 @@ def torch_dist_to_torch(load: str, save: str, tp: int, pp: int) -> str:
     return reshard.write_checkpoint(save, source, shards, tp, pp)
 
 
-def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int) -> str:
+def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int, ep: int = 1) -> str:
     """tools/merge_mp_partitions.py: re-shard or convert the latest checkpoint under `load`
-    to `ckpt_format` under `save` (torch at TP `tp` x PP `pp`; torch_dist has no layout)."""
+    to `ckpt_format` under `save` (torch at TP `tp` x PP `pp` x EP `ep`; torch_dist has no
+    layout)."""
     is_dist = torch_dist.stored_common(load) is not None
     if ckpt_format == "torch" and not is_dist:
-        return reshard.reshard(load, save, tp, pp)
+        return reshard.reshard(load, save, tp, pp, ep)
+    if ep != 1:
+        raise CheckpointError(f"--target-expert-model-parallel-size {ep} applies to the torch "
+                              f"format only (torch_dist does not hold MoE experts yet)")
     if os.path.realpath(load) == os.path.realpath(save):
         raise CheckpointError(f"--save {save} is the --load directory; write the converted "
                               f"checkpoint elsewhere (the input is never modified)")

@@ -47,9 +47,13 @@ TOKENIZER_FILE_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
-                    release: bool = False) -> str:
+                    release: bool = False, ep_rank: Optional[int] = None) -> str:
+    """`ep_rank`: with expert parallelism (EP > 1) each EP rank has its own folder,
+    Megatron-LM's mp_rank_TT[_PPP]_EEE."""
     directory = "release" if release else f"iter_{iteration:07d}"
     rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if ep_rank is not None:
+        rank_dir += f"_{ep_rank:03d}"
     return os.path.join(root, directory, rank_dir, "model_optim_rng.pt")
 
 
@@ -129,6 +133,11 @@ def set_rng_state(state: dict) -> None:
     get_rng_tracker().set_states(state["rng_tracker_states"])
 
 
+def _ep_rank(pstate) -> Optional[int]:
+    """This rank's EP rank in checkpoint paths; None without expert parallelism."""
+    return pstate.ep_rank if getattr(pstate, "ep_size", 1) > 1 else None
+
+
 def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
@@ -157,6 +166,8 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
              "parallel": {"tensor_model_parallel_size": pstate.tp_size,
                           "pipeline_model_parallel_size": pstate.pp_size,
                           "virtual_pipeline_model_parallel_size": len(models)}}
+    if getattr(pstate, "ep_size", 1) > 1:
+        state["parallel"]["expert_model_parallel_size"] = pstate.ep_size
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
     state["sharding"] = sharding_of(models)
@@ -171,16 +182,20 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
     if not ckpt.no_save_rng:
         state["rng_state"] = rng_state()
     megatron_legacy.add_megatron_entries(state, config, pstate, optimizer)
-    path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
+    path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size,
+                           ep_rank=_ep_rank(pstate))
     if pstate.rank == 0:
         checkpoint_io.remove_stale_temp_files(root)
     if dist.is_initialized():
         dist.barrier()
     writer = getattr(pstate, "cp_rank", 0) == 0  # CP ranks hold the same model and optimizer
-    if pstate.dp_rank == 0 and writer:
+    if getattr(pstate, "edp_rank", pstate.dp_rank) == 0 and writer:  # a file per TP x PP x EP
         checkpoint_io.save_file(state, path)
-        if sharded:  # shards of a larger DP size saved here before would confuse loading
-            for stale in _shard_files(os.path.dirname(path), from_rank=pstate.dp_size):
+        shard_dir = os.path.dirname(distributed_optimizer_path(
+            root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, 0))
+        if sharded and pstate.dp_rank == 0 and os.path.isdir(shard_dir):
+            # shards of a larger DP size saved here before would confuse loading
+            for stale in _shard_files(shard_dir, from_rank=pstate.dp_size):
                 os.remove(stale)
     if sharded and writer:
         checkpoint_io.save_file(optimizer.state_dict(), distributed_optimizer_path(
@@ -240,7 +255,8 @@ def load_checkpoint_file(root: str, pstate, verify: bool = True) -> Optional[dic
     if tracked is None:
         return None
     iteration, release = tracked
-    path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, release)
+    path = checkpoint_path(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, release,
+                           ep_rank=_ep_rank(pstate))
     if not os.path.isfile(path):
         raise CheckpointError(f"missing {path}: {_layout_hint(root, iteration, release)}")
     state = read_model_file(path, verify)
@@ -409,7 +425,8 @@ def check_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
     saved = state.get("parallel", {})
     expected = {"tensor_model_parallel_size": pstate.tp_size,
                 "pipeline_model_parallel_size": pstate.pp_size,
-                "virtual_pipeline_model_parallel_size": num_chunks}
+                "virtual_pipeline_model_parallel_size": num_chunks,
+                "expert_model_parallel_size": getattr(pstate, "ep_size", 1)}
     for key, value in expected.items():
         if key in saved and saved[key] != value:
             raise CheckpointError(

@@ -94,11 +94,14 @@ def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) 
 def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any]) -> Dict[str, Any]:
     """Parser defaults (dest -> value) for every model and tokenizer flag the checkpoint knows."""
     model, data = stored.get("model", {}), stored.get("data", {})
+    moe = stored.get("moe") or model.get("moe") or {}  # the MoE section of the model spec
     defaults = {}
     for action in parser._actions:  # argparse has no public list of destinations
         section, _, name = action.dest.partition(".")
         if section == "model" and name in model and model[name] is not None:
             defaults[action.dest] = model[name]
+        elif section == "moe" and moe.get(name) is not None:
+            defaults[action.dest] = moe[name]
         elif section == "data" and name in TOKENIZER_FIELDS and data.get(name) is not None:
             defaults[action.dest] = data[name]
     return defaults
@@ -301,7 +304,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
     `vocab_size`: the tokenizer's; the padding rows beyond it get -inf logits."""
     def provider(**chunk):
         return GPTModel(config.model, tp_group=pstate.tp_group, parallel_output=parallel_output,
-                        vocab_limit=vocab_size, **chunk)
+                        vocab_limit=vocab_size, expert_groups=pstate.expert_groups(), **chunk)
 
     models = build_model_chunks(config, pstate, device, provider)
     root = config.checkpoint.load

@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
+from megatron.checkpointing.experts import stack_megatron_experts
 from megatron.optimizer.optimizer import _param_groups
 
 MEGATRON_VERSION = 3.0
@@ -112,7 +113,7 @@ def _encoder_of(language_model: dict, version: float, heads: int) -> dict:
         if key.endswith("query_key_value.weight") or key.endswith("query_key_value.bias"):
             value = reorder_qkv(value, version, heads)
         mapped[key] = value
-    return mapped
+    return stack_megatron_experts(mapped)  # MoE layers' per-expert tensors, stacked
 
 
 def _model_to_ours(model: dict, version: float, heads: int) -> dict:

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpointing import experts as ep_files
 from megatron.checkpointing.io import save_file, write_text
 from megatron.checkpointing.layout import (CHECKPOINT_VERSION, TRACKER, from_megatron_layout,
                                            read_model_file, read_tracker, to_megatron_layout)
@@ -104,6 +105,8 @@ class Source:
     tp: int
     pp: int
     states: Dict[Tuple[int, int], dict]
+    """With expert parallelism, each state holds the experts of all EP ranks (experts.py)."""
+    ep: int = 1
 
     @cached_property
     def sharding(self) -> Sharding:
@@ -128,17 +131,56 @@ def find_rank_dirs(directory: str) -> Dict[Tuple[int, int], str]:
     return found
 
 
+def _expert_files(directory: str) -> Tuple[int, Dict[Tuple[int, int, int], str]]:
+    """(EP size, {(tp, pp, ep rank): file}) when the checkpoint was saved with EP > 1."""
+    names = sorted(n for n in os.listdir(directory) if ep_files.RANK_DIR.match(n)
+                   and os.path.isfile(os.path.join(directory, n, "model_optim_rng.pt")))
+    if not names:
+        return 1, {}
+    saved = read_model_file(os.path.join(directory, names[0], "model_optim_rng.pt"),
+                            mmap=True).get("parallel", {})
+    ep, pp = saved.get("expert_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1)
+    if ep == 1:
+        return 1, {}
+    ranks = {ep_files.rank_of_dir(n, pp, ep): os.path.join(directory, n, "model_optim_rng.pt")
+             for n in names}
+    return ep, {rank: path for rank, path in ranks.items() if rank is not None}
+
+
+def _merge_expert_states(files: Dict[Tuple[int, int, int], str], ep: int, directory: str):
+    """{(tp, pp): state} with every EP rank's experts (ep rank 0's file otherwise)."""
+    states = {}
+    for t, p in sorted({(t, p) for t, p, _ in files}):
+        missing = [e for e in range(ep) if (t, p, e) not in files]
+        if missing:
+            raise ReshardError(f"{directory} lacks the files of EP ranks {missing} of TP rank {t}, "
+                               f"PP rank {p} (EP={ep}); the checkpoint is incomplete")
+        parts = [read_model_file(files[(t, p, e)], mmap=True) for e in range(ep)]
+        sharding = Sharding(parts[0].get("sharding") or {})
+        state = dict(parts[0])
+        for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
+            flats = [from_megatron_layout(part[key]) for part in parts]
+            state[key] = to_megatron_layout(ep_files.merge_experts(flats, sharding))
+        states[(t, p)] = state
+    return states
+
+
 def read_source(root: str) -> Source:
     tracked = read_tracker(root)
     if tracked is None:
         raise ReshardError(f"no checkpoint at {root}: {TRACKER} is missing")
     iteration, release = tracked
     directory = iteration_dir(root, iteration, release)
-    files = find_rank_dirs(directory) if os.path.isdir(directory) else {}
-    if not files:
+    ep, expert_files = _expert_files(directory) if os.path.isdir(directory) else (1, {})
+    files = find_rank_dirs(directory) if os.path.isdir(directory) and ep == 1 else {}
+    if not files and not expert_files:
         raise ReshardError(f"no mp_rank_*/model_optim_rng.pt under {directory}")
-    states = {key: read_model_file(path, mmap=True)
-              for key, path in files.items()}
+    if ep > 1:
+        states = _merge_expert_states(expert_files, ep, directory)
+        files = dict.fromkeys(states)
+    else:
+        states = {key: read_model_file(path, mmap=True)
+                  for key, path in files.items()}
     saved = states[min(states)].get("parallel", {})
     tp = max(saved.get("tensor_model_parallel_size", 1), max(t for t, _ in files) + 1)
     pp = max(saved.get("pipeline_model_parallel_size", 1), max(p for _, p in files) + 1)
@@ -146,7 +188,7 @@ def read_source(root: str) -> Source:
     if missing:
         raise ReshardError(f"{directory} lacks the files of (tp rank, pp rank) {missing} of its "
                            f"TP={tp} x PP={pp} layout; the checkpoint is incomplete")
-    return Source(iteration, release, tp, pp, states)
+    return Source(iteration, release, tp, pp, states, ep)
 
 
 def model_chunks(state: dict) -> List[dict]:
@@ -279,27 +321,33 @@ def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
     return out
 
 
-def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sharding) -> dict:
+def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sharding,
+                 ep: int = 1) -> dict:
     config = dict(source_state.get("config") or {})
     if config:
         parallel = dict(config.get("parallel", {}))
         parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         num_layers_per_virtual_pipeline_stage=None)
+        if ep > 1 or "expert_model_parallel_size" in parallel:
+            parallel["expert_model_parallel_size"] = ep
         if tp == 1:
             parallel["sequence_parallel"] = False
         config["parallel"] = parallel
+    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+              "virtual_pipeline_model_parallel_size": 1}
+    if ep > 1:
+        layout["expert_model_parallel_size"] = ep
     return {"model": to_megatron_layout(flat), "sharding": sharding.to_dict(flat),
             "iteration": source_state.get("iteration", 0),
             "checkpoint_version": source_state.get("checkpoint_version", CHECKPOINT_VERSION),
             "config": config,
             "consumed_train_samples": source_state.get("consumed_train_samples", 0),
             "consumed_valid_samples": source_state.get("consumed_valid_samples", 0),
-            "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                         "virtual_pipeline_model_parallel_size": 1}}
+            "parallel": layout}
 
 
 def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Flat],
-                     tp: int, pp: int) -> str:
+                     tp: int, pp: int, ep: int = 1) -> str:
     """Write every rank file under a temporary directory, rename it, then the tracker."""
     final = iteration_dir(save, source.iteration, source.release)
     if os.path.exists(final):
@@ -310,10 +358,11 @@ def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Fl
     first = source.states[(0, 0)]
     try:
         for (t, p), flat in shards.items():
-            rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
-            os.makedirs(os.path.join(tmp, rank_dir))
-            save_file(target_state(first, flat, tp, pp, source.sharding),
-                      os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
+            for e, part in enumerate(ep_files.split_experts(flat, ep, source.sharding)):
+                rank_dir = ep_files.rank_dir_name(t, p, pp, e if ep > 1 else None)
+                os.makedirs(os.path.join(tmp, rank_dir))
+                save_file(target_state(first, part, tp, pp, source.sharding, ep),
+                          os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -322,13 +371,21 @@ def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Fl
     return final
 
 
-def reshard(load: str, save: str, tp: int, pp: int) -> str:
-    """Re-shard the latest checkpoint under `load` to TP `tp` x PP `pp` under `save`."""
+def reshard(load: str, save: str, tp: int, pp: int, ep: int = 1) -> str:
+    """Re-shard the latest checkpoint under `load` to TP `tp` x PP `pp` (x EP `ep`) under
+    `save`."""
     if os.path.realpath(load) == os.path.realpath(save):
         raise ReshardError(f"--save {save} is the --load directory; write the re-sharded "
                            f"checkpoint elsewhere (the input is never modified)")
+    if ep < 1:
+        raise ReshardError(f"--target-expert-model-parallel-size must be >= 1, got {ep}")
     source = read_source(load)
-    return write_checkpoint(save, source, resplit(source, tp, pp), tp, pp)
+    shards = resplit(source, tp, pp)
+    for flat in shards.values():
+        problem = ep_files.check_split(flat, ep, source.sharding)
+        if problem:
+            raise ReshardError(problem)
+    return write_checkpoint(save, source, shards, tp, pp, ep)
 
 
 def resplit(source: Source, tp: int, pp: int) -> Dict[Tuple[int, int], Flat]:

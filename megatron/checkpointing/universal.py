@@ -9,6 +9,7 @@ its shards follow the saved layout. A change of the data-parallel size alone nee
 from typing import Optional
 
 from megatron.checkpointing import reshard
+from megatron.checkpointing.experts import check_split as split_problem, split_experts
 from megatron.checkpointing.layout import CheckpointError, read_tracker
 
 
@@ -20,8 +21,9 @@ def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
     try:
         source = reshard.read_source(root)
         first = source.states[min(source.states)]
+        ep = getattr(pstate, "ep_size", 1)
         saved = (source.tp, source.pp, len(reshard.model_chunks(first)))
-        if saved == (pstate.tp_size, pstate.pp_size, num_chunks):
+        if saved == (pstate.tp_size, pstate.pp_size, num_chunks) and source.ep == ep:
             return None
         if num_chunks > 1:
             raise CheckpointError("--universal-checkpoint re-shards into one model chunk per "
@@ -29,8 +31,12 @@ def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
         flat = reshard.resplit(source, pstate.tp_size, pstate.pp_size)
     except reshard.ReshardError as err:
         raise CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {err}") from None
-    state = reshard.target_state(first, flat[(pstate.tp_rank, pstate.pp_rank)], pstate.tp_size,
-                             pstate.pp_size, source.sharding)
+    mine = flat[(pstate.tp_rank, pstate.pp_rank)]
+    problem = split_problem(mine, ep, source.sharding)
+    if problem:
+        raise CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {problem}")
+    mine = split_experts(mine, ep, source.sharding)[getattr(pstate, "ep_rank", 0)]
+    state = reshard.target_state(first, mine, pstate.tp_size, pstate.pp_size, source.sharding, ep)
     if "opt_param_scheduler" in first:
         state["opt_param_scheduler"] = first["opt_param_scheduler"]
     state["_release"] = source.release

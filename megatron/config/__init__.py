@@ -10,11 +10,12 @@ from megatron.config.batch_schedule import parse_step_schedule
 from megatron.config.data import CheckpointConfig, DataConfig
 from megatron.config.errors import ConfigError, require
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
 
 __all__ = ["Config", "SECTIONS", "ConfigError", "ModelConfig", "ParallelConfig",
-           "TrainingConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
+           "TrainingConfig", "OptimizerConfig", "MoEConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
 
 
 @dataclass
@@ -30,6 +31,13 @@ class Config:
     """The Hugging Face origin of a converted model (architecture, HF config, vocabulary
     rows, tokenizer files, generation config), carried through training so that an
     export gives back what was converted."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self):
+        if self.moe.enabled and self.model.moe is None:
+            self.model.moe = self.moe  # the model spec carries its MoE section
+        elif self.model.moe is not None:
+            self.moe = self.model.moe
 
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
@@ -71,6 +79,30 @@ class Config:
                     f"--rampup-batch-size START ({start}) and INCR ({incr}) must be multiples of "
                     f"--micro-batch-size x data-parallel size ({step})")
         self._check_virtual_pipeline(pp, dp)
+        self._check_experts(world_size)
+
+    def _check_experts(self, world_size: int) -> None:
+        ep, p, moe = self.parallel.expert_model_parallel_size, self.parallel, self.model.moe
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if ep == 1 and (moe is None or not moe.enabled):
+            return
+        require(moe is not None and moe.enabled,
+                f"--expert-model-parallel-size {ep} needs --num-experts")
+        cp = p.context_parallel_size
+        require(cp == 1, f"MoE layers (--num-experts) with --context-parallel-size {cp} are not "
+                         f"supported yet; use --context-parallel-size 1")
+        require(world_size % (ep * tp * pp) == 0,
+                f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
+                f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
+        require(moe.num_experts % ep == 0,
+                f"--num-experts ({moe.num_experts}) must be divisible by "
+                f"--expert-model-parallel-size ({ep})")
+        require(p.DDP_impl == "local", "MoE needs --DDP-impl local (expert gradients are "
+                                       "reduced over their own group); drop --DDP-impl torch")
+        ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
+        etp = p.expert_tensor_parallel_size or tp
+        require(ffn % etp == 0, f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
+                                f"--expert-tensor-parallel-size ({etp})")
 
     def _check_step_schedule(self, dp: int) -> None:
         """Each scheduled batch is whole micro batches x DP; the largest is the global batch
@@ -155,4 +187,4 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
              "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-             "logging": LoggingConfig}
+             "logging": LoggingConfig, "moe": MoEConfig}

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config.errors import require
+from megatron.config.moe import MoEConfig
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "sinusoidal", "none")
@@ -133,6 +134,8 @@ class ModelConfig:
     """A separate, vocab-parallel output layer instead of the tied word embeddings."""
     pad_vocab_size_to: Optional[int] = None
     """Pad the vocabulary to exactly this many rows (--pad-vocab-size-to)."""
+    moe: Optional[MoEConfig] = None
+    """Mixture of experts (megatron/config/moe.py); None or no --num-experts: dense."""
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -167,6 +170,16 @@ class ModelConfig:
         if self.num_query_groups is None or not self.group_query_attention:
             self.num_query_groups = self.num_attention_heads
         self._check_architecture()
+        if isinstance(self.moe, dict):  # from Config.from_dict
+            self.moe = MoEConfig(**self.moe)
+        if self.moe is not None and self.moe.enabled:
+            self.moe.layer_pattern(self.num_layers)  # validates a list form's length
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether (1-based, global) layer `layer_number` has an MoE MLP."""
+        if self.moe is None or not self.moe.enabled:
+            return False
+        return bool(self.moe.layer_pattern(self.num_layers)[layer_number - 1])
 
     def _check_architecture(self):
         for name, value, allowed in (

@@ -20,6 +20,10 @@ class ParallelConfig:
     log-sum-exp) | a2a (all-to-all over heads, DeepSpeed-Ulysses)."""
     sequence_parallel: bool = False
     """Split layer norms and dropout along the sequence over the TP group."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of each MoE layer, carved out of data parallelism."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert (default: --tensor-model-parallel-size)."""
     distributed_backend: Optional[str] = None
     """nccl | gloo; None picks nccl when CUDA is available, else gloo."""
     DDP_impl: str = "local"
@@ -44,6 +48,12 @@ class ParallelConfig:
         require(not (self.DDP_impl == "torch" and self.context_parallel_size > 1),
                 "--context-parallel-size > 1 needs --DDP-impl local (its gradient buffer is "
                 "reduced over CP); drop --DDP-impl torch")
+        require(self.expert_model_parallel_size >= 1,
+                f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}")
+        etp = self.expert_tensor_parallel_size  # None: TP (kept None, so re-sharding TP keeps it)
+        require(etp is None or etp == self.tensor_model_parallel_size,
+                f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
+                f"--tensor-model-parallel-size ({self.tensor_model_parallel_size}) here; omit it")
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")

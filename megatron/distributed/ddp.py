@@ -78,6 +78,8 @@ class _Bucket:
         """[start, end) in the buffer of this DP rank's shard (the whole bucket unsharded)."""
         self.held = False
         """Not started during backward, only by finish_grad_sync."""
+        self.scaled = False
+        """Divided by the reducer's divisor in this step."""
         self.pending = set(params)
         self.handle = None
 
@@ -87,6 +89,7 @@ class _Bucket:
     def reset(self):
         self.pending = set(self.params)
         self.handle = None
+        self.scaled = False
 
 
 class GradReducer:
@@ -94,10 +97,16 @@ class GradReducer:
 
     def __init__(self, params: List[torch.nn.Parameter], dp_group, grad_dtype: torch.dtype,
                  bucket_size: int = 40_000_000, overlap: bool = False,
-                 reduce_scatter: bool = False, held: Sequence[torch.nn.Parameter] = ()):
+                 reduce_scatter: bool = False, held: Sequence[torch.nn.Parameter] = (),
+                 divisor: Optional[int] = None, experts: bool = False):
+        """`divisor`: what the summed gradients are divided by (default the group size);
+        expert parameters are summed over their expert-DP group and divided by the DP size
+        (`experts`: this reducer holds them)."""
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
+        self.divisor = divisor or self.dp_size
+        self.experts = experts
         self.overlap = overlap and self.dp_size > 1
         self.reduce_scatter = reduce_scatter
         self.sync_enabled = True
@@ -145,9 +154,13 @@ class GradReducer:
             self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
-        if self.dp_size == 1 or bucket.handle is not None:
+        if bucket.scaled:
             return
-        bucket.data.div_(self.dp_size)
+        bucket.scaled = True
+        if self.divisor != 1:
+            bucket.data.div_(self.divisor)
+        if self.dp_size == 1:
+            return
         if self.reduce_scatter and dist.get_backend(self.dp_group) == "nccl":
             # In place: the output is this rank's slice of the input.
             bucket.handle = dist.reduce_scatter_tensor(bucket.shard_view(), bucket.data,
@@ -223,13 +236,24 @@ class TorchDDPReducer:
 
 def build_grad_reducers(models: List[torch.nn.Module], dp_group, parallel_cfg,
                         grad_dtype: torch.dtype,
-                        tied_params: Sequence[torch.nn.Parameter] = ()) -> list:
-    """One reducer per model chunk, of the kind --DDP-impl asks for. `tied_params`:
-    parameters whose gradients are summed with another stage's after backward."""
+                        tied_params: Sequence[torch.nn.Parameter] = (),
+                        expert_dp_group=None) -> list:
+    """One reducer per model chunk, of the kind --DDP-impl asks for, and one more per
+    chunk with MoE experts (over `expert_dp_group`). `tied_params`: parameters whose
+    gradients are summed with another stage's after backward."""
     if parallel_cfg.DDP_impl == "torch":
         return [TorchDDPReducer(m, dp_group) for m in models]
     sharded = parallel_cfg.use_distributed_optimizer
-    return [GradReducer(list(m.parameters()), dp_group, grad_dtype,
-                        bucket_size=parallel_cfg.ddp_bucket_size,
-                        overlap=parallel_cfg.overlap_grad_reduce, reduce_scatter=sharded,
-                        held=tied_params if sharded else ()) for m in models]
+    common = dict(bucket_size=parallel_cfg.ddp_bucket_size,
+                  overlap=parallel_cfg.overlap_grad_reduce, reduce_scatter=sharded)
+    reducers = []
+    for m in models:
+        params = list(m.parameters())
+        experts = [p for p in params if getattr(p, "expert_parallel", False)]
+        dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+        reducers.append(GradReducer(dense, dp_group, grad_dtype,
+                                    held=tied_params if sharded else (), **common))
+        if experts:
+            reducers.append(GradReducer(experts, expert_dp_group, grad_dtype,
+                                        divisor=group_size(dp_group), experts=True, **common))
+    return reducers

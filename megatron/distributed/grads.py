@@ -71,27 +71,43 @@ def counts_for_norm(param, tp_rank: int) -> bool:
 
 def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
                        tp_group, mp_group, dp_group=None,
-                       device: Optional[torch.device] = None) -> Tuple[float, bool]:
+                       device: Optional[torch.device] = None, ep_group=None,
+                       edp_group=None) -> Tuple[float, bool]:
     """(the global L2 norm, whether any gradient of any model-parallel rank holds an inf
     or a nan), from one multi-tensor norm and an all-reduce of two numbers per group. With
-    `dp_group` (the distributed optimizer's DP shards) the sums also run over DP;
+    `dp_group` (the distributed optimizer's DP shards) the sums also run over DP, and
+    those of expert parameters (`expert_parallel`) over `edp_group`; expert sums also run
+    over `ep_group` (each EP rank holds other experts).
     `device`: where the two numbers live when this rank holds no gradient."""
     tp_rank = group_rank(tp_group)
     pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
     # Accumulated in float64 (see _float64_norms); finite gradients never overflow it.
     device = pairs[0][1].device if pairs else (device or torch.device("cpu"))
-    if not pairs:
-        stats = torch.zeros(2, device=device)
-    else:
-        norms = _float64_norms([g for _, g in pairs])
-        counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
-        stats = torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
-                             (~torch.isfinite(norms)).sum().float()])
+    # Expert sums take their own groups; whether they do is the same on every rank.
+    split = ep_group is not None or (dp_group is not None and edp_group is not None)
+    expert = [split and getattr(p, "expert_parallel", False) for p, _ in pairs]
+    stats = _norm_stats([pq for pq, e in zip(pairs, expert) if not e], tp_rank, device)
     if dp_group is not None:
         all_reduce(stats, dp_group)
+    if split:
+        expert_stats = _norm_stats([pq for pq, e in zip(pairs, expert) if e], tp_rank, device)
+        if dp_group is not None:
+            all_reduce(expert_stats, edp_group)
+        all_reduce(expert_stats, ep_group)
+        stats = stats + expert_stats
     all_reduce(stats, mp_group)
     square, nonfinite = stats.tolist()
     return math.sqrt(square), nonfinite > 0
+
+
+def _norm_stats(pairs, tp_rank: int, device) -> torch.Tensor:
+    """[sum of counted squares, number of non-finite gradients] (float64)."""
+    if not pairs:
+        return torch.zeros(2, dtype=torch.float64, device=device)
+    norms = _float64_norms([g for _, g in pairs])
+    counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
+    return torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
+                        (~torch.isfinite(norms)).sum().to(norms.dtype)])
 
 
 _NORM_ROW = 2048

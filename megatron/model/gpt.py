@@ -79,11 +79,11 @@ class Embedding(torch.nn.Module):
 
 class LanguageModel(torch.nn.Module):
     def __init__(self, cfg, tp_group, pre_process, post_process, layer_offset, num_layers,
-                 device, dtype):
+                 device, dtype, expert_groups=None):
         super().__init__()
         self.embedding = Embedding(cfg, tp_group, device, dtype) if pre_process else None
         self.encoder = ParallelTransformer(cfg, tp_group, layer_offset, num_layers, post_process,
-                                           device, dtype)
+                                           device, dtype, expert_groups)
         if post_process and cfg.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, cfg.padded_vocab_size, tp_group=tp_group, bias=False,
@@ -94,10 +94,12 @@ class GPTModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0,
                  num_layers: Optional[int] = None, parallel_output: bool = True,
-                 device=None, dtype=torch.float32, vocab_limit: Optional[int] = None):
+                 device=None, dtype=torch.float32, vocab_limit: Optional[int] = None,
+                 expert_groups=None):
         """`vocab_limit`: the tokenizer's vocabulary size for inference; the logits of the
         padding ids at or beyond it are -inf, so that padding rows never count (in losses,
-        log-probabilities or predictions)."""
+        log-probabilities or predictions). `expert_groups`: the expert-parallel layout of
+        MoE layers (megatron.mpu.parallel_state.ExpertGroups; None: all experts here)."""
         super().__init__()
         if cfg.padded_vocab_size <= 0:
             raise ValueError("ModelConfig.padded_vocab_size is not set: build the tokenizer first")
@@ -108,7 +110,8 @@ class GPTModel(torch.nn.Module):
         self.vocab_limit = vocab_limit
         num_layers = cfg.num_layers if num_layers is None else num_layers
         self.language_model = LanguageModel(cfg, tp_group, pre_process, post_process,
-                                            layer_offset, num_layers, device, dtype)
+                                            layer_offset, num_layers, device, dtype,
+                                            expert_groups)
         self.word_embeddings_for_head = None
         if post_process and not pre_process and not cfg.untie_embeddings_and_output_weights:
             self.word_embeddings_for_head = VocabParallelEmbedding(

@@ -15,6 +15,8 @@ from megatron.model import context_parallel as cp
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
 from megatron.mpu.sharding import qkv_meta
 from megatron.model.spec import make_norm, mlp_activation
+from megatron.model.moe.layer import MoELayer
+from megatron.mpu.parallel_state import ExpertGroups
 from megatron.mpu import checkpoint, get_rng_tracker
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
                                  scaled_init_normal)
@@ -279,14 +281,19 @@ class ParallelMLP(torch.nn.Module):
 class ParallelTransformerLayer(torch.nn.Module):
     """x + Attn(LN(x)), then + MLP(LN(.)); dropout on each branch output."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, device, dtype):
+    def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, device, dtype,
+                 expert_groups=None):
         super().__init__()
         self.cfg = cfg
         self.layer_number = layer_number
         self.input_layernorm = make_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(cfg, layer_number, tp_group, device, dtype)
         self.post_attention_layernorm = make_norm(cfg, device, dtype)
-        self.mlp = ParallelMLP(cfg, tp_group, device, dtype)
+        if cfg.is_moe_layer(layer_number):
+            groups = expert_groups or ExpertGroups(tp_group=tp_group)
+            self.mlp = MoELayer(cfg, layer_number, groups, device, dtype)
+        else:
+            self.mlp = ParallelMLP(cfg, tp_group, device, dtype)
 
     def _residual(self, out_and_bias, residual):
         out, bias = out_and_bias
@@ -308,12 +315,13 @@ class ParallelTransformer(torch.nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp_group, layer_offset: int, num_local_layers: int,
-                 post_process: bool, device=None, dtype=torch.float32):
+                 post_process: bool, device=None, dtype=torch.float32, expert_groups=None):
         super().__init__()
         self.cfg = cfg
         self.layer_offset = layer_offset
         self.layers = torch.nn.ModuleList(
-            ParallelTransformerLayer(cfg, layer_offset + i + 1, tp_group, device, dtype)
+            ParallelTransformerLayer(cfg, layer_offset + i + 1, tp_group, device, dtype,
+                                     expert_groups)
             for i in range(num_local_layers))
         self.final_layernorm = make_norm(cfg, device, dtype) if post_process else None
 

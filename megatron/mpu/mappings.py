@@ -221,3 +221,32 @@ def sum_replica_grads(x, rows: int, per_set: int, group):
     if per_set == 1 or group_size(group) == 1:
         return x
     return _SumReplicaGrads.apply(x, rows, per_set, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` split by `send` go to the group's ranks; `recv` rows come from each.
+    Backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group, send, recv):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return _all_to_all(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+def _all_to_all(x, group, send, recv):
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
+                           input_split_sizes=list(send), group=group)
+    return out
+
+
+def all_to_all(x, group, send, recv):
+    """All-to-all of rows (expert parallelism): `send[r]` rows of `x` go to rank r,
+    `recv[r]` rows arrive from it (lists of ints; gloo takes no tensor sizes)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, list(send), list(recv))

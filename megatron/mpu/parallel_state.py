@@ -36,6 +36,25 @@ class ParallelState:
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     cp_rank: int = 0
     cp_group: Optional[object] = None
+    ep_rank: int = 0
+    edp_rank: int = 0
+    ep_group: Optional[object] = None
+    """Expert parallelism: the ranks that split each MoE layer's experts."""
+    edp_group: Optional[object] = None
+    """Expert data parallelism: the ranks holding the same experts."""
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.dims.edp
+
+    def expert_groups(self) -> "ExpertGroups":
+        """What MoE layers need to know of the layout."""
+        return ExpertGroups(ep_group=self.ep_group, ep_rank=self.ep_rank, ep_size=self.ep_size,
+                            tp_group=self.tp_group)
 
     @property
     def tp_size(self) -> int:
@@ -77,6 +96,16 @@ class ParallelState:
         return self.rank in self.embedding_ranks
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Expert parallelism as seen by an MoE layer (expert TP is the layer's TP group)."""
+
+    ep_group: Optional[object] = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    tp_group: Optional[object] = None
+
+
 _STATE: Optional[ParallelState] = None
 
 
@@ -97,21 +126,22 @@ def _my_group(groups, rank, backend, timeout=None):
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int] = None,
                               backend: Optional[str] = None, timeout=None,
-                              cp: int = 1) -> ParallelState:
-    """Build the TP, DP, PP, model-parallel and embedding groups of this rank.
+                              cp: int = 1, ep: int = 1) -> ParallelState:
+    """Build the TP, CP, DP, PP, model-parallel, embedding and expert (EP, expert-DP) groups
+    of this rank.
 
     `timeout` (a timedelta) bounds every operation on them (torch's default otherwise)."""
     global _STATE
     if not dist.is_initialized():
-        if tp * pp * cp != 1:
-            raise ValueError(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallelism needs "
-                             f"torch.distributed with {tp * pp * cp} or more processes; launch "
-                             f"with torchrun")
+        if tp * pp * cp * ep != 1:
+            raise ValueError(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) x expert ({ep}) "
+                             f"parallelism needs torch.distributed with {tp * pp * cp * ep} or "
+                             f"more processes; launch with torchrun")
         _STATE = single_process_state()
         return _STATE
     rank = dist.get_rank()
     dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp,
-                        cp=cp)
+                        cp=cp, ep=ep)
     pp_rank, dp_rank, tp_rank = dims.coordinates(rank)
     tp_group, _ = _my_group(dims.tensor_parallel_groups(), rank, backend, timeout)
     dp_group, dp_ranks = _my_group(dims.data_parallel_groups(), rank, backend, timeout)
@@ -119,11 +149,18 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
     mp_group, _ = _my_group(dims.model_parallel_groups(), rank, backend, timeout)
     emb_group, emb_ranks = _my_group(dims.embedding_groups(), rank, backend, timeout)
     cp_group, _ = _my_group(dims.context_parallel_groups(), rank, backend, timeout)
+    _, edp_rank, ep_rank, _ = dims.expert_coordinates(rank)
+    ep_group, edp_group = None, None
+    if ep > 1:  # else EP is one rank and expert DP is DP
+        ep_group, _ = _my_group(dims.expert_parallel_groups(), rank, backend, timeout)
+        edp_group, _ = _my_group(dims.expert_data_parallel_groups(), rank, backend, timeout)
     _STATE = ParallelState(
         dims=dims, rank=rank, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,
         embedding_group=emb_group, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
-        embedding_ranks=emb_ranks or [], cp_rank=dims.cp_rank_of(rank), cp_group=cp_group)
+        embedding_ranks=emb_ranks or [], cp_rank=dims.cp_rank_of(rank), cp_group=cp_group,
+        ep_rank=ep_rank, edp_rank=edp_rank, ep_group=ep_group,
+        edp_group=edp_group if ep > 1 else dp_group)
     return _STATE
 
 

@@ -5,6 +5,11 @@ pp_rank * (TP * CP * DP) + dp_rank * (TP * CP) + cp_rank * TP + tp_rank.
 Tensor-parallel groups are therefore contiguous ranks (one node keeps its TP
 traffic on NVLink), context-parallel groups stride by TP, data-parallel groups
 by TP * CP and pipeline groups by TP * CP * DP.
+
+Expert parallelism (Megatron-Core's RankGenerator, order tp-cp-ep-dp-pp) re-divides
+the TP x CP x DP ranks of each pipeline stage (a contiguous block of `stage_size` ranks)
+into expert-TP (fastest), EP, then expert-DP: with ETP = TP and CP = 1 an EP group is EP
+consecutive DP ranks, and expert gradients are reduced over the expert-DP ranks only.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -19,9 +24,14 @@ class ParallelDims:
     pp: int = 1
     virtual_pp: Optional[int] = None
     cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    """Expert tensor parallelism (None: TP)."""
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "pp", "cp"):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.world_size % (self.tp * self.cp * self.pp) != 0:
@@ -29,6 +39,11 @@ class ParallelDims:
                 f"world size ({self.world_size}) is not divisible by tensor-model-parallel-size "
                 f"({self.tp}) x context-parallel-size ({self.cp}) x pipeline-model-parallel-size "
                 f"({self.pp}); choose sizes whose product divides the number of processes")
+        if self.stage_size % (self.etp * self.ep) != 0:
+            raise ValueError(
+                f"the {self.stage_size} ranks of a pipeline stage are not divisible by "
+                f"expert-tensor-parallel-size ({self.etp}) x expert-model-parallel-size "
+                f"({self.ep}); choose sizes whose product divides them")
         if self.virtual_pp is not None and self.virtual_pp > 1 and self.pp < 2:
             raise ValueError(
                 f"virtual pipeline stages ({self.virtual_pp}) need pipeline-model-parallel-size > 1 "
@@ -37,6 +52,16 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (what expert parallelism re-divides)."""
+        return self.world_size // self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: replicas of each expert shard per stage."""
+        return self.stage_size // (self.etp * self.ep)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -95,3 +120,42 @@ class ParallelDims:
         for ranks in self.pipeline_parallel_groups():
             groups.append([ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]])
         return groups
+
+    # -- expert parallelism --------------------------------------------------------
+    def expert_coordinates(self, rank: int) -> Tuple[int, int, int, int]:
+        """(pp_rank, edp_rank, ep_rank, etp_rank) of a global rank."""
+        pp_rank, local = divmod(rank, self.stage_size)
+        rest, etp_rank = divmod(local, self.etp)
+        edp_rank, ep_rank = divmod(rest, self.ep)
+        return pp_rank, edp_rank, ep_rank, etp_rank
+
+    def expert_rank_of(self, pp_rank: int, edp_rank: int, ep_rank: int, etp_rank: int) -> int:
+        return (pp_rank * self.stage_size + (edp_rank * self.ep + ep_rank) * self.etp
+                + etp_rank)
+
+    def _expert_groups(self, axis: str) -> List[List[int]]:
+        sizes = {"etp": self.etp, "ep": self.ep, "edp": self.edp}
+        others = [a for a in ("etp", "ep", "edp") if a != axis]
+        groups = []
+        for p in range(self.pp):
+            for i in range(sizes[others[1]]):
+                for j in range(sizes[others[0]]):
+                    coords = {others[0]: j, others[1]: i}
+                    ranks = []
+                    for k in range(sizes[axis]):
+                        coords[axis] = k
+                        ranks.append(self.expert_rank_of(p, coords["edp"], coords["ep"],
+                                                         coords["etp"]))
+                    groups.append(ranks)
+        return groups
+
+    def expert_parallel_groups(self) -> List[List[int]]:
+        """Ranks that split the experts of a layer (tokens are exchanged among them)."""
+        return self._expert_groups("ep")
+
+    def expert_tensor_parallel_groups(self) -> List[List[int]]:
+        return self._expert_groups("etp")
+
+    def expert_data_parallel_groups(self) -> List[List[int]]:
+        """Ranks holding the same expert shard: expert gradients are reduced over them."""
+        return self._expert_groups("edp")

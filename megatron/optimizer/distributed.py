@@ -104,7 +104,9 @@ class DistributedOptimizer(OptimizerBase):
             # the model replicas (DP and the model-parallel group).
             norm, found_inf = norm_and_nonfinite([p.param for p in self.pieces], grads,
                                                  self.pstate.tp_group, self.pstate.mp_group,
-                                                 dp_group=self.dp_group, device=self._device())
+                                                 dp_group=self.dp_group, device=self._device(),
+                                                 ep_group=getattr(self.pstate, "ep_group", None),
+                                                 edp_group=self._expert_dp_group())
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:
@@ -126,10 +128,16 @@ class DistributedOptimizer(OptimizerBase):
                 start = reducer.offsets[piece.param] - bucket.start + piece.start
                 flat[start:start + piece.main.numel()].copy_(piece.main)
             lo, hi = bucket.shard[0] - bucket.start, bucket.shard[1] - bucket.start
-            _all_gather_shards(flat, flat[lo:hi], self.dp_group)
+            _all_gather_shards(flat, flat[lo:hi], reducer.dp_group)
             for p in bucket.params:
                 start = reducer.offsets[p] - bucket.start
                 p.data.view(-1).copy_(flat[start:start + p.numel()])
+
+    def _expert_dp_group(self):
+        """The expert-DP group when expert parameters have their own reducer (else None)."""
+        if any(getattr(r, "experts", False) for r, _, _ in self.buckets):
+            return self.pstate.edp_group
+        return None
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

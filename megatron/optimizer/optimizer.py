@@ -109,7 +109,8 @@ class MegatronOptimizer(OptimizerBase):
             if self.grad_scaler is not None:
                 self._scale_grads(grads, 1.0 / self.grad_scaler.scale.item())
             norm, found_inf = norm_and_nonfinite(self.model_params, grads, self.pstate.tp_group,
-                                                 self.pstate.mp_group)
+                                                 self.pstate.mp_group,
+                                                 ep_group=getattr(self.pstate, "ep_group", None))
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:

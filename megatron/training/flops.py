@@ -33,17 +33,42 @@ class LayerFlops:
         return self.qkv + self.scores + self.context + self.dense + self.mlp
 
 
-def layer_forward_flops(cfg, tokens: int) -> LayerFlops:
+def mlp_forward_flops(cfg, tokens: int, moe_layer: bool = False) -> float:
+    """The MLP's forward: dense, or an MoE layer's router and its activated experts (top-k
+    experts of --moe-ffn-hidden-size each, plus the shared expert) per token."""
+    matmuls = 3 if cfg.gated_mlp else 2  # gate, up, down
+    if not moe_layer:
+        return 2.0 * tokens * cfg.hidden_size * cfg.ffn_hidden_size * matmuls
+    moe = cfg.moe
+    width = ((moe.moe_ffn_hidden_size or cfg.ffn_hidden_size) * moe.moe_router_topk
+             + (moe.moe_shared_expert_intermediate_size or 0))
+    return 2.0 * tokens * cfg.hidden_size * (width * matmuls + moe.num_experts)
+
+
+def num_moe_layers(cfg) -> int:
+    moe = getattr(cfg, "moe", None)
+    return sum(moe.layer_pattern(cfg.num_layers)) if moe is not None and moe.enabled else 0
+
+
+def _layers_total(cfg, tokens: int, part) -> float:
+    """sum over the layers of part(LayerFlops), dense and MoE layers each counted."""
+    moe = num_moe_layers(cfg)
+    total = (cfg.num_layers - moe) * part(layer_forward_flops(cfg, tokens))
+    if moe:
+        total += moe * part(layer_forward_flops(cfg, tokens, moe_layer=True))
+    return total
+
+
+def layer_forward_flops(cfg, tokens: int, moe_layer: bool = False) -> LayerFlops:
     """One layer's forward over `tokens` = batch x seq tokens (sequences of cfg.seq_length)."""
     h, s = cfg.hidden_size, cfg.seq_length
     q_size = cfg.num_attention_heads * cfg.kv_channels
     kv_size = cfg.num_query_groups * cfg.kv_channels
-    mlp_matmuls = 3 if cfg.gated_mlp else 2  # gate, up, down
     return LayerFlops(qkv=2.0 * tokens * h * (q_size + 2 * kv_size),
                       scores=2.0 * tokens * s * q_size,
                       context=2.0 * tokens * s * q_size,
                       dense=2.0 * tokens * q_size * h,
-                      mlp=2.0 * tokens * h * cfg.ffn_hidden_size * mlp_matmuls)
+                      mlp=mlp_forward_flops(cfg, tokens, moe_layer))
 
 
 def logits_forward_flops(cfg, tokens: int) -> float:
@@ -53,17 +78,17 @@ def logits_forward_flops(cfg, tokens: int) -> float:
 def model_flops(cfg, batch_size: int) -> float:
     """Model FLOPs of one iteration over `batch_size` sequences (forward and backward)."""
     tokens = batch_size * cfg.seq_length
-    forward = cfg.num_layers * layer_forward_flops(cfg, tokens).total + logits_forward_flops(cfg, tokens)
+    forward = _layers_total(cfg, tokens, lambda f: f.total) + logits_forward_flops(cfg, tokens)
     return FORWARD_AND_BACKWARD * forward
 
 
 def recompute_flops(cfg, batch_size: int) -> float:
     """Forward FLOPs that activation recomputation repeats in one iteration."""
-    layer = layer_forward_flops(cfg, batch_size * cfg.seq_length)
+    tokens = batch_size * cfg.seq_length
     if cfg.recompute_granularity == "full":
-        return cfg.num_layers * layer.total
+        return _layers_total(cfg, tokens, lambda f: f.total)
     if cfg.recompute_granularity == "selective":
-        return cfg.num_layers * (layer.scores + layer.context)
+        return _layers_total(cfg, tokens, lambda f: f.scores + f.context)
     return 0.0
 
 

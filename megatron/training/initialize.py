@@ -39,7 +39,8 @@ def initialize_distributed(config):
     pstate = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,
                                        config.virtual_pipeline_size, timeout=timeout,
-                                       cp=config.parallel.context_parallel_size)
+                                       cp=config.parallel.context_parallel_size,
+                                       ep=config.parallel.expert_model_parallel_size)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     set_seeds(config.training.seed, pstate)
     return pstate, device

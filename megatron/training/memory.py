@@ -32,7 +32,7 @@ as many elements.
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from megatron.pipeline.schedule import interleaved_num_warmup, num_warmup_microbatches
+from megatron.pipeline.schedule import chunk_layers, interleaved_num_warmup, num_warmup_microbatches
 from megatron.training.flops import hardware_flops
 
 GiB = 2 ** 30
@@ -69,6 +69,52 @@ def layer_params(m, tp: int) -> int:
     return params
 
 
+def moe_mlp_params(m, tp: int, ep: int):
+    """(dense, expert) parameters of an MoE layer's MLP on one rank: the router and shared
+    expert (replicated / TP-split), and the E / EP local experts (TP-split)."""
+    moe, h, gates = m.moe, m.hidden_size, 2 if m.gated_mlp else 1
+    f = (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // tp
+    experts = moe.num_experts // ep * ((gates * f + f) * h + ((gates * f + h) if m.add_bias_linear else 0))
+    dense = moe.num_experts * (h + (1 if m.add_bias_linear else 0))
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared:
+        dense += (gates + 1) * shared // tp * h + (h if moe.moe_shared_expert_gate else 0)
+        dense += (gates * shared // tp + h) if m.add_bias_linear else 0
+    return dense, experts
+
+
+def _dense_mlp_params(m, tp: int) -> int:
+    f, h = m.ffn_hidden_size, m.hidden_size
+    up_rows = (2 if m.gated_mlp else 1) * f // tp
+    return up_rows * h + f // tp * h + ((up_rows + h) if m.add_bias_linear else 0)
+
+
+def stage_layer_numbers(config, pp_rank: int):
+    """Global (1-based) numbers of the layers of the rank at `pp_rank`, all its chunks."""
+    m, p = config.model, config.parallel
+    numbers = []
+    for v in range(config.virtual_pipeline_size or 1):
+        first, count = chunk_layers(m.num_layers, p.pipeline_model_parallel_size, pp_rank,
+                                    config.virtual_pipeline_size, v)
+        numbers += range(first + 1, first + count + 1)
+    return numbers
+
+
+def stage_expert_params(config, pp_rank: int) -> int:
+    """Expert parameters of the rank (sharded over expert-DP by the distributed optimizer)."""
+    m, p = config.model, config.parallel
+    return sum(moe_mlp_params(m, p.tensor_model_parallel_size, p.expert_model_parallel_size)[1]
+               for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n))
+
+
+def _moe_layers_correction(config, pp_rank: int) -> int:
+    """What MoE layers hold beyond (or short of) a dense layer's MLP."""
+    m, p = config.model, config.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    moe = [n for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n)]
+    return len(moe) * (sum(moe_mlp_params(m, tp, ep)) - _dense_mlp_params(m, tp)) if moe else 0
+
+
 def stage_layers(config) -> int:
     """Transformer layers of one pipeline stage (every stage holds the same number)."""
     return config.model.num_layers // config.parallel.pipeline_model_parallel_size
@@ -81,7 +127,7 @@ def stage_params(config, pp_rank: int) -> int:
     h, vocab = m.hidden_size, m.padded_vocab_size // tp
     first, last = pp_rank == 0, pp_rank == pp - 1
     norm = h if m.normalization == "RMSNorm" else 2 * h
-    params = stage_layers(config) * layer_params(m, tp)
+    params = stage_layers(config) * layer_params(m, tp) + _moe_layers_correction(config, pp_rank)
     if first:
         params += vocab * h
         params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
@@ -107,8 +153,11 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
     mixed = config.training.fp16 or config.training.bf16
     grads = 4 * n if (mixed or p.accumulate_allreduce_grads_in_fp32) else _bytes_per(config) * n
     moments = 8 * n if config.optimizer.optimizer == "adam" else 4 * n
-    if p.use_distributed_optimizer:
-        optimizer = (4 * n + moments) // dp
+    if p.use_distributed_optimizer:  # expert parameters are sharded over expert-DP only
+        experts = stage_expert_params(config, layout.pp_rank)
+        per_param = 4 + (8 if config.optimizer.optimizer == "adam" else 4)
+        edp = max(1, dp // p.expert_model_parallel_size)
+        optimizer = per_param * (n - experts) // dp + per_param * experts // edp
     else:
         optimizer = (4 * n if mixed else 0) + moments + (4 * n if flat_adam(config, layout) else 0)
     return {"parameters": _bytes_per(config) * n, "gradients": grads, "optimizer": optimizer}
@@ -168,6 +217,26 @@ def backward_working_set(config) -> float:
     return s * b * (m.hidden_size + inner) * _bytes_per(config)
 
 
+def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
+    """An MoE layer saves, instead of the dense MLP's activations: router logits and
+    probabilities (3 s b E), the dispatched token copies (top-k s b h; x EP gathered
+    by allgather), each expert row's activation input and output, and the shared
+    expert's."""
+    m, p = config.model, config.parallel
+    moe = m.moe
+    layers = sum(m.is_moe_layer(n) for n in stage_layer_numbers(config, pp_rank))
+    if not layers or m.recompute_granularity == "full":
+        return 0.0
+    tp, s, b, h = p.tensor_model_parallel_size, m.seq_length, micro_batch, m.hidden_size
+    act = 4 if m.gated_mlp else 2
+    k, f = moe.moe_router_topk, (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // tp
+    gathered = p.expert_model_parallel_size if moe.moe_token_dispatcher_type == "allgather" else 1
+    shared = (moe.moe_shared_expert_intermediate_size or 0) // tp
+    elements = 3 * s * b * moe.num_experts + k * s * b * h * (1 + gathered)
+    elements += k * s * b * f * act + s * b * shared * act + (2 * s * b * h if shared else 0)
+    return layers * (elements - s * b * m.ffn_hidden_size // tp * act)
+
+
 def head_activation_elements(config, micro_batch: int) -> float:
     """The last stage's final norm, output layer and cross entropy."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
@@ -194,6 +263,7 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     b = config.training.micro_batch_size
     pp = config.parallel.pipeline_model_parallel_size
     per_micro = stage_layers(config) * layer_activation_elements(config, b, layout.device_type)
+    per_micro += _moe_activation_correction(config, b, layout.pp_rank)
     if layout.pp_rank == pp - 1:
         per_micro += head_activation_elements(config, b)
     per_micro *= _bytes_per(config)

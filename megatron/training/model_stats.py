@@ -20,7 +20,7 @@ def params_norm(models, pstate) -> float:
     """L2 norm of all model parameters (Megatron's ` params norm:`)."""
     params = _counted(models, pstate)
     norm, _ = norm_and_nonfinite(params, [p.detach() for p in params], pstate.tp_group,
-                                 pstate.mp_group)
+                                 pstate.mp_group, ep_group=getattr(pstate, "ep_group", None))
     return norm
 
 

@@ -16,6 +16,8 @@ from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
 from megatron.model.transformer import enable_context_parallel
 from megatron.mpu.mappings import all_reduce
+from megatron.model.moe.layer import collect_moe_metrics, update_expert_bias
+from megatron.model.moe.router import AuxLossScaler
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
 from megatron.pipeline.p2p import P2PCommunicator
@@ -106,7 +108,8 @@ class Trainer:
                                        or config.parallel.accumulate_allreduce_grads_in_fp32) \
             else params_dtype(config)
         self.reducers = build_grad_reducers(models, pstate.dp_group, config.parallel, grad_dtype,
-                                            tied_embedding_params(models, pstate))
+                                            tied_embedding_params(models, pstate),
+                                            expert_dp_group=pstate.edp_group)
         self.torch_ddp = config.parallel.DDP_impl == "torch"
         # --DDP-impl torch: the forward goes through the DDP wrapper (the plain
         # module stays in self.models for checkpoints and set_input_tensor).
@@ -154,6 +157,8 @@ class Trainer:
 
     def _run_schedule(self, iterators, num_microbatches, forward_only):
         scale = self.optimizer.loss_scale
+        # MoE auxiliary losses get the main loss's gradient scale (Megatron-LM's).
+        AuxLossScaler.set_scale((1.0 if scale is None else float(scale)) / num_microbatches)
         return forward_backward(
             self.schedule, forward_step=self.forward_step, data_iterators=iterators,
             model_chunks=self.models, num_microbatches=num_microbatches, comm=self.comm,
@@ -169,16 +174,21 @@ class Trainer:
             if self.torch_ddp:
                 reducer.begin_step(num_micro_batches)
         losses = self._run_schedule(iterators, num_micro_batches, False)
+        moe_metrics = collect_moe_metrics(self.models, self.pstate, num_micro_batches)
         self._reduce_grads()
         self.timers.start("optimizer")
         applied, grad_norm, overflow = self.optimizer.step()  # applied == not overflow
         self.timers.stop("optimizer")
         if applied:
             self.scheduler.step(self.microbatches.global_batch_size)
+            update_expert_bias(self.models, self.pstate)
+        losses = average_losses(losses)
+        if losses:  # the last stage reports them, with the MoE fields
+            losses.update(moe_metrics)
         # Non-finite gradients: with fp16 loss scaling an expected overflow (a skipped
         # step), otherwise a nan iteration.
         scaled = self.optimizer.grad_scaler is not None
-        return average_losses(losses), grad_norm, overflow and scaled, overflow and not scaled
+        return losses, grad_norm, overflow and scaled, overflow and not scaled
 
     def _reduce_grads(self) -> None:
         """Average gradients over DP, sum the tied embedding copies and the

@@ -17,7 +17,8 @@ from tests.conftest import ROOT
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B.sh",
            "megatron_11b.sh", "pretrain_llama2_7b.sh", "pretrain_llama3_8b.sh",
            "pretrain_qwen2.5_7b.sh", "pretrain_qwen3_8b.sh",
-           "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh"]
+           "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh",
+           "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
@@ -86,7 +87,34 @@ PRESETS = {
                                    seq_length=2048, position_embedding_type="alibi",
                                    embed_layernorm=True, normalization="LayerNorm",
                                    untie_embeddings_and_output_weights=False,
-                                   pad_vocab_size_to=250880)}
+                                   pad_vocab_size_to=250880),
+    "pretrain_mixtral_8x7b.sh": dict(LLAMA, ffn_hidden_size=14336, seq_length=4096,
+                                     num_query_groups=8, rotary_base=1000000),
+    "pretrain_qwen3_moe.sh": dict(num_layers=48, hidden_size=2048, num_attention_heads=32,
+                                  kv_channels=128, num_query_groups=4, qk_layernorm=True,
+                                  normalization="RMSNorm", layernorm_epsilon=1e-6,
+                                  rotary_base=1000000, add_bias_linear=False)}
+MOE_PRESETS = {
+    "pretrain_mixtral_8x7b.sh": (32, dict(num_experts=8, moe_router_topk=2, moe_grouped_gemm=True,
+                                          moe_aux_loss_coeff=1e-2,
+                                          moe_token_dispatcher_type="alltoall"), (1, 4, 8)),
+    "pretrain_qwen3_moe.sh": (16, dict(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                                       moe_aux_loss_coeff=1e-3, moe_router_dtype="fp32"), (1, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("script", sorted(MOE_PRESETS))
+def test_moe_presets(tmp_path, script):
+    """The MoE presets parse at their world size with Megatron-LM's MoE flags and layout."""
+    config, world = parsed_launch(tmp_path, script)
+    want_world, moe, (tp, pp, ep) = MOE_PRESETS[script]
+    assert world == want_world
+    for name, value in moe.items():
+        assert getattr(config.model.moe, name) == value, name
+    p = config.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+            p.expert_model_parallel_size) == (tp, pp, ep)
+    assert config.model.is_moe_layer(1) and config.model.is_moe_layer(config.model.num_layers)
 
 
 @pytest.mark.parametrize("script", sorted(PRESETS))

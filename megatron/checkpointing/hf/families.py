@@ -1,8 +1,9 @@
 """The supported Hugging Face architectures, each with its mapping module."""
 from megatron.config import ConfigError, ModelConfig
-from megatron.checkpointing.hf import ConversionError, bloom, gemma, gpt2, llama, qwen2, qwen3
+from megatron.checkpointing.hf import (ConversionError, bloom, gemma, gpt2, llama, mixtral,
+                                       qwen2, qwen3, qwen_moe)
 
-FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma)
+FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma, mixtral, qwen_moe)
             for arch in module.ARCHITECTURES}
 # The HF architectures a model of ours may be exported as, by its position encoding (the
 # first that expresses it exactly).

@@ -1,0 +1,1 @@
+"""Mixture of experts: router, token dispatch over expert parallelism, experts."""

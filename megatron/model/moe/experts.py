@@ -1,0 +1,142 @@
+"""The experts of one MoE layer held by this rank, and the shared expert.
+
+`Experts` holds this EP rank's E / EP experts as stacked weights, each split over TP
+like a dense MLP: linear_fc1.weight [E_local, gates x ffn / TP, h] (gated: this rank's
+[gate_r; up_r] rows), linear_fc2.weight [E_local, h, ffn / TP]. Its input is tokens
+sorted by local expert and the count per expert; `--moe-grouped-gemm` runs all
+experts as one batched matmul over inputs padded to the largest count, otherwise a
+loop over experts (the reference).
+
+Initialisation draws all E experts from the parameter's seed and keeps the local
+ones, so any EP layout starts from the single-process model.
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron.model.spec import mlp_activation
+from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
+                                 scaled_init_normal, set_parallel_attributes)
+from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region, group_size,
+                                   reduce_from_tensor_model_parallel_region)
+
+
+def expert_init(init, num_experts: int, ep_rank: int):
+    """init_method of a stacked expert tensor: draw all experts, keep this rank's."""
+    def init_(tensor, generator=None):
+        local = tensor.shape[0]
+        full = torch.empty((num_experts,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                           device=tensor.device)
+        init(full, generator)
+        return tensor.copy_(full[ep_rank * local:(ep_rank + 1) * local])
+    return init_
+
+
+def _zeros(tensor, generator=None):
+    return tensor.zero_()
+
+
+def _expert_param(shape, device, dtype, dim, groups, num_experts, init):
+    param = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    set_parallel_attributes(param, dim is not None, dim if dim is not None else -1, groups, init)
+    param.sharding = {"dim": dim, "groups": groups, "expert_dim": 0, "num_experts": num_experts}
+    param.expert_parallel = True
+    return param
+
+
+class _Linear(torch.nn.Module):
+    """A stacked expert projection (named as Megatron-Core's linear_fc1 / linear_fc2)."""
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, cfg, groups, device, dtype):
+        super().__init__()
+        moe = cfg.moe
+        self.cfg, self.tp_group = cfg, groups.tp_group
+        self.grouped = moe.moe_grouped_gemm
+        tp = group_size(groups.tp_group)
+        self.num_local = divide(moe.num_experts, groups.ep_size)
+        ffn = divide(moe.moe_ffn_hidden_size or cfg.ffn_hidden_size, tp)
+        gates = 2 if cfg.gated_mlp else 1
+        e, h, rank = moe.num_experts, cfg.hidden_size, groups.ep_rank
+        fc1_init = expert_init(init_normal(cfg.init_method_std), e, rank)
+        fc2_init = expert_init(scaled_init_normal(cfg.init_method_std, cfg.num_layers), e, rank)
+        common = dict(device=device, dtype=dtype, num_experts=e)
+        bias1 = bias2 = None
+        if cfg.add_bias_linear:
+            bias1 = _expert_param((self.num_local, gates * ffn), dim=1, groups=gates,
+                                  init=_zeros, **common)
+            bias2 = _expert_param((self.num_local, h), dim=None, groups=1, init=_zeros, **common)
+        self.linear_fc1 = _Linear(_expert_param((self.num_local, gates * ffn, h), dim=1,
+                                                groups=gates, init=fc1_init, **common), bias1)
+        self.linear_fc2 = _Linear(_expert_param((self.num_local, h, ffn), dim=2, groups=1,
+                                                init=fc2_init, **common), bias2)
+        self.activation = mlp_activation(cfg)
+
+    def forward(self, tokens, counts):
+        """tokens [N, h] sorted by local expert, counts [E_local] (a list of ints) -> [N, h]."""
+        x = copy_to_tensor_model_parallel_region(tokens, self.tp_group)
+        y = self._batched(x, counts) if self.grouped else self._loop(x, counts)
+        y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        if self.linear_fc2.bias is not None:
+            y = y + torch.repeat_interleave(self.linear_fc2.bias, torch.tensor(counts), dim=0)
+        return y
+
+    def _act(self, h, bias):
+        return self.activation(h if bias is None else h + bias, None)
+
+    def _loop(self, x, counts):
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        b1 = self.linear_fc1.bias
+        outs = []
+        for e, chunk in enumerate(torch.split(x, counts)):
+            h = self._act(F.linear(chunk, w1[e]), None if b1 is None else b1[e])
+            outs.append(F.linear(h, w2[e]))
+        return torch.cat(outs) if outs else x.new_zeros((0, w2.shape[1]))
+
+    def _batched(self, x, counts):
+        """Pad each expert's rows to the largest count; two batched matmuls."""
+        width = max(counts) if counts else 0
+        padded = torch.stack([F.pad(rows, (0, 0, 0, width - rows.shape[0]))
+                              for rows in torch.split(x, counts)])
+        b1 = self.linear_fc1.bias
+        h = torch.bmm(padded, self.linear_fc1.weight.transpose(1, 2))
+        h = self._act(h, None if b1 is None else b1.unsqueeze(1))
+        y = torch.bmm(h, self.linear_fc2.weight.transpose(1, 2))
+        return torch.cat([y[e, :count] for e, count in enumerate(counts)])
+
+
+class SharedExpert(torch.nn.Module):
+    """An always-on MLP of width --moe-shared-expert-intermediate-size beside the routed
+    experts (TP-split like the dense MLP); with --moe-shared-expert-gate its output is
+    scaled by sigmoid(x . gate_weight) per token (Qwen-MoE)."""
+
+    def __init__(self, cfg, tp_group, device, dtype):
+        super().__init__()
+        size = cfg.moe.moe_shared_expert_intermediate_size
+        gates = 2 if cfg.gated_mlp else 1
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, device=device, dtype=dtype)
+        self.linear_fc1 = ColumnParallelLinear(
+            cfg.hidden_size, gates * size, stride=gates, skip_bias_add=True,
+            init_method=init_normal(cfg.init_method_std), **common)
+        self.linear_fc2 = RowParallelLinear(
+            size, cfg.hidden_size, input_is_parallel=True,
+            init_method=scaled_init_normal(cfg.init_method_std, cfg.num_layers), **common)
+        self.activation = mlp_activation(cfg)
+        self.gate_weight = None
+        if cfg.moe.moe_shared_expert_gate:
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, cfg.hidden_size, device=device,
+                                                              dtype=dtype))
+            set_parallel_attributes(self.gate_weight, False,
+                                    init_method=init_normal(cfg.init_method_std))
+
+    def forward(self, x):
+        h, bias = self.linear_fc1(x)
+        y = self.linear_fc2(self.activation(h, bias))
+        if self.gate_weight is not None:
+            y = y * torch.sigmoid(F.linear(x, self.gate_weight))
+        return y

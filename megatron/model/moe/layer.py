@@ -1,0 +1,109 @@
+"""The MoE MLP of a transformer layer: router -> dispatch over EP -> experts -> combine,
+plus the optional shared expert; and the per-step MoE metrics of a model.
+
+TP: every TP rank routes the same tokens (a sequence-parallel input is gathered first
+and the output split again); each expert is TP-split and its output all-reduced over
+TP before the tokens are combined, so router, losses and combine see full values.
+"""
+from typing import Dict, List
+
+import torch
+
+from megatron.model.moe.dispatcher import DISPATCHERS
+from megatron.model.moe.experts import Experts, SharedExpert
+from megatron.model.moe.router import TopKRouter
+from megatron.mpu.mappings import (all_reduce, gather_from_sequence_parallel_region, group_size,
+                                   scatter_to_sequence_parallel_region)
+
+
+class MoELayer(torch.nn.Module):
+    """Drop-in for ParallelMLP: forward(hidden [s, b, h]) -> (output, None)."""
+
+    def __init__(self, cfg, layer_number: int, groups, device, dtype):
+        super().__init__()
+        self.cfg, self.groups, self.layer_number = cfg, groups, layer_number
+        self.tp_group = groups.tp_group
+        self.router = TopKRouter(cfg, device, dtype)
+        self.experts = Experts(cfg, groups, device, dtype)
+        self.shared_experts = None
+        if cfg.moe.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpert(cfg, groups.tp_group, device, dtype)
+        self.dispatch = DISPATCHERS[cfg.moe.moe_token_dispatcher_type]
+
+    def forward(self, hidden):
+        sp = self.cfg.sequence_parallel and group_size(self.tp_group) > 1
+        if sp:  # every TP rank routes all tokens; the gradient back is a plain split
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, False)
+        s, b, h = hidden.shape
+        x = hidden.reshape(s * b, h)
+        probs, routing_map = self.router(x, (s, b))
+        out = self.dispatch(x, probs, routing_map, self.experts, self.groups)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = out.view(s, b, h)
+        if sp:
+            out = scatter_to_sequence_parallel_region(out, self.tp_group)
+        return out, None
+
+
+def moe_layers(models) -> List[MoELayer]:
+    return [m for model in models for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def collect_moe_metrics(models, pstate, num_micro_batches: int) -> Dict[str, float]:
+    """This step's MoE log fields, the same on every rank (call on all ranks):
+    load_balancing_loss and z_loss (without coefficients, averaged over micro batches,
+    DP and MoE layers, as Megatron-LM logs them) and the tokens-per-expert imbalance
+    (max / mean over experts, of the most imbalanced MoE layer). Clears the sums."""
+    cfg = models[0].cfg
+    if cfg.moe is None or not cfg.moe.enabled:
+        return {}
+    pattern = cfg.moe.layer_pattern(cfg.num_layers)
+    names = ("load_balancing_loss", "z_loss")
+    values = torch.zeros(len(names), cfg.num_layers)
+    tokens = torch.zeros(cfg.num_layers, cfg.moe.num_experts)
+    for layer in moe_layers(models):
+        metrics, i = layer.router.metrics, layer.layer_number - 1
+        for k, name in enumerate(names):
+            if name in metrics:
+                values[k, i] = metrics[name].cpu() / num_micro_batches
+        if "tokens" in metrics:
+            tokens[i] = metrics["tokens"].cpu()
+        layer.router.metrics = {}
+    for group in (pstate.pp_group, pstate.dp_group):
+        all_reduce(values, group)
+        all_reduce(tokens, group)
+    values /= max(1, pstate.dp_size)
+    moe_rows = [i for i, is_moe in enumerate(pattern) if is_moe]
+    out = {}
+    present = _loss_names(cfg.moe)
+    for k, name in enumerate(names):
+        if name in present:
+            out[name] = float(values[k, moe_rows].mean())
+    counts = tokens[moe_rows]
+    if counts.sum() > 0:
+        out["tokens-per-expert max/mean"] = float((counts.max(1).values / counts.mean(1)).max())
+    return out
+
+
+def _loss_names(moe) -> set:
+    names = set()
+    if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.moe_aux_loss_coeff:
+        names.add("load_balancing_loss")
+    if moe.moe_z_loss_coeff:
+        names.add("z_loss")
+    return names
+
+
+@torch.no_grad()
+def update_expert_bias(models, pstate) -> None:
+    """Aux-loss-free balancing after each step: move each expert's bias by the update
+    rate towards the mean load (tokens of the step summed over DP)."""
+    for layer in moe_layers(models):
+        router = layer.router
+        if router.expert_bias is None:
+            continue
+        counts = all_reduce(router.local_tokens_per_expert.clone(), pstate.dp_group)
+        offset = counts.mean() - counts
+        router.expert_bias += torch.sign(offset) * router.moe.moe_router_bias_update_rate
+        router.local_tokens_per_expert.zero_()

@@ -1,0 +1,279 @@
+"""Mixture of experts in one process: flags and their errors, the expert-parallel rank
+math, routing rules (capacity drops, groups, Sinkhorn, expert bias), the losses, and
+the grouped GEMM against the per-expert loop."""
+import math
+
+import pytest
+import torch
+
+from megatron.arguments import parse_args
+from megatron.config import ConfigError, ModelConfig, MoEConfig
+from megatron.config.moe import parse_layer_freq
+from megatron.model.moe import router as R
+from megatron.model.moe.layer import MoELayer
+from megatron.mpu.parallel_state import ExpertGroups
+from megatron.mpu.topology import ParallelDims
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--train-iters", "10",
+        "--lr", "1e-3", "--num-experts", "8"]
+
+
+def parse(*extra, world_size=1):
+    return parse_args(BASE + list(extra), world_size=world_size)[0]
+
+
+def test_moe_flags_and_megatron_defaults():
+    cfg = parse("--moe-layer-freq", "([0]*1+[1]*1)*2", "--expert-model-parallel-size", "2",
+                "--moe-token-dispatcher-type", "alltoall", world_size=2)
+    moe = cfg.model.moe
+    assert moe is cfg.moe and moe.moe_router_topk == 2 and moe.moe_aux_loss_coeff == 0.0
+    assert moe.moe_router_load_balancing_type == "aux_loss" and moe.moe_z_loss_coeff is None
+    assert moe.moe_expert_capacity_factor is None and moe.moe_router_score_function == "softmax"
+    assert [cfg.model.is_moe_layer(n) for n in range(1, 5)] == [False, True, False, True]
+    assert cfg.parallel.expert_tensor_parallel_size is None  # = TP
+    assert parse().model.moe.layer_pattern(4) == [1, 1, 1, 1]  # --moe-layer-freq 1
+
+
+def test_layer_freq_forms():
+    assert parse_layer_freq("2") == 2
+    assert parse_layer_freq("([0]*1+[1]*3)*8") == ([0] + [1] * 3) * 8
+    assert MoEConfig(num_experts=4, moe_layer_freq=3).layer_pattern(6) == [1, 0, 0, 1, 0, 0]
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        parse_layer_freq("__import__('os')")
+    with pytest.raises(ConfigError, match="one per layer"):
+        MoEConfig(num_experts=4, moe_layer_freq=[1, 0]).layer_pattern(4)
+
+
+@pytest.mark.parametrize("extra, world, words", [
+    (["--moe-router-topk", "9"], 1, ["--moe-router-topk (9)", "--num-experts (8)"]),
+    (["--expert-model-parallel-size", "3"], 3, ["--num-experts (8)", "(3)"]),
+    (["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
+     ["--expert-model-parallel-size (2)", "world size (6)"]),
+    (["--moe-expert-capacity-factor", "0"], 1, ["--moe-expert-capacity-factor", "got 0.0"]),
+    (["--moe-router-score-function", "relu"], 1, ["--moe-router-score-function", "'relu'"]),
+    (["--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type", "'flex'"]),
+    (["--moe-router-load-balancing-type", "magic"], 1, ["--moe-router-load-balancing-type"]),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
+     ["--moe-router-num-groups (3)"]),
+])
+def test_bad_moe_settings_exit_2_with_one_line(capsys, extra, world, words):
+    with pytest.raises(SystemExit) as exc:
+        parse(*extra, world_size=world)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_expert_groups_are_carved_out_of_data_parallelism():
+    dims = ParallelDims(world_size=8, tp=2, pp=1, ep=2)
+    assert dims.data_parallel_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.expert_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.expert_data_parallel_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.expert_tensor_parallel_groups() == dims.tensor_parallel_groups()
+    dims = ParallelDims(world_size=8, tp=1, pp=2, ep=2)
+    assert dims.expert_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.expert_data_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for rank in range(8):  # every rank is in exactly one group of each kind
+        for groups in (dims.expert_parallel_groups(), dims.expert_data_parallel_groups()):
+            assert sum(rank in g for g in groups) == 1
+    with pytest.raises(ValueError, match="expert-model-parallel-size"):
+        ParallelDims(world_size=4, tp=2, ep=4)
+
+
+def test_capacity_rule_keeps_highest_probabilities_or_first_positions():
+    """capacity = ceil(tokens x topk / experts x factor); per expert the `capacity`
+    highest-probability tokens (probs) or the first routed ones (position) stay."""
+    probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.7, 0.3], [0.2, 0.8]])
+    routing_map = probs > 0.5  # top-1
+    assert R.capacity(4, 1, 2, 1.0) == 2
+    kept, kept_map = R.drop_over_capacity(probs * routing_map, routing_map, 1, 1.0, "probs", False)
+    assert kept_map.tolist() == [[True, False], [False, False], [True, False], [False, True]]
+    assert torch.equal(kept, probs * kept_map)
+    _, kept_map = R.drop_over_capacity(probs * routing_map, routing_map, 1, 1.0, "position", False)
+    assert kept_map.tolist() == [[True, False], [True, False], [False, False], [False, True]]
+    # padding: every expert takes exactly `capacity` tokens, the added ones with weight 0
+    kept, kept_map = R.drop_over_capacity(probs * routing_map, routing_map, 1, 1.0, "probs", True)
+    assert kept_map.sum(0).tolist() == [2, 2] and kept[1].tolist() == [0.0, 0.0]
+
+
+def test_group_limited_routing_picks_from_the_best_groups():
+    scores = torch.tensor([[0.1, 0.2, 0.9, 0.8, 0.3, 0.05, 0.5, 0.4]])
+    _, index = R.group_limited_topk(scores, topk=2, num_groups=4, group_topk=1)
+    assert sorted(index[0].tolist()) == [2, 3]  # group 1 has the best top-2 sum
+    _, index = R.group_limited_topk(scores, topk=2, num_groups=4, group_topk=2)
+    assert sorted(index[0].tolist()) == [2, 3]
+
+
+def test_score_functions():
+    logits = torch.randn(5, 8)
+    moe = MoEConfig(num_experts=8, moe_router_topk=2)
+    probs, routing_map = R.topk_route(logits, moe)
+    assert torch.allclose(probs.sum(1), torch.ones(5)) and routing_map.sum(1).tolist() == [2] * 5
+    top = logits.topk(2).values
+    assert torch.allclose(probs[routing_map].view(5, 2).sort(1).values,
+                          torch.softmax(top, -1).sort(1).values)
+    moe = MoEConfig(num_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+                    moe_router_topk_scaling_factor=2.5)
+    probs, _ = R.topk_route(logits, moe)
+    assert torch.allclose(probs.sum(1), torch.full((5,), 2.5))
+    bias = torch.zeros(8)
+    bias[0] = 10.0  # the bias selects expert 0 but does not change its weight
+    probs, routing_map = R.topk_route(logits, moe, bias)
+    assert routing_map[:, 0].all()
+
+
+def test_sinkhorn_balances_the_selection():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 4) + torch.tensor([3.0, 0.0, 0.0, 0.0])  # expert 0 favoured
+    plain = logits.topk(1).indices.flatten().bincount(minlength=4)
+    _, routing_map = R.sinkhorn_route(logits, 1, training=True)
+    balanced = routing_map.sum(0)
+    assert plain.max() > 40 and balanced.max() < plain.max()
+    cost = R.sinkhorn(logits)
+    assert torch.allclose(cost.sum(0), torch.full((4,), 1 / 4), atol=1e-3)
+
+
+def test_losses_follow_their_formulas():
+    torch.manual_seed(0)
+    logits = torch.randn(12, 4)
+    routing_map, scores = R.aux_loss_scores(logits, 2, "softmax")
+    loss = R.switch_aux_loss(scores, routing_map.sum(0), 12, 2, 4, 1.0)
+    f = routing_map.float().sum(0) / (12 * 2)
+    p = scores.mean(0)
+    assert torch.allclose(loss, 4 * (f * p).sum())
+    assert torch.allclose(R.z_loss(logits, 0.5), 0.5 * torch.logsumexp(logits, -1).square().mean())
+
+
+def _layer(**moe_flags):
+    moe = MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, **moe_flags)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=6,
+                      max_position_embeddings=6, activation="swiglu", add_bias_linear=False,
+                      padded_vocab_size=16, moe=moe)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, 1, ExpertGroups(), None, torch.float32)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def _run(layer, x):
+    x = x.clone().requires_grad_()
+    out, _ = layer(x)
+    (out.square().sum()).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    return out.detach(), x.grad, grads
+
+
+def test_grouped_gemm_equals_the_expert_loop():
+    x = torch.randn(6, 3, 32)
+    loop, grouped = _layer(), _layer(moe_grouped_gemm=True)
+    grouped.load_state_dict(loop.state_dict())
+    (a, ga, wa), (b, gb, wb) = _run(loop, x), _run(grouped, x)
+    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ga, gb, atol=1e-6)
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+
+
+def test_aux_losses_train_the_router_but_leave_the_output():
+    x = torch.randn(6, 3, 32)
+    plain, balanced = _layer(), _layer(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.1)
+    balanced.load_state_dict(plain.state_dict())
+    (a, _, wa), (b, _, wb) = _run(plain, x), _run(balanced, x)
+    assert torch.equal(a, b)
+    assert not torch.allclose(wa["router.weight"], wb["router.weight"])
+    assert set(balanced.router.metrics) == {"load_balancing_loss", "z_loss", "tokens"}
+    assert balanced.router.metrics["tokens"].sum() == 6 * 3 * 2
+
+
+def test_seq_aux_loss_is_the_mean_over_sequences():
+    layer = _layer(moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="seq_aux_loss")
+    x = torch.randn(6, 3, 32)
+    layer(x)
+    logits = layer.router.gating(x.reshape(18, 32)).detach()
+    per_seq = []
+    for b in range(3):
+        rows = logits.view(6, 3, 4)[:, b]
+        routing_map, scores = R.aux_loss_scores(rows, 2, "softmax")
+        per_seq.append(R.switch_aux_loss(scores, routing_map.sum(0), 6, 2, 4, 1.0))
+    assert math.isclose(float(layer.router.metrics["load_balancing_loss"]),
+                        float(sum(per_seq) / 3), rel_tol=1e-5)
+
+
+PLANNED = ["--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "48",
+           "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
+
+
+@pytest.mark.parametrize("extra, world", [([], 1), (["--expert-model-parallel-size", "2"], 2),
+                                          (["--expert-model-parallel-size", "2",
+                                            "--pipeline-model-parallel-size", "2"], 4)])
+def test_planner_counts_each_stages_moe_parameters(extra, world):
+    """tools/estimate.py's planner: expert parameters divided by EP, per stage, exactly."""
+    from megatron.model import GPTModel
+    from megatron.training.memory import stage_params
+    cfg = parse(*PLANNED, *extra, world_size=world)
+    cfg.model.padded_vocab_size = 128
+    pp, ep = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.expert_model_parallel_size
+    for rank in range(pp):
+        model = GPTModel(cfg.model, device="meta", pre_process=rank == 0,
+                         post_process=rank == pp - 1, layer_offset=rank * 4 // pp,
+                         num_layers=4 // pp, expert_groups=ExpertGroups(ep_size=ep))
+        assert stage_params(cfg, rank) == sum(p.numel() for p in model.parameters())
+
+
+def test_flops_count_the_activated_experts_only():
+    from megatron.training.flops import model_flops
+    dense = parse("--swiglu", "--ffn-hidden-size", "96").model
+    dense.moe, dense.padded_vocab_size = None, 128
+    moe = parse("--swiglu", "--ffn-hidden-size", "96", "--moe-ffn-hidden-size", "48",
+                "--moe-layer-freq", "2").model
+    moe.padded_vocab_size = 128
+    tokens = 2 * 32
+    # top-2 of width 48 activate as much as one MLP of width 96; plus the router (8 x h)
+    extra = 2 * 3 * 2 * tokens * 64 * 8  # 2 MoE layers, x3 forward + backward, 2 per mul-add
+    assert model_flops(moe, 2) == model_flops(dense, 2) + extra
+    many = parse("--swiglu", "--ffn-hidden-size", "96", "--moe-ffn-hidden-size", "48",
+                 "--moe-layer-freq", "2", "--num-experts", "64").model
+    many.padded_vocab_size = 128
+    assert model_flops(many, 2) - model_flops(dense, 2) == 2 * 3 * 2 * tokens * 64 * 64
+
+
+@pytest.mark.parametrize("naming", ["sequential", "grouped", "legacy"])
+def test_megatron_lm_moe_key_names_load(naming):
+    """A Megatron-LM file whose MoE layers name each expert's tensors separately
+    (Megatron-Core's local_experts.N.linear_fc1 or grouped linear_fc1.weightN, or the
+    legacy model's local_experts.N.dense_h_to_4h) loads into our stacked experts."""
+    import argparse
+    from megatron.checkpointing.layout import from_megatron_layout, to_megatron_layout
+    from megatron.checkpointing.megatron_legacy import to_ours
+    from megatron.model import GPTModel
+    cfg = parse(*PLANNED).model
+    cfg.padded_vocab_size = 128
+    model = GPTModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    ours = model.state_dict()
+    theirs = {}
+    for name, tensor in ours.items():
+        if ".mlp.experts.linear_fc" not in name:
+            theirs[name] = tensor
+            continue
+        head, fc, kind = name.rsplit(".", 3)[0], name.split(".")[-2], name.split(".")[-1]
+        for e, row in enumerate(tensor):
+            if naming == "sequential":
+                theirs[f"{head}.experts.local_experts.{e}.{fc}.{kind}"] = row
+            elif naming == "grouped":
+                theirs[f"{head}.experts.{fc}.{kind}{e}"] = row
+            else:
+                legacy = {"linear_fc1": "dense_h_to_4h", "linear_fc2": "dense_4h_to_h"}[fc]
+                theirs[f"{head}.local_experts.{e}.{legacy}.{kind}"] = row
+    assert not any(k.endswith(".mlp.experts.linear_fc1.weight") for k in theirs)
+    state = {"args": argparse.Namespace(num_attention_heads=4), "checkpoint_version": 3.0,
+             "model": to_megatron_layout(theirs)}
+    loaded = from_megatron_layout(to_ours(state)["model"])
+    model.load_state_dict(loaded, strict=True)
+    assert all(torch.equal(loaded[k], ours[k]) for k in ours)
