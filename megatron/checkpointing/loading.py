@@ -17,6 +17,7 @@ import torch
 from megatron.arguments import config_from_namespace, fail, world_size_from_env
 from megatron.compat import apply_compat, explicit_dests
 from megatron.config import ConfigError
+from megatron.config.model import ARCHITECTURE_FIELDS, RUN_TIME_FIELDS, SCALING_FIELDS
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.checkpointing.portable import resolve_stored_paths
@@ -98,7 +99,8 @@ def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any])
     defaults = {}
     for action in parser._actions:  # argparse has no public list of destinations
         section, _, name = action.dest.partition(".")
-        if section == "model" and name in model and model[name] is not None:
+        if (section == "model" and name in model and model[name] is not None
+                and name not in RUN_TIME_FIELDS):
             defaults[action.dest] = model[name]
         elif section == "moe" and moe.get(name) is not None:
             defaults[action.dest] = moe[name]
@@ -193,18 +195,6 @@ def _default_global_batch(ns) -> None:
 
 
 MAX_PADDING_TP = 64  # padding adds < divisible-by x TP rows; no TP size beyond this is assumed
-# Fields that decide the parameters' names and shapes (max_position_embeddings only with
-# learned position embeddings: RoPE and ALiBi have no table).
-# Every architecture field: a model that differs in any of them is another model.
-MATCHED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                        "num_query_groups", "kv_channels", "activation", "normalization",
-                        "layernorm_epsilon", "apply_layernorm_1p", "position_embedding_type",
-                        "rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
-                        "untie_embeddings_and_output_weights", "add_bias_linear",
-                        "add_qkv_bias", "embed_layernorm", "embedding_multiplier",
-                        "qk_layernorm", "scale_embeddings")
-
-
 # Tokenizer types that only name a reader of the user's tokenizer files: one LLaMA-2
 # tokenizer.model can be read as Llama2Tokenizer or through its Hugging Face directory.
 # Switching among them is allowed (the vocabulary size is still checked).
@@ -225,7 +215,8 @@ def check_model_matches(config, stored: Dict[str, Any]) -> None:
     """The model and tokenizer the flags describe are the checkpoint's (exit 2 naming both)."""
     model, data = stored.get("model") or {}, stored.get("data") or {}
     root = config.checkpoint.load
-    names = tuple(n for n in MATCHED_MODEL_FIELDS if n in model)
+    scaling = SCALING_FIELDS.get(model.get("rope_scaling_type"), ())
+    names = tuple(n for n in ARCHITECTURE_FIELDS + scaling if n in model)
     if config.model.position_embedding_type == "learned_absolute":
         names += ("max_position_embeddings",)
     for name in names:

@@ -12,6 +12,31 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
 ACTIVATIONS = ("gelu", "openai_gelu", "exact_gelu", "squared_relu") + GLU_ACTIVATIONS
+# The fields that make a model what it is: a checkpoint's values are the defaults of a
+# run that loads it, a flag that contradicts one is refused, and an exported HF config
+# must reproduce each (a MoE section and the scaling fields of the RoPE scaling type too).
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+    "num_query_groups", "position_embedding_type", "rotary_percent", "rotary_base",
+    "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
+    "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
+    "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
+    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type")
+# Fields that matter only with the RoPE scaling type they belong to.
+SCALING_FIELDS = {
+    "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
+               "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"),
+    "yarn": ("rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
+             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")}
+# Run-time switches of the model (recomputation, fusions, kernels, loss details): a resumed
+# run takes them from its own flags, never from the checkpoint (a stored store_true switch
+# could not be turned off again).
+RUN_TIME_FIELDS = (
+    "checkpoint_activations", "checkpoint_num_layers", "recompute_granularity",
+    "recompute_method", "use_cpu_initialization", "attention_impl",
+    "attention_softmax_in_fp32", "masked_softmax_fusion", "bias_gelu_fusion",
+    "bias_dropout_fusion", "layer_norm_fusion", "fp16_lm_cross_entropy", "mask_vocab_padding",
+    "sequence_parallel")
 
 
 def default_ffn_hidden_size(hidden_size: int, gated: bool) -> int:

@@ -199,3 +199,21 @@ def test_generation_from_a_pipeline_checkpoint_in_one_process(tmp_path, capsys):
     assert " generated 2/2 samples | " in captured.err and "tokens/s" in captured.err
     assert [r["tokens"] for r in records] == [r["tokens"] for r in reference]
     assert all(len(r["tokens"]) == 12 for r in reference)
+
+
+def test_run_time_switches_are_not_taken_from_the_checkpoint():
+    """A resumed run takes recomputation, fusions and kernels from its own flags: a stored
+    --checkpoint-activations (store_true) could never be turned off again, a stored
+    --no-bias-gelu-fusion never on. Architecture fields (RoPE scaling ones too) are taken."""
+    from megatron.arguments import build_parser
+    from megatron.checkpointing.loading import checkpoint_defaults
+    stored = {"model": {"checkpoint_activations": True, "bias_gelu_fusion": False,
+                        "sequence_parallel": True, "hidden_size": 64, "window_size": 16,
+                        "rope_scaling_type": "llama3", "rope_scaling_factor": 32.0}}
+    defaults = checkpoint_defaults(build_parser("test"), stored)
+    for name in ("checkpoint_activations", "bias_gelu_fusion", "sequence_parallel"):
+        assert f"model.{name}" not in defaults, name
+    assert {k: defaults[f"model.{k}"] for k in ("hidden_size", "window_size", "rope_scaling_type",
+                                                "rope_scaling_factor")} == {
+        "hidden_size": 64, "window_size": 16, "rope_scaling_type": "llama3",
+        "rope_scaling_factor": 32.0}

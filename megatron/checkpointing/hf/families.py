@@ -1,5 +1,6 @@
 """The supported Hugging Face architectures, each with its mapping module."""
 from megatron.config import ConfigError, ModelConfig
+from megatron.config.model import ARCHITECTURE_FIELDS, SCALING_FIELDS
 from megatron.checkpointing.hf import (ConversionError, bloom, gemma, gpt2, llama, mixtral,
                                        qwen2, qwen3, qwen_moe)
 
@@ -8,22 +9,6 @@ FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma,
 # The HF architectures a model of ours may be exported as, by its position encoding (the
 # first that expresses it exactly).
 BY_POSITIONS = {"learned_absolute": (gpt2,), "rope": (llama, qwen2, qwen3, gemma), "alibi": (bloom,)}
-# The ModelConfig fields an exported HF config must reproduce.
-ARCHITECTURE_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
-    "num_query_groups", "position_embedding_type", "rotary_percent", "rotary_base",
-    "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
-    "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier", "activation",
-    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "window_size",
-    "rope_scaling_type")
-# Fields that matter only with the scaling type they belong to.
-SCALING_FIELDS = {
-    "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
-               "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"),
-    "yarn": ("rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
-             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")}
-
-
 def family_of(hf_config: dict):
     """The mapping module of the config's architecture (one-line error if unsupported)."""
     names = hf_config.get("architectures") or []
