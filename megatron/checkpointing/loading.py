@@ -52,13 +52,18 @@ def checkpoint_file(root: str) -> str:
                           f"incomplete")
 
 
-def read_stored_config(root: str) -> Dict[str, Any]:
-    """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
-    # verified at the full load; here only the stored config is read
+def _stored_state(root: str) -> Dict[str, Any]:
+    """What the latest checkpoint under `root` stores besides tensors: torch_dist's
+    common.pt, or one rank file of the torch format (unverified: verified at the full load)."""
     from megatron.checkpointing import torch_dist
     state = torch_dist.stored_common(root)
-    if state is None:
-        state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
+    return state if state is not None else read_model_file(checkpoint_file(root), verify=False,
+                                                           mmap=True)
+
+
+def read_stored_config(root: str) -> Dict[str, Any]:
+    """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
+    state = _stored_state(root)
     config = state.get("config") or state.get("megatron_config") or {}
     config = resolve_stored_paths(dict(config), root) if isinstance(config, dict) else {}
     if isinstance(state.get("tokenizer_files"), dict):
@@ -68,11 +73,12 @@ def read_stored_config(root: str) -> Dict[str, Any]:
 
 def checkpoint_summary(root: str) -> str:
     """"<root> at iteration N (format ..., saved at TP t x PP p)" for the loading lines."""
+    from megatron.checkpointing import torch_dist
     iteration, release = read_tracker(root)
-    state = read_model_file(checkpoint_file(root), verify=False, mmap=True)
-    parallel = state.get("parallel") or {}
+    parallel = _stored_state(root).get("parallel") or {}
     tp, pp = (parallel.get(f"{k}_model_parallel_size", "?") for k in ("tensor", "pipeline"))
-    kind = "release" if release else "torch"
+    kind = ("torch_dist" if torch_dist.stored_common(root) is not None
+            else "release" if release else "torch")
     return f"{root} at iteration {iteration} (format {kind}, saved at TP {tp} x PP {pp})"
 
 
@@ -111,7 +117,7 @@ def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any])
 
 def saved_layout(root: str) -> Tuple[int, int]:
     """(TP, PP) the latest checkpoint under `root` was saved at ((1, 1) when it does not say)."""
-    parallel = read_model_file(checkpoint_file(root), verify=False, mmap=True).get("parallel") or {}
+    parallel = _stored_state(root).get("parallel") or {}
     return (int(parallel.get("tensor_model_parallel_size", 1)),
             int(parallel.get("pipeline_model_parallel_size", 1)))
 
