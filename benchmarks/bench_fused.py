@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import isa_env  # noqa: F401  (before torch: MEGATRON_CPU_ISA holds torch's kernels too)
 import torch
 import torch.nn.functional as F
 
@@ -225,6 +226,7 @@ def main() -> None:
     if not fused_kernels.load_fused_kernels(verbose=False):
         print("fused kernels unavailable; nothing to compare")
     print(f"kernels loaded in {time.perf_counter() - start:.2f} s, threads={args.threads}")
+    print(fused_kernels.cpu_description())
     bench_cpu(args.repeat, args.only)
     if args.only in (None, "bias_gelu"):
         bench_bias_gelu(args.repeat, args.compile)

@@ -452,3 +452,9 @@ def causal_attention(q, k, v, scale):
     with the CPU kernel (check `causal_attention_fusable` first)."""
     sq, b, heads, dim = q.shape
     return FusedCausalAttention.apply(q, k, v, scale).view(sq, b, heads * dim)
+
+
+def cpu_kernels_isa() -> str:
+    """The instruction set the loaded CPU kernels were built for (avx512, avx2, baseline)."""
+    module = fused_kernels.get_extension("cpu")
+    return getattr(module, "isa", "unknown") if module is not None else "not built"

@@ -31,6 +31,18 @@ def _future(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
 
 
+_ANNOUNCED: set = set()
+
+
+def announce_attention(path: str) -> None:
+    """Prints the attention path taken, once per path and process (rank 0)."""
+    if path in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(path)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f" attention: {path}", flush=True)
+
+
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
 
@@ -44,11 +56,16 @@ class CoreAttention(torch.nn.Module):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
         if self._use_cpu_kernel(q, k, v, mask, bias):
+            announce_attention(f"our CPU kernel ({self.cfg.attention_impl}, "
+                               f"{fused.cpu_kernels_isa()})")
             return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
+            announce_attention(f"SDPA ({self.cfg.attention_impl})")
             context = self._sdpa(q, k, v, mask, bias)
         else:
+            announce_attention(f"explicit softmax(q k^T) v ({self.cfg.attention_impl}, "
+                               f"fused softmax {'on' if self._fusion() else 'off'})")
             context = self._explicit(q, k, v, mask, bias)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
