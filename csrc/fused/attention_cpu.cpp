@@ -7,6 +7,7 @@
 // projection); the head size is a multiple of 16.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -37,6 +38,13 @@ MF_INLINE int64_t round_lanes(int64_t n) { return (n + kLanes - 1) / kLanes * kL
 // than the rounded length, so that rows of a power-of-two length do not all fall into
 // the same cache sets (the products read down the columns of k^T and v^T).
 MF_INLINE int64_t row_pitch(int64_t sq) { return round_lanes(sq) + kLanes; }
+
+// dst[j * dst_stride + d] = src[j * src_stride + d] for j < n, d < hn.
+MF_INLINE void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                         int64_t n, int64_t hn) {
+  for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * dst_stride, src + j * src_stride,
+                                              sizeof(float) * hn);
+}
 
 // xt[d * ld + j] = x[j * stride + d] for j < n, zero for n <= j < ld.
 MF_INLINE void transpose_rows(float* xt, const float* x, int64_t n, int64_t stride, int64_t hn,
@@ -245,11 +253,13 @@ void causal_attention_head_forward(const float* q, int64_t qs, const float* k,
                                              int64_t ks, const float* v, int64_t vs, float* o,
                                              int64_t os, float* lse, int64_t sq, int64_t hn,
                                              float scale, float* work) {
-  const Head h{q, k, v, qs, ks, vs, sq, hn, scale};
   const int64_t ld = row_pitch(sq);
   float* kt = work;
   float* s = kt + hn * ld;
+  float* vc = s + kRows * ld;  // v's rows, contiguous
   transpose_rows(kt, k, sq, ks, hn, ld);
+  copy_rows(vc, hn, v, vs, sq, hn);
+  const Head h{q, k, vc, qs, ks, hn, sq, hn, scale};
   for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, sq - i0);
 #define MF_FORWARD(R) forward_block<R>(h, i0, kt, s, ld, o, os, lse)
@@ -265,32 +275,38 @@ void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
                                               int64_t dqs, float* dk, int64_t dks, float* dv,
                                               int64_t dvs, int64_t sq, int64_t hn, float scale,
                                               float* work) {
-  const Head h{q, k, v, qs, ks, vs, sq, hn, scale};
   const int64_t ld = row_pitch(sq);
   float* kt = work;
   float* vt = kt + hn * ld;
   float* p = vt + hn * ld;
   float* ds = p + kRows * ld;
   float* delta = ds + kRows * ld;
+  // k's rows and the dk / dv sums, contiguous: every block reads or adds to all rows
+  // before it, and the tensors' own rows lie a power of two apart (b * heads * hn floats)
+  // in few cache sets.
+  float* kc = delta + sq;
+  float* dkc = kc + sq * hn;
+  float* dvc = dkc + sq * hn;
   transpose_rows(kt, k, sq, ks, hn, ld);
   transpose_rows(vt, v, sq, vs, hn, ld);
-  for (int64_t i = 0; i < sq; ++i) {
-    delta[i] = dot(dout + i * dos, o + i * os, hn);  // sum_j p_ij dp_ij
-    fill_zero(dk + i * dks, hn);
-    fill_zero(dv + i * dvs, hn);
-  }
+  copy_rows(kc, hn, k, ks, sq, hn);
+  fill_zero(dkc, 2 * sq * hn);
+  for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);  // sum_j p dp
+  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale};
   for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, sq - i0);
 #define MF_BACKWARD(R) \
-  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dk, dks, dv, dvs)
+  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dkc, hn, dvc, hn)
     MF_ROWS_DISPATCH(rows, MF_BACKWARD)
 #undef MF_BACKWARD
   }
+  copy_rows(dk, dks, dkc, hn, sq, hn);
+  copy_rows(dv, dvs, dvc, hn, sq, hn);
 }
 
 int64_t causal_attention_work_floats(int64_t sq, int64_t hn) {
   const int64_t ld = row_pitch(sq);
-  return 2 * hn * ld + 2 * kRows * ld + sq;
+  return 2 * hn * ld + 2 * kRows * ld + sq + 3 * sq * hn;
 }
 
 }  // namespace cpu

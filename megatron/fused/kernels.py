@@ -96,16 +96,17 @@ def fused_extension_ldflags() -> list[str]:
     return list(LDFLAGS)
 
 
-def _cpu_info() -> tuple[str, set[str]]:
+@functools.lru_cache(maxsize=None)
+def _cpu_info() -> tuple[str, frozenset[str]]:
     """(model name, flag set) of this CPU from /proc/cpuinfo; ("unknown", {}) elsewhere."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or "unknown", set()
+        return platform.processor() or "unknown", frozenset()
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
     flags = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
     return (model.group(1).strip() if model else "unknown",
-            set(flags.group(1).split()) if flags else set())
+            frozenset(flags.group(1).split()) if flags else frozenset())
 
 
 def cpu_model() -> str:
@@ -113,7 +114,7 @@ def cpu_model() -> str:
     return _cpu_info()[0]
 
 
-def _best_isa(flags: set[str]) -> str:
+def _best_isa(flags: frozenset[str]) -> str:
     for isa in ("avx512", "avx2"):
         if all(f in flags for f in ISA_CPU_FLAGS[isa]):
             return isa
