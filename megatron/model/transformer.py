@@ -72,11 +72,11 @@ class CoreAttention(torch.nn.Module):
 
     def _use_cpu_kernel(self, q, k, v, mask, bias):
         """auto, with fusions on: our CPU flash-attention kernel for plain causal
-        self-attention in float32 without dropout (faster than SDPA's CPU kernel there:
-        benchmarks/bench_fused.py --only attention)."""
+        self-attention in float32 without dropout, where it is faster than SDPA's CPU
+        kernel on this instruction set (fused.KERNEL_MAX_SEQ)."""
         return (self.cfg.attention_impl == "auto" and self._fusion() and mask is None
                 and bias is None and not (self.training and self.dropout_p > 0)
-                and fused.causal_attention_fusable(q, k, v))
+                and fused.causal_attention_preferred(q, k, v))
 
     def _use_sdpa(self, mask, q, bias):
         """auto: SDPA for plain causal attention, except where our path is faster or

@@ -115,3 +115,20 @@ def test_each_isa_has_its_own_build(monkeypatch):
         assert fused_kernels.ISA_CFLAGS[isa] == spec["cflags"][len(fused_kernels.CPU_CFLAGS):]
         keys.add(fused_kernels._build_key(fused_kernels.CPU_EXTENSION, spec))
     assert len(keys) == 3
+
+
+def test_auto_attention_rule_per_isa(monkeypatch):
+    """auto takes our attention kernel only where bench_fused measured it faster than SDPA
+    on that instruction set (fused.KERNEL_MAX_SEQ); otherwise SDPA."""
+    import torch
+    from megatron import fused
+    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1040, 1, 2, 16)
+    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v: True)
+    expected = {"avx512": (True, True), "avx2": (True, False), "baseline": (False, False),
+                "not built": (False, False)}
+    for isa, (want_short, want_long) in expected.items():
+        monkeypatch.setattr(fused, "cpu_kernels_isa", lambda isa=isa: isa)
+        assert fused.causal_attention_preferred(short, short, short) is want_short, isa
+        assert fused.causal_attention_preferred(long_, long_, long_) is want_long, isa
+    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v: False)
+    assert not fused.causal_attention_preferred(short, short, short)
