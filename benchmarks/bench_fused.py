@@ -13,8 +13,8 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
     and vs TorchScript (and torch.compile with --compile);
   - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
     [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x);
-  - causal self-attention forward+backward (seq 256 / head_dim 32 and seq 1024 / head_dim
-    64): SDPA vs our kernel (target: >= 1.1x).
+  - causal self-attention forward+backward (seq 256 / head_dim 32, seq 1024, 2048 and 4096 /
+    head_dim 64): SDPA vs our kernel (target: >= 1.1x).
 CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
 with the achieved bandwidth against a device-to-device copy.
 Timings interleave the two sides and take medians, so both see the same load.
@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import isa_env  # noqa: F401  (before torch: MEGATRON_CPU_ISA holds torch's kernels too)
 import torch
 import torch.nn.functional as F
 
@@ -161,7 +162,8 @@ def bench_cross_entropy(repeat: int) -> None:
 def bench_attention(repeat: int) -> None:
     """Causal self-attention forward+backward from the views of a fused QKV projection:
     SDPA (what --attention-impl sdpa runs) vs our CPU kernel (what auto runs)."""
-    for s, b, heads, dim in ((256, 8, 8, 32), (1024, 2, 16, 64)):
+    for s, b, heads, dim in ((256, 8, 8, 32), (1024, 2, 16, 64), (2048, 1, 16, 64),
+                             (4096, 1, 8, 64)):
         qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
 
         def step(kernel):
@@ -225,6 +227,7 @@ def main() -> None:
     if not fused_kernels.load_fused_kernels(verbose=False):
         print("fused kernels unavailable; nothing to compare")
     print(f"kernels loaded in {time.perf_counter() - start:.2f} s, threads={args.threads}")
+    print(fused_kernels.cpu_description())
     bench_cpu(args.repeat, args.only)
     if args.only in (None, "bias_gelu"):
         bench_bias_gelu(args.repeat, args.compile)

@@ -11,7 +11,7 @@
   torch.optim.AdamW, fused on GPUs, foreach on CPUs).
 The peers also clip to 1.0 and use that AdamW (on CPUs torch's per-tensor fused AdamW
 measured slower than foreach here, so the peers get the faster one). All run at the same size,
-dtype, batch and thread count, dropout 0; with --bf16 ours keeps bf16 weights
+dtype, batch and thread count and dropout (`--dropout`, default 0); with --bf16 ours keeps bf16 weights
 and fp32 main parameters, the peers run under bf16 autocast. Each repetition
 times `--steps` steps of every contender in turn, so that machine noise hits all
 alike; the medians over repetitions are compared. `--fusions` adds our step with
@@ -30,11 +30,13 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import isa_env  # noqa: E402,F401  (before torch: MEGATRON_CPU_ISA holds torch's kernels too)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import parse_args  # noqa: E402
+from megatron.fused import kernels as fused_kernels  # noqa: E402
 from megatron.mpu import model_parallel_seed, single_process_state  # noqa: E402
 from megatron.training.flops import matmul_rate, model_flops  # noqa: E402
 from megatron.training.trainer import Trainer, build_model_chunks  # noqa: E402
@@ -50,7 +52,8 @@ def our_flags(args, extra=()):
             "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
             "--max-position-embeddings", str(args.seq), "--micro-batch-size", str(args.batch),
             "--global-batch-size", str(args.batch), "--train-iters", "1000000", "--lr", "1e-4",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "1.0",
+            "--hidden-dropout", str(args.dropout), "--attention-dropout", str(args.dropout),
+            "--clip-grad", "1.0",
             *(["--bf16"] if args.bf16 else []), *args.our_flags.split(), *extra]
 
 
@@ -70,9 +73,9 @@ def build_ours(args, text, extra=()):
 
 # -- peers -----------------------------------------------------------------------
 class MinimalBlock(torch.nn.Module):
-    def __init__(self, h, heads):
+    def __init__(self, h, heads, dropout):
         super().__init__()
-        self.heads = heads
+        self.heads, self.p = heads, dropout
         self.ln_1, self.ln_2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
         self.c_attn, self.c_proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
         self.c_fc, self.mlp_proj = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
@@ -81,21 +84,24 @@ class MinimalBlock(torch.nn.Module):
         b, s, h = x.shape
         q, k, v = self.c_attn(x).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, s, h))
 
     def forward(self, x):
-        x = x + self.attention(self.ln_1(x))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        drop = partial(F.dropout, p=self.p, training=self.training)
+        x = x + drop(self.attention(self.ln_1(x)))
+        return x + drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
 
 
 class MinimalGPT(torch.nn.Module):
     """A whole GPT-2 in the nanoGPT style: [b, s] tokens -> mean cross entropy."""
 
-    def __init__(self, layers, h, heads, seq, vocab):
+    def __init__(self, layers, h, heads, seq, vocab, dropout=0.0):
         super().__init__()
         self.wte, self.wpe = torch.nn.Embedding(vocab, h), torch.nn.Embedding(seq, h)
-        self.blocks = torch.nn.ModuleList(MinimalBlock(h, heads) for _ in range(layers))
+        self.drop = torch.nn.Dropout(dropout)
+        self.blocks = torch.nn.ModuleList(MinimalBlock(h, heads, dropout) for _ in range(layers))
         self.ln_f = torch.nn.LayerNorm(h)
         for name, p in self.named_parameters():
             if p.dim() == 2:
@@ -103,7 +109,7 @@ class MinimalGPT(torch.nn.Module):
                 torch.nn.init.normal_(p, std=std)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
@@ -113,15 +119,15 @@ class MinimalGPT(torch.nn.Module):
 def transformers_gpt2(args):
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
-                     n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+                     n_layer=args.layers, n_head=args.heads, resid_pdrop=args.dropout,
+                     embd_pdrop=args.dropout, attn_pdrop=args.dropout, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
     model = GPT2LMHeadModel(cfg)
     # GPT-2 shifts the labels itself: its labels are the input tokens.
     return lambda tokens, labels: model(input_ids=tokens, labels=tokens).loss, model
 
 
 def minimal_gpt(args):
-    model = MinimalGPT(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    model = MinimalGPT(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.dropout)
     return model, model
 
 
@@ -202,6 +208,8 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, default=8064)
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout of every contender")
     p.add_argument("--peers", default="transformers,minimal",
                    help="comma list of peers to time beside ours (transformers, minimal; '' for none)")
     p.add_argument("--fusions", action="store_true", help="also time our step with every fusion off")
@@ -237,8 +245,10 @@ def main(argv=None):
     torch.manual_seed(1234)
     text = torch.randint(0, args.vocab - 1, (args.batch, args.seq + 1))
     print(f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
-          f"micro batch {args.batch}, vocab {args.vocab}, {'bf16' if args.bf16 else 'fp32'}, "
+          f"micro batch {args.batch}, vocab {args.vocab}, dropout {args.dropout}, "
+          f"{'bf16' if args.bf16 else 'fp32'}, "
           f"{args.device}, threads {torch.get_num_threads()}, median of {args.reps} x {args.steps} steps")
+    print(fused_kernels.cpu_description())
     config, ours = build_ours(args, text)
     steps = {"ours": ours}
     if args.fusions:

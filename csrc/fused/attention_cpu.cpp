@@ -7,6 +7,7 @@
 // projection); the head size is a multiple of 16.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -24,11 +25,26 @@ namespace {
 
 constexpr int kRows = 8;  // query rows per block
 
-// Everything below is inlined into the per-instruction-set clones of the two entry points
-// (a helper compiled on its own would get the baseline instruction set).
+// The products below keep R rows x V lane vectors of accumulators in registers: V = 2
+// where there are 32 vector registers (AVX-512: 16 accumulators of 8 x 2), 1 where there
+// are 16 (AVX2 and baseline: 8 accumulators), so that nothing spills.
+constexpr int kChunkVecs = kRegisters >= 32 ? 2 : 1;
+
 #define MF_INLINE inline __attribute__((always_inline))
 
 MF_INLINE int64_t round_lanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Floats between the rows of the transposed k / v and of the score block: one vector more
+// than the rounded length, so that rows of a power-of-two length do not all fall into
+// the same cache sets (the products read down the columns of k^T and v^T).
+MF_INLINE int64_t row_pitch(int64_t sq) { return round_lanes(sq) + kLanes; }
+
+// dst[j * dst_stride + d] = src[j * src_stride + d] for j < n, d < hn.
+MF_INLINE void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                         int64_t n, int64_t hn) {
+  for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * dst_stride, src + j * src_stride,
+                                              sizeof(float) * hn);
+}
 
 // xt[d * ld + j] = x[j * stride + d] for j < n, zero for n <= j < ld.
 MF_INLINE void transpose_rows(float* xt, const float* x, int64_t n, int64_t stride, int64_t hn,
@@ -40,11 +56,11 @@ MF_INLINE void transpose_rows(float* xt, const float* x, int64_t n, int64_t stri
   }
 }
 
-// The three products below work on chunks of V = 2 lane vectors (32 floats) and, for a
-// last 16, of V = 1; R rows times V vectors of accumulators stay in registers.
+// The three products below work on chunks of V = kChunkVecs lane vectors and, for a
+// last vector, of V = 1.
 
 // s[r * ld + j + c] = scale * sum_d a[r * a_stride + d] * bt[d * ld + j + c] for r < R,
-// c < 16 V.
+// c < kLanes V.
 template <int R, int V>
 MF_INLINE void products_chunk(float* s, int64_t ld, const float* a, int64_t a_stride,
                               const float* bt, int64_t j, int64_t hn, float scale) {
@@ -63,18 +79,18 @@ MF_INLINE void products_chunk(float* s, int64_t ld, const float* a, int64_t a_st
     for (int v = 0; v < V; ++v) store(s + r * ld + j + v * kLanes, acc[v][r] * scale);
 }
 
-// The products above for j < n (a multiple of 16).
+// The products above for j < n (a multiple of kLanes).
 template <int R>
 MF_INLINE void block_products(float* s, int64_t ld, const float* a, int64_t a_stride,
                               const float* bt, int64_t n, int64_t hn, float scale) {
   int64_t j = 0;
-  for (; j + 2 * kLanes <= n; j += 2 * kLanes)
-    products_chunk<R, 2>(s, ld, a, a_stride, bt, j, hn, scale);
+  for (; j + kChunkVecs * kLanes <= n; j += kChunkVecs * kLanes)
+    products_chunk<R, kChunkVecs>(s, ld, a, a_stride, bt, j, hn, scale);
   if (j < n) products_chunk<R, 1>(s, ld, a, a_stride, bt, j, hn, scale);
 }
 
 // out[r * out_stride + c + i] = row_scale[r] * sum_{j < n} p[r * ld + j] *
-// x[j * x_stride + c + i] for r < R, i < 16 V.
+// x[j * x_stride + c + i] for r < R, i < kLanes V.
 template <int R, int V>
 MF_INLINE void combine_chunk(float* out, int64_t out_stride, const float* p, int64_t ld,
                              const float* x, int64_t x_stride, int64_t n, int64_t c,
@@ -95,19 +111,19 @@ MF_INLINE void combine_chunk(float* out, int64_t out_stride, const float* p, int
       store(out + r * out_stride + c + v * kLanes, acc[v][r] * row_scale[r]);
 }
 
-// The combination above for all c < hn (a multiple of 16).
+// The combination above for all c < hn (a multiple of kLanes).
 template <int R>
 MF_INLINE void block_combine(float* out, int64_t out_stride, const float* p, int64_t ld,
                              const float* x, int64_t x_stride, int64_t n, int64_t hn,
                              const float* row_scale) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= hn; c += 2 * kLanes)
-    combine_chunk<R, 2>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
+  for (; c + kChunkVecs * kLanes <= hn; c += kChunkVecs * kLanes)
+    combine_chunk<R, kChunkVecs>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
   if (c < hn) combine_chunk<R, 1>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
 }
 
 // y[j * y_stride + c + i] += scale * sum_{r < R} w[r * ld + j] * a[r * a_stride + c + i] for
-// j < n, i < 16 V: the transposed product, accumulated over the blocks of query rows.
+// j < n, i < kLanes V: the transposed product, accumulated over the blocks of query rows.
 template <int R, int V>
 MF_INLINE void accumulate_chunk(float* y, int64_t y_stride, const float* w, int64_t ld,
                                 const float* a, int64_t a_stride, int64_t n, int64_t c,
@@ -126,14 +142,14 @@ MF_INLINE void accumulate_chunk(float* y, int64_t y_stride, const float* w, int6
   }
 }
 
-// The accumulation above for all c < hn (a multiple of 16).
+// The accumulation above for all c < hn (a multiple of kLanes).
 template <int R>
 MF_INLINE void block_accumulate(float* y, int64_t y_stride, const float* w, int64_t ld,
                                 const float* a, int64_t a_stride, int64_t n, int64_t hn,
                                 float scale) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= hn; c += 2 * kLanes)
-    accumulate_chunk<R, 2>(y, y_stride, w, ld, a, a_stride, n, c, scale);
+  for (; c + kChunkVecs * kLanes <= hn; c += kChunkVecs * kLanes)
+    accumulate_chunk<R, kChunkVecs>(y, y_stride, w, ld, a, a_stride, n, c, scale);
   if (c < hn) accumulate_chunk<R, 1>(y, y_stride, w, ld, a, a_stride, n, c, scale);
 }
 
@@ -146,7 +162,7 @@ MF_INLINE float row_max(const float* row, int64_t valid) {
   return hmax(acc);
 }
 
-// row[j] = exp(row[j] - m) for j < valid, 0 for valid <= j < n16 (a multiple of 16);
+// row[j] = exp(row[j] - m) for j < valid, 0 for valid <= j < n16 (a multiple of kLanes);
 // returns the sum.
 MF_INLINE float exp_row(float* row, int64_t valid, int64_t n16, float m) {
   LaneVec acc = splat(0.0f);
@@ -233,15 +249,17 @@ MF_INLINE void backward_block(const Head& h, int64_t i0, const float* kt, const 
 
 }  // namespace
 
-MF_CLONES void causal_attention_head_forward(const float* q, int64_t qs, const float* k,
+void causal_attention_head_forward(const float* q, int64_t qs, const float* k,
                                              int64_t ks, const float* v, int64_t vs, float* o,
                                              int64_t os, float* lse, int64_t sq, int64_t hn,
                                              float scale, float* work) {
-  const Head h{q, k, v, qs, ks, vs, sq, hn, scale};
-  const int64_t ld = round_lanes(sq);
+  const int64_t ld = row_pitch(sq);
   float* kt = work;
   float* s = kt + hn * ld;
+  float* vc = s + kRows * ld;  // v's rows, contiguous
   transpose_rows(kt, k, sq, ks, hn, ld);
+  copy_rows(vc, hn, v, vs, sq, hn);
+  const Head h{q, k, vc, qs, ks, hn, sq, hn, scale};
   for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, sq - i0);
 #define MF_FORWARD(R) forward_block<R>(h, i0, kt, s, ld, o, os, lse)
@@ -250,39 +268,45 @@ MF_CLONES void causal_attention_head_forward(const float* q, int64_t qs, const f
   }
 }
 
-MF_CLONES void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
+void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
                                               int64_t ks, const float* v, int64_t vs,
                                               const float* o, int64_t os, const float* dout,
                                               int64_t dos, const float* lse, float* dq,
                                               int64_t dqs, float* dk, int64_t dks, float* dv,
                                               int64_t dvs, int64_t sq, int64_t hn, float scale,
                                               float* work) {
-  const Head h{q, k, v, qs, ks, vs, sq, hn, scale};
-  const int64_t ld = round_lanes(sq);
+  const int64_t ld = row_pitch(sq);
   float* kt = work;
   float* vt = kt + hn * ld;
   float* p = vt + hn * ld;
   float* ds = p + kRows * ld;
   float* delta = ds + kRows * ld;
+  // k's rows and the dk / dv sums, contiguous: every block reads or adds to all rows
+  // before it, and the tensors' own rows lie a power of two apart (b * heads * hn floats)
+  // in few cache sets.
+  float* kc = delta + sq;
+  float* dkc = kc + sq * hn;
+  float* dvc = dkc + sq * hn;
   transpose_rows(kt, k, sq, ks, hn, ld);
   transpose_rows(vt, v, sq, vs, hn, ld);
-  for (int64_t i = 0; i < sq; ++i) {
-    delta[i] = dot(dout + i * dos, o + i * os, hn);  // sum_j p_ij dp_ij
-    fill_zero(dk + i * dks, hn);
-    fill_zero(dv + i * dvs, hn);
-  }
+  copy_rows(kc, hn, k, ks, sq, hn);
+  fill_zero(dkc, 2 * sq * hn);
+  for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);  // sum_j p dp
+  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale};
   for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, sq - i0);
 #define MF_BACKWARD(R) \
-  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dk, dks, dv, dvs)
+  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dkc, hn, dvc, hn)
     MF_ROWS_DISPATCH(rows, MF_BACKWARD)
 #undef MF_BACKWARD
   }
+  copy_rows(dk, dks, dkc, hn, sq, hn);
+  copy_rows(dv, dvs, dvc, hn, sq, hn);
 }
 
 int64_t causal_attention_work_floats(int64_t sq, int64_t hn) {
-  const int64_t ld = round_lanes(sq);
-  return 2 * hn * ld + 2 * kRows * ld + sq;
+  const int64_t ld = row_pitch(sq);
+  return 2 * hn * ld + 2 * kRows * ld + sq + 3 * sq * hn;
 }
 
 }  // namespace cpu

@@ -6,6 +6,7 @@
 
 #include "bindings_common.h"
 #include "cpu_kernels.h"
+#include "cpu_lanes.h"
 
 namespace megatron_fused {
 namespace {
@@ -297,4 +298,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; },
         "fill outputs with NaN before kernels run (tests)");
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });
+  m.attr("isa") = mf::cpu::lanes::kIsa;  // the instruction set it was built for
 }

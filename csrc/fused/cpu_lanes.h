@@ -1,31 +1,35 @@
-// LaneVec: 16 floats handled as one value through the GCC/Clang vector extension,
-// and the helpers the CPU kernels write their arithmetic with. Functions using them are
-// compiled per instruction set with MF_CLONES (AVX-512, AVX2, baseline) and the
-// compiler maps LaneVec to that target's registers; these helpers are inlined into
-// each clone.
+// LaneVec: one register of floats handled as one value through the GCC/Clang vector
+// extension, and the helpers the CPU kernels write their arithmetic with.
+//
+// The library is built for one instruction set (-march flags, chosen by
+// megatron/fused/kernels.py from this CPU or MEGATRON_CPU_ISA), and LaneVec is exactly one
+// register of it: 16 floats with AVX-512, 8 with AVX2, 4 otherwise. A vector wider than
+// the target's registers has no machine mode: GCC keeps every such value in stack memory
+// and builds it element by element, which made the AVX2 code 5-20x slower than SDPA
+// (the previous build had one 16-float type for AVX-512, AVX2 and baseline clones).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
-#if defined(__GNUC__) && !defined(__clang__)
-// The LaneVec helpers are inlined; GCC's note on passing 64-byte vectors by value
-// across an ABI boundary does not apply to them.
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define MF_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MF_CLONES
-#endif
-
 namespace megatron_fused {
 namespace cpu {
 namespace lanes {
 
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kRegisters = 32;  // vector registers of the target
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+constexpr const char* kIsa = "avx2";
+#else
+constexpr int kLanes = 4;
+constexpr int kRegisters = 16;
+constexpr const char* kIsa = "baseline";
+#endif
 typedef float LaneVec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t LaneInt __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t LaneU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));

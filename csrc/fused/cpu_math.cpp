@@ -1,11 +1,10 @@
 // Row primitives for the CPU kernels (see cpu_math.h).
 //
-// The arithmetic is written on LaneVec, 16 floats handled as one value through
-// the GCC/Clang vector extension; each function is compiled for AVX-512, AVX2 and
-// the baseline (target_clones) and the compiler maps LaneVec to that target's
-// registers. Reductions keep 16 partial results and add them at the end, so no
+// The arithmetic is written on LaneVec, one vector register of floats handled as one
+// value through the GCC/Clang vector extension (cpu_lanes.h; the library is built for one
+// instruction set). Reductions keep kLanes partial results and add them at the end, so no
 // -ffast-math is needed. exp() is a short polynomial accurate to about 2 ulp.
-// Row tails shorter than 16 go through a padded LaneVec, so every element sees
+// Row tails shorter than kLanes go through a padded LaneVec, so every element sees
 // the same arithmetic.
 #include "cpu_math.h"
 
@@ -27,7 +26,7 @@ inline LaneVec masked_scores(const LaneVec& x, const LaneInt& masked, float scal
 
 }  // namespace
 
-MF_CLONES float scaled_max(const float* x, int64_t n, float scale) {
+float scaled_max(const float* x, int64_t n, float scale) {
   LaneVec acc = splat(-kInf);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc = vmax(acc, load(x + i) * scale);
@@ -38,7 +37,7 @@ MF_CLONES float scaled_max(const float* x, int64_t n, float scale) {
   return hmax(acc);
 }
 
-MF_CLONES float masked_scaled_max(const float* x, const uint8_t* mask, int64_t n, float scale) {
+float masked_scaled_max(const float* x, const uint8_t* mask, int64_t n, float scale) {
   LaneVec acc = splat(-kInf);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -51,7 +50,7 @@ MF_CLONES float masked_scaled_max(const float* x, const uint8_t* mask, int64_t n
   return hmax(acc);
 }
 
-MF_CLONES float scaled_exp_sum(float* y, const float* x, int64_t n, float scale, float m) {
+float scaled_exp_sum(float* y, const float* x, int64_t n, float scale, float m) {
   LaneVec acc = splat(0.0f);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -67,7 +66,7 @@ MF_CLONES float scaled_exp_sum(float* y, const float* x, int64_t n, float scale,
   return hsum(acc);
 }
 
-MF_CLONES float masked_scaled_exp_sum(float* y, const float* x, const uint8_t* mask, int64_t n,
+float masked_scaled_exp_sum(float* y, const float* x, const uint8_t* mask, int64_t n,
                                       float scale, float m) {
   LaneVec acc = splat(0.0f);
   int64_t i = 0;
@@ -86,7 +85,7 @@ MF_CLONES float masked_scaled_exp_sum(float* y, const float* x, const uint8_t* m
   return hsum(acc);
 }
 
-MF_CLONES void scale_inplace(float* y, int64_t n, float factor) {
+void scale_inplace(float* y, int64_t n, float factor) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) * factor);
   for (; i < n; ++i) y[i] *= factor;
@@ -96,7 +95,7 @@ void fill_zero(float* y, int64_t n) {
   if (n > 0) std::memset(y, 0, sizeof(float) * n);
 }
 
-MF_CLONES float dot(const float* a, const float* b, int64_t n) {
+float dot(const float* a, const float* b, int64_t n) {
   LaneVec acc = splat(0.0f);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
@@ -104,14 +103,14 @@ MF_CLONES float dot(const float* a, const float* b, int64_t n) {
   return hsum(acc);
 }
 
-MF_CLONES void softmax_grad(float* dx, const float* g, const float* y, int64_t n, float gy,
+void softmax_grad(float* dx, const float* g, const float* y, int64_t n, float gy,
                             float scale) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(dx + i, load(y + i) * (load(g + i) - gy) * scale);
   for (; i < n; ++i) dx[i] = y[i] * (g[i] - gy) * scale;
 }
 
-MF_CLONES void masked_softmax_grad(float* dx, const float* g, const float* y,
+void masked_softmax_grad(float* dx, const float* g, const float* y,
                                    const uint8_t* mask, int64_t n, float gy, float scale) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -121,7 +120,7 @@ MF_CLONES void masked_softmax_grad(float* dx, const float* g, const float* y,
   for (; i < n; ++i) dx[i] = mask[i] ? 0.0f : y[i] * (g[i] - gy) * scale;
 }
 
-MF_CLONES float sum(const float* x, int64_t n) {
+float sum(const float* x, int64_t n) {
   LaneVec acc = splat(0.0f);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load(x + i);
@@ -129,7 +128,7 @@ MF_CLONES float sum(const float* x, int64_t n) {
   return hsum(acc);
 }
 
-MF_CLONES float sum_sq_dev(const float* x, int64_t n, float mean) {
+float sum_sq_dev(const float* x, int64_t n, float mean) {
   LaneVec acc = splat(0.0f);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -143,7 +142,7 @@ MF_CLONES float sum_sq_dev(const float* x, int64_t n, float mean) {
   return hsum(acc);
 }
 
-MF_CLONES void layer_norm_affine(float* y, const float* x, const float* w, const float* b,
+void layer_norm_affine(float* y, const float* x, const float* w, const float* b,
                                  int64_t n, float mean, float rstd) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -151,7 +150,7 @@ MF_CLONES void layer_norm_affine(float* y, const float* x, const float* w, const
   for (; i < n; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
 }
 
-MF_CLONES void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const float* dy,
+void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const float* dy,
                                    const float* x, const float* w, int64_t n, float mean,
                                    float rstd) {
   LaneVec acc1 = splat(0.0f);
@@ -186,13 +185,13 @@ MF_CLONES void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const
   for (; i < n; ++i) dx[i] = rstd * (dy[i] * w[i] - c1 - (x[i] - mean) * rstd * c2);
 }
 
-MF_CLONES void scaled_product(float* y, const float* x, const float* w, int64_t n, float s) {
+void scaled_product(float* y, const float* x, const float* w, int64_t n, float s) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(y + i, load(x + i) * s * load(w + i));
   for (; i < n; ++i) y[i] = x[i] * s * w[i];
 }
 
-MF_CLONES void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, const float* x,
+void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, const float* x,
                                  const float* w, int64_t n, float rstd) {
   LaneVec acc = splat(0.0f);
   int64_t i = 0;
@@ -229,7 +228,7 @@ inline LaneVec bias_lanes(const float* b, int64_t i, int64_t m) {
   return m == kLanes ? load(b + i) : load_part(b + i, m, 0.0f);
 }
 
-MF_CLONES void bias_gelu_row(float* y, const float* x, const float* b, int64_t n) {
+void bias_gelu_row(float* y, const float* x, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) {
     const int64_t m = n - i < kLanes ? n - i : kLanes;
     const LaneVec u = (m == kLanes ? load(x + i) : load_part(x + i, m, 0.0f)) + bias_lanes(b, i, m);
@@ -239,7 +238,7 @@ MF_CLONES void bias_gelu_row(float* y, const float* x, const float* b, int64_t n
 }
 
 // d/du [u s] with s = sigmoid(2z): s + 2 u s (1 - s) dz/du.
-MF_CLONES void bias_gelu_grad_row(float* dx, float* db, const float* g, const float* x,
+void bias_gelu_grad_row(float* dx, float* db, const float* g, const float* x,
                                   const float* b, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) {
     const int64_t m = n - i < kLanes ? n - i : kLanes;
@@ -258,7 +257,7 @@ MF_CLONES void bias_gelu_grad_row(float* dx, float* db, const float* g, const fl
   }
 }
 
-MF_CLONES void add_inplace(float* acc, const float* x, int64_t n) {
+void add_inplace(float* acc, const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(acc + i, load(acc + i) + load(x + i));
   for (; i < n; ++i) acc[i] += x[i];
@@ -266,7 +265,7 @@ MF_CLONES void add_inplace(float* acc, const float* x, int64_t n) {
 
 // bfloat16 is the top half of a float: widen by shifting; narrow with round to
 // nearest even, NaN kept as a quiet NaN (the same results as c10::BFloat16).
-MF_CLONES void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
+void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     LaneU16 h;
@@ -277,7 +276,7 @@ MF_CLONES void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-MF_CLONES void from_float(c10::BFloat16* dst, const float* src, int64_t n) {
+void from_float(c10::BFloat16* dst, const float* src, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const LaneVec f = load(src + i);
@@ -291,11 +290,11 @@ MF_CLONES void from_float(c10::BFloat16* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
 }
 
-MF_CLONES void to_float(float* dst, const c10::Half* src, int64_t n) {
+void to_float(float* dst, const c10::Half* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-MF_CLONES void from_float(c10::Half* dst, const float* src, int64_t n) {
+void from_float(c10::Half* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
 }
 

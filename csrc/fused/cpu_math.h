@@ -1,8 +1,7 @@
 // Row primitives for the CPU kernels: plain loops over contiguous float rows.
 //
-// Every function works on one row of `n` elements. They are compiled once per
-// instruction set (AVX-512, AVX2, baseline) and chosen when the library loads,
-// so the same binary is fast on new CPUs and still runs on old ones.
+// Every function works on one row of `n` elements, in vectors of the instruction set
+// the library is built for (AVX-512, AVX2 or baseline: megatron/fused/kernels.py).
 #pragma once
 
 #include <cstdint>

@@ -460,8 +460,30 @@ def causal_attention_with_lse_backward(dout, q, k, v, out, lse, scale):
     return _ext(q).causal_attention_backward(dout, q, k, v, out, lse.contiguous(), float(scale))
 
 
+# Longest sequence at which our attention kernel beats SDPA's CPU kernel, per instruction
+# set of the kernels (forward+backward, `benchmarks/bench_fused.py --only attention`, two
+# threads: AVX-512 1.3-1.9x at seq 256-4096; AVX2 1.7x at 256, 1.2x at 1024, 0.97x at 2048,
+# 0.6x at 4096). None: no limit; the baseline build was not measured, so SDPA there.
+KERNEL_MAX_SEQ = {"avx512": None, "avx2": 1024, "baseline": 0}
+
+
+def causal_attention_preferred(q, k, v) -> bool:
+    """The CPU kernel applies (`causal_attention_fusable`) and, by the measured rule above,
+    is faster than SDPA at this sequence length on this instruction set."""
+    if not causal_attention_fusable(q, k, v):
+        return False
+    limit = KERNEL_MAX_SEQ.get(cpu_kernels_isa(), 0)
+    return limit is None or q.shape[0] <= limit
+
+
 def causal_attention(q, k, v, scale):
     """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
     with the CPU kernel (check `causal_attention_fusable` first)."""
     sq, b, heads, dim = q.shape
     return FusedCausalAttention.apply(q, k, v, scale).view(sq, b, heads * dim)
+
+
+def cpu_kernels_isa() -> str:
+    """The instruction set the loaded CPU kernels were built for (avx512, avx2, baseline)."""
+    module = fused_kernels.get_extension("cpu")
+    return getattr(module, "isa", "unknown") if module is not None else "not built"

@@ -16,6 +16,12 @@ lock in that folder, so torchrun ranks share one compilation. The lock is
 released by the kernel when its holder dies; torch's own lock file, which a
 killed build leaves behind, is removed under it.
 
+The CPU library is built for one instruction set, the best this CPU has (AVX-512,
+else AVX2 + FMA, else the x86-64 baseline), with vectors exactly one register wide
+(csrc/fused/cpu_lanes.h). `MEGATRON_CPU_ISA=avx2|avx512|baseline` builds and loads
+another one instead (its own cached build), so that one machine can run and time
+each instruction set's code; `cpu_description()` names the CPU and the ISA in use.
+
 Without a cached build, a module of the same name installed by setup.py (built
 from `fused_extension_sources()` with `fused_extension_cflags()`) is used as is.
 
@@ -32,6 +38,7 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import platform
 import re
 import sys
 import threading
@@ -55,6 +62,14 @@ CPU_CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 CUDA_CFLAGS = ("-O3",)
 DISABLE_ENV = "MEGATRON_DISABLE_FUSED_BUILD"
+# The CPU extension is built for one instruction set: the best this CPU has, or the one
+# MEGATRON_CPU_ISA=avx2|avx512|baseline names (so that a machine with AVX-512 can run and
+# time the AVX2 code). Each has its own cached build.
+ISA_ENV = "MEGATRON_CPU_ISA"
+ISA_CFLAGS = {"avx512": ("-march=x86-64-v4",), "avx2": ("-march=x86-64-v3",), "baseline": ()}
+# The CPU flags (/proc/cpuinfo) each ISA's code needs.
+ISA_CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
+                 "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")}
 BUILD_DIR_ENV = "MEGATRON_FUSED_BUILD_DIR"
 _STAMP = "BUILD_OK"
 _API = ("scaled_upper_triang_masked_softmax_forward", "scaled_masked_softmax_forward",
@@ -71,13 +86,72 @@ def fused_extension_sources() -> list[str]:
 
 
 def fused_extension_cflags() -> list[str]:
-    """Compiler flags the CPU extension is built with (for setup.py)."""
-    return list(CPU_CFLAGS)
+    """Compiler flags the CPU extension is built with (for setup.py): for this machine's
+    best instruction set, or MEGATRON_CPU_ISA's."""
+    return list(_cpu_cflags())
 
 
 def fused_extension_ldflags() -> list[str]:
     """Linker flags the CPU extension is built with (for setup.py)."""
     return list(LDFLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flag set) of this CPU from /proc/cpuinfo; ("unknown", {}) elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown", frozenset()
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
+    return (model.group(1).strip() if model else "unknown",
+            frozenset(flags.group(1).split()) if flags else frozenset())
+
+
+def cpu_model() -> str:
+    """This CPU's model name (as /proc/cpuinfo gives it)."""
+    return _cpu_info()[0]
+
+
+def _best_isa(flags: frozenset[str]) -> str:
+    for isa in ("avx512", "avx2"):
+        if all(f in flags for f in ISA_CPU_FLAGS[isa]):
+            return isa
+    return "baseline"
+
+
+def requested_isa() -> str:
+    """MEGATRON_CPU_ISA: avx2, avx512, baseline or default (unset); a clear error for other
+    values."""
+    isa = os.environ.get(ISA_ENV, "").strip().lower() or "default"
+    if isa not in ISA_CFLAGS and isa != "default":
+        raise ValueError(f"{ISA_ENV}={isa!r} is not one of {sorted(ISA_CFLAGS) + ['default']}")
+    return isa
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels are built for: MEGATRON_CPU_ISA, else the best
+    this CPU has (avx512, avx2 or baseline). An error if the CPU lacks the one asked for."""
+    isa, flags = requested_isa(), _cpu_info()[1]
+    if isa == "default":
+        return _best_isa(flags)
+    missing = [f for f in ISA_CPU_FLAGS.get(isa, ()) if flags and f not in flags]
+    if missing:
+        raise ValueError(f"{ISA_ENV}={isa}: this CPU lacks {missing}; use "
+                         f"{ISA_ENV}={_best_isa(flags)} or leave it unset")
+    return isa
+
+
+def cpu_description() -> str:
+    """One line naming the CPU, our kernels' ISA and torch's (for benchmarks and logs)."""
+    forced = f" ({ISA_ENV})" if requested_isa() != "default" else ""
+    return (f"CPU {cpu_model()}, our kernels {cpu_isa()}{forced}, torch kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}")
+
+
+def _cpu_cflags() -> tuple[str, ...]:
+    return CPU_CFLAGS + ISA_CFLAGS[cpu_isa()]
 
 
 def build_root() -> Path:
@@ -99,7 +173,7 @@ def _want_cuda() -> bool:
 
 def _extension_specs() -> dict[str, dict]:
     return {
-        CPU_EXTENSION: dict(sources=CPU_SOURCES, cflags=CPU_CFLAGS, cuda=False),
+        CPU_EXTENSION: dict(sources=CPU_SOURCES, cflags=_cpu_cflags(), cuda=False),
         CUDA_EXTENSION: dict(sources=CUDA_SOURCES, cflags=CUDA_CFLAGS, cuda=True),
     }
 
@@ -156,8 +230,9 @@ def _compile(name: str, spec: dict, build_dir: Path, verbose: bool) -> ModuleTyp
     from torch.utils import cpp_extension
     sources = [str(CSRC_DIR / s) for s in spec["sources"]]
     kwargs = dict(extra_cuda_cflags=list(spec["cflags"])) if spec["cuda"] else {}
+    host_cflags = CPU_CFLAGS if spec["cuda"] else spec["cflags"]
     return cpp_extension.load(
-        name=name, sources=sources, extra_cflags=list(CPU_CFLAGS), extra_ldflags=list(LDFLAGS),
+        name=name, sources=sources, extra_cflags=list(host_cflags), extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC_DIR)], build_directory=str(build_dir),
         with_cuda=spec["cuda"], verbose=verbose, **kwargs)
 
@@ -172,6 +247,16 @@ def _clear_stale_baton(build_dir: Path) -> None:
         _warn(f"removed a stale build lock {baton} left by a killed build")
 
 
+def _prebuilt(name: str) -> ModuleType:
+    """The module setup.py installed; the CPU one only if built for the ISA wanted here."""
+    module = importlib.import_module(name)
+    built_for = getattr(module, "isa", None)
+    if name == CPU_EXTENSION and built_for != cpu_isa():
+        raise ImportError(f"the installed {name} is built for {built_for}, this process "
+                          f"runs {cpu_isa()}; reinstall it or remove it to build on first use")
+    return module
+
+
 def _load_or_build(name: str, spec: dict, verbose: bool) -> ModuleType:
     """Import the cached library of `name`, building it first if needed."""
     key = _build_key(name, spec)
@@ -180,7 +265,7 @@ def _load_or_build(name: str, spec: dict, verbose: bool) -> ModuleType:
     if (build_dir / _STAMP).is_file() and library.is_file():
         return _import_library(name, library)
     if importlib.util.find_spec(name) is not None:  # pre-built by setup.py
-        return importlib.import_module(name)
+        return _prebuilt(name)
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         raise RuntimeError(f"compiling is disabled by {DISABLE_ENV}=1")
     build_dir.mkdir(parents=True, exist_ok=True)

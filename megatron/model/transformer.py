@@ -51,6 +51,18 @@ def windowed_mask(mask, sq: int, sk: int, window, device):
     return hidden if mask is None else mask.bool() | hidden
 
 
+_ANNOUNCED: set = set()
+
+
+def announce_attention(path: str) -> None:
+    """Prints the attention path taken, once per path and process (rank 0)."""
+    if path in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(path)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f" attention: {path}", flush=True)
+
+
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
 
@@ -65,22 +77,27 @@ class CoreAttention(torch.nn.Module):
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
         mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
         if self._use_cpu_kernel(q, k, v, mask, bias):
+            announce_attention(f"our CPU kernel ({self.cfg.attention_impl}, "
+                               f"{fused.cpu_kernels_isa()})")
             return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
+            announce_attention(f"SDPA ({self.cfg.attention_impl})")
             context = self._sdpa(q, k, v, mask, bias)
         else:
+            announce_attention(f"explicit softmax(q k^T) v ({self.cfg.attention_impl}, "
+                               f"fused softmax {'on' if self._fusion() else 'off'})")
             context = self._explicit(q, k, v, mask, bias)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
     def _use_cpu_kernel(self, q, k, v, mask, bias):
         """auto, with fusions on: our CPU flash-attention kernel for plain causal
-        self-attention in float32 without dropout (faster than SDPA's CPU kernel there:
-        benchmarks/bench_fused.py --only attention)."""
+        self-attention in float32 without dropout, where it is faster than SDPA's CPU
+        kernel on this instruction set (fused.KERNEL_MAX_SEQ)."""
         return (self.cfg.attention_impl == "auto" and self._fusion() and mask is None
                 and bias is None and not (self.training and self.dropout_p > 0)
-                and fused.causal_attention_fusable(q, k, v))
+                and fused.causal_attention_preferred(q, k, v))
 
     def _use_sdpa(self, mask, q, bias):
         """auto: SDPA for plain causal attention, except where our path is faster or

@@ -1,0 +1,134 @@
+"""MEGATRON_CPU_ISA: each instruction set's build of the CPU kernels against the plain path.
+
+Each case runs in a fresh process with MEGATRON_CPU_ISA set, so it loads (and on first
+use builds, into the same cache as the other tests) the library for that instruction set
+alone; an AVX-512 machine thus checks the AVX2 code too. Skipped where the CPU lacks it.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron.fused import kernels as fused_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Every CPU kernel, outputs and input gradients, against fusion=False / SDPA; poisoned
+# outputs catch unwritten elements. Shapes include row tails shorter than one vector.
+CHECK = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from megatron import fused
+    from megatron.fused import kernels as K
+    from megatron.mpu.cross_entropy import linear_cross_entropy
+    from tests.fused_checks import outputs_and_grads, rel_err
+    assert K.load_fused_kernels()
+    K.set_poison_outputs(True)
+    assert K.get_extension("cpu").isa == {isa!r}, K.get_extension("cpu").isa
+    torch.manual_seed(0)
+
+    def sdpa(q, k, v):
+        s, b, h, d = q.shape
+        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                             is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def check(name, fused_fn, plain_fn, shapes, grad_shape, tol):
+        tensors, grad = [torch.randn(s) for s in shapes], torch.randn(grad_shape)
+        out, grads = outputs_and_grads(fused_fn, tensors, grad)
+        ref, ref_grads = outputs_and_grads(plain_fn, tensors, grad)
+        errs = [rel_err(out, ref)] + [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+        assert max(errs) < tol, (name, errs)
+
+    for s, d in ((37, 16), (100, 48), (130, 64)):
+        split = lambda x: x.split(d, dim=-1)
+        check(f"attention s{{s}} d{{d}}", lambda x: fused.causal_attention(*split(x), d ** -0.5),
+              lambda x: sdpa(*split(x)), [(s, 2, 3, 3 * d)], (s, 2, 3 * d), 5e-6)
+    for cols in (96, 1000, 13):
+        check(f"layer_norm {{cols}}", lambda x, w, b: fused.layer_norm(x, w, b, 1e-5),
+              lambda x, w, b: fused.layer_norm(x, w, b, 1e-5, fusion=False),
+              [(70, cols), (cols,), (cols,)], (70, cols), 1e-5)
+        check(f"rms_norm {{cols}}", lambda x, w: fused.rms_norm(x, w, 1e-5),
+              lambda x, w: fused.rms_norm(x, w, 1e-5, fusion=False),
+              [(70, cols), (cols,)], (70, cols), 1e-5)
+        check(f"bias_gelu {{cols}}", lambda b, y: fused.bias_gelu(b, y),
+              lambda b, y: fused.bias_gelu(b, y, fusion=False), [(cols,), (70, cols)],
+              (70, cols), 1e-5)
+        check(f"softmax {{cols}}",
+              lambda x: fused.attention_softmax(x, scale=0.5, causal=True),
+              lambda x: fused.attention_softmax(x, scale=0.5, causal=True, fusion=False),
+              [(2, 2, cols, cols)] if cols < 200 else [(1, 1, 40, 40)],
+              (2, 2, cols, cols) if cols < 200 else (1, 1, 40, 40), 1e-5)
+        target = torch.randint(0, cols, (70,))
+        check(f"head + cross entropy {{cols}}",
+              lambda h, w: linear_cross_entropy(h, w, target).sum(),
+              lambda h, w: F.cross_entropy(F.linear(h, w), target, reduction="sum"),
+              [(70, 32), (cols, 32)], (), 1e-5)
+    print("all kernels match")
+""")
+
+
+def _cpu_has(isa: str) -> bool:
+    flags = fused_kernels._cpu_info()[1]
+    return all(f in flags for f in fused_kernels.ISA_CPU_FLAGS[isa])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_each_isa_matches_the_plain_path(isa):
+    if os.environ.get(fused_kernels.DISABLE_ENV, "0") not in ("", "0"):
+        pytest.skip(f"{fused_kernels.DISABLE_ENV} is set")
+    if not _cpu_has(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    env = dict(os.environ, MEGATRON_CPU_ISA=isa, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", CHECK.format(isa=isa)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "all kernels match" in result.stdout
+
+
+def test_isa_choice_and_errors(monkeypatch):
+    monkeypatch.setattr(fused_kernels, "_cpu_info",
+                        lambda: ("Test CPU", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe",
+                                              "abm"}))
+    monkeypatch.delenv(fused_kernels.ISA_ENV, raising=False)
+    assert fused_kernels.cpu_isa() == "avx2"  # the best this CPU has
+    assert "Test CPU" in fused_kernels.cpu_description()
+    assert "our kernels avx2" in fused_kernels.cpu_description()
+    monkeypatch.setenv(fused_kernels.ISA_ENV, "baseline")
+    assert fused_kernels.cpu_isa() == "baseline"
+    assert fused_kernels._cpu_cflags() == fused_kernels.CPU_CFLAGS
+    monkeypatch.setenv(fused_kernels.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match="lacks.*avx512f.*MEGATRON_CPU_ISA=avx2"):
+        fused_kernels.cpu_isa()
+    monkeypatch.setenv(fused_kernels.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="'sse9' is not one of"):
+        fused_kernels.requested_isa()
+
+
+def test_each_isa_has_its_own_build(monkeypatch):
+    monkeypatch.setattr(fused_kernels, "_cpu_info", lambda: ("Test CPU", set()))
+    keys = set()
+    for isa in ("avx2", "avx512", "baseline"):
+        monkeypatch.setenv(fused_kernels.ISA_ENV, isa)
+        spec = fused_kernels._extension_specs()[fused_kernels.CPU_EXTENSION]
+        assert fused_kernels.ISA_CFLAGS[isa] == spec["cflags"][len(fused_kernels.CPU_CFLAGS):]
+        keys.add(fused_kernels._build_key(fused_kernels.CPU_EXTENSION, spec))
+    assert len(keys) == 3
+
+
+def test_auto_attention_rule_per_isa(monkeypatch):
+    """auto takes our attention kernel only where bench_fused measured it faster than SDPA
+    on that instruction set (fused.KERNEL_MAX_SEQ); otherwise SDPA."""
+    import torch
+    from megatron import fused
+    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1040, 1, 2, 16)
+    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v: True)
+    expected = {"avx512": (True, True), "avx2": (True, False), "baseline": (False, False),
+                "not built": (False, False)}
+    for isa, (want_short, want_long) in expected.items():
+        monkeypatch.setattr(fused, "cpu_kernels_isa", lambda isa=isa: isa)
+        assert fused.causal_attention_preferred(short, short, short) is want_short, isa
+        assert fused.causal_attention_preferred(long_, long_, long_) is want_long, isa
+    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v: False)
+    assert not fused.causal_attention_preferred(short, short, short)
