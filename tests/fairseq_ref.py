@@ -93,7 +93,7 @@ def logprobs(python: str, ckpt: str, data: str, ids: torch.Tensor, cwd: str) -> 
     ids_path, out_path = os.path.join(cwd, "ids.pt"), os.path.join(cwd, "logprobs.pt")
     torch.save(ids, ids_path)
     run(python, [os.path.join(HERE, "fairseq_side.py"), "logprobs", ckpt, data, ids_path, out_path], cwd)
-    return torch.load(out_path)
+    return torch.load(out_path, weights_only=True)
 
 
 def eval_lm(python: str, data: str, ckpt: str, cwd: str, tokens_per_sample: int,

@@ -18,7 +18,7 @@ def logprobs(ckpt, data, ids_path, out_path):
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([ckpt], arg_overrides={"data": data})
     model = models[0].eval()
     with torch.no_grad():
-        net = model(torch.load(ids_path))
+        net = model(torch.load(ids_path, weights_only=True))
         torch.save(model.get_normalized_probs(net, log_probs=True).float(), out_path)
 
 

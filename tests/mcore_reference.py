@@ -45,12 +45,13 @@ def run(script: str, inputs: dict, world_size: int = 1, timeout: int = 600) -> L
                               timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        return [torch.load(os.path.join(tmp, f"outputs_{r}.pt")) for r in range(world_size)]
+        return [torch.load(os.path.join(tmp, f"outputs_{r}.pt"), weights_only=True) for r in range(world_size)]
 
 
 # -- inside the reference process ------------------------------------------------------------
 def load_inputs() -> dict:
-    return torch.load(os.path.join(os.environ["MCORE_REFERENCE_DIR"], "inputs.pt"))
+    return torch.load(os.path.join(os.environ["MCORE_REFERENCE_DIR"], "inputs.pt"),
+                      weights_only=True)
 
 
 def save_outputs(outputs: dict) -> None:

@@ -115,22 +115,47 @@ def _kinds(cfg, qkv: bool = False):
 _QK_NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))  # Qwen3's per-head RMSNorms
 
 
+def attention_to_megatron(sd: c.StateDict, src: str, dst: str, cfg, out: c.StateDict) -> None:
+    """One layer's norms and attention (q/k/v fused, Qwen3's q/k norms), HF -> ours; shared
+    with the MoE families."""
+    c.pair_to_megatron(sd, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
+    c.pair_to_megatron(sd, src + "post_attention_layernorm.",
+                       dst + "post_attention_layernorm.", out, bias=False)
+    for kind in _kinds(cfg, qkv=True):
+        q, k, v = (c.take(sd, f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
+        out[f"{dst}self_attention.query_key_value.{kind}"] = fuse_qkv(
+            q, k, v, cfg.num_query_groups)
+    for theirs, ours in _QK_NORMS if cfg.qk_layernorm else ():
+        c.pair_to_megatron(sd, f"{src}self_attn.{theirs}.", f"{dst}self_attention.{ours}.",
+                           out, bias=False)
+    for kind in _kinds(cfg):
+        out[f"{dst}self_attention.dense.{kind}"] = c.take(sd, f"{src}self_attn.o_proj.{kind}")
+
+
+def attention_to_hf(flat: c.StateDict, src: str, dst: str, cfg, out: c.StateDict) -> None:
+    """The way back of `attention_to_megatron`."""
+    c.pair_to_hf(flat, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
+    c.pair_to_hf(flat, src + "post_attention_layernorm.",
+                 dst + "post_attention_layernorm.", out, bias=False)
+    for kind in _kinds(cfg, qkv=True):
+        fused = c.take(flat, f"{src}self_attention.query_key_value.{kind}")
+        q, k, v = split_qkv(fused, cfg.num_attention_heads, cfg.num_query_groups,
+                            cfg.kv_channels)
+        out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
+                    f"{dst}self_attn.v_proj.{kind}": v})
+    for theirs, ours in _QK_NORMS if cfg.qk_layernorm else ():
+        c.pair_to_hf(flat, f"{src}self_attention.{ours}.", f"{dst}self_attn.{theirs}.",
+                     out, bias=False)
+    for kind in _kinds(cfg):
+        out[f"{dst}self_attn.o_proj.{kind}"] = c.take(flat, f"{src}self_attention.dense.{kind}")
+
+
 def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
     out = {c.WORD: c.take(sd, "model.embed_tokens.weight")}
     for i in range(cfg.num_layers):
         src, dst = f"{P}{i}.", c.layer(i)
-        c.pair_to_megatron(sd, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
-        c.pair_to_megatron(sd, src + "post_attention_layernorm.",
-                           dst + "post_attention_layernorm.", out, bias=False)
-        for kind in _kinds(cfg, qkv=True):
-            q, k, v = (c.take(sd, f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
-            out[f"{dst}self_attention.query_key_value.{kind}"] = fuse_qkv(
-                q, k, v, cfg.num_query_groups)
-        for theirs, ours in _QK_NORMS if cfg.qk_layernorm else ():
-            c.pair_to_megatron(sd, f"{src}self_attn.{theirs}.", f"{dst}self_attention.{ours}.",
-                               out, bias=False)
+        attention_to_megatron(sd, src, dst, cfg, out)
         for kind in _kinds(cfg):
-            out[f"{dst}self_attention.dense.{kind}"] = c.take(sd, f"{src}self_attn.o_proj.{kind}")
             gate, up = (c.take(sd, f"{src}mlp.{n}_proj.{kind}") for n in ("gate", "up"))
             out[f"{dst}mlp.dense_h_to_4h.{kind}"] = torch.cat([gate, up])
             out[f"{dst}mlp.dense_4h_to_h.{kind}"] = c.take(sd, f"{src}mlp.down_proj.{kind}")
@@ -143,20 +168,8 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     out = {"model.embed_tokens.weight": c.take(flat, c.WORD)}
     for i in range(cfg.num_layers):
         src, dst = c.layer(i), f"{P}{i}."
-        c.pair_to_hf(flat, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
-        c.pair_to_hf(flat, src + "post_attention_layernorm.",
-                     dst + "post_attention_layernorm.", out, bias=False)
-        for kind in _kinds(cfg, qkv=True):
-            fused = c.take(flat, f"{src}self_attention.query_key_value.{kind}")
-            q, k, v = split_qkv(fused, cfg.num_attention_heads, cfg.num_query_groups,
-                                cfg.kv_channels)
-            out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
-                        f"{dst}self_attn.v_proj.{kind}": v})
-        for theirs, ours in _QK_NORMS if cfg.qk_layernorm else ():
-            c.pair_to_hf(flat, f"{src}self_attention.{ours}.", f"{dst}self_attn.{theirs}.",
-                         out, bias=False)
+        attention_to_hf(flat, src, dst, cfg, out)
         for kind in _kinds(cfg):
-            out[f"{dst}self_attn.o_proj.{kind}"] = c.take(flat, f"{src}self_attention.dense.{kind}")
             gate, up = c.take(flat, f"{src}mlp.dense_h_to_4h.{kind}").chunk(2)
             out[f"{dst}mlp.gate_proj.{kind}"] = gate.contiguous()
             out[f"{dst}mlp.up_proj.{kind}"] = up.contiguous()

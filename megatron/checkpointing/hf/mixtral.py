@@ -1,4 +1,4 @@
-"""Mixtral (MixtralForCausalLM) <-> our GPT with MoE layers; the MoE mapping that the
+"""Mixtral (MixtralForCausalLM) <-> our GPT with MoE layers; the expert mapping that the
 Qwen-MoE families (qwen_moe.py) share.
 
 Attention, norms and head are LLaMA's (llama.py). Every layer is MoE: the router
@@ -11,7 +11,6 @@ import torch
 
 from megatron.checkpointing.hf import common as c
 from megatron.checkpointing.hf import llama
-from megatron.checkpointing.hf.layouts import fuse_qkv, split_qkv
 from megatron.config import MoEConfig
 
 ARCHITECTURES = ("MixtralForCausalLM",)
@@ -27,41 +26,6 @@ def model_fields(hf: dict, seq_length=None) -> dict:
                               moe_ffn_hidden_size=hf["intermediate_size"],
                               moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
     return fields
-
-
-# -- attention and norms, shared with Qwen-MoE -------------------------------------------
-def attention_to_megatron(sd, src: str, dst: str, cfg, out) -> None:
-    c.pair_to_megatron(sd, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
-    c.pair_to_megatron(sd, src + "post_attention_layernorm.", dst + "post_attention_layernorm.",
-                       out, bias=False)
-    kinds = ("weight", "bias") if (cfg.add_bias_linear or cfg.add_qkv_bias) else ("weight",)
-    for kind in kinds:
-        q, k, v = (c.take(sd, f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
-        out[f"{dst}self_attention.query_key_value.{kind}"] = fuse_qkv(q, k, v, cfg.num_query_groups)
-    c.pair_to_megatron(sd, src + "self_attn.o_proj.", dst + "self_attention.dense.", out,
-                       bias=cfg.add_bias_linear)
-    if cfg.qk_layernorm:
-        for n in "qk":
-            c.pair_to_megatron(sd, f"{src}self_attn.{n}_norm.",
-                               f"{dst}self_attention.{n}_layernorm.", out, bias=False)
-
-
-def attention_to_hf(flat, src: str, dst: str, cfg, out) -> None:
-    c.pair_to_hf(flat, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
-    c.pair_to_hf(flat, src + "post_attention_layernorm.", dst + "post_attention_layernorm.",
-                 out, bias=False)
-    kinds = ("weight", "bias") if (cfg.add_bias_linear or cfg.add_qkv_bias) else ("weight",)
-    for kind in kinds:
-        fused = c.take(flat, f"{src}self_attention.query_key_value.{kind}")
-        q, k, v = split_qkv(fused, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels)
-        out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
-                    f"{dst}self_attn.v_proj.{kind}": v})
-    c.pair_to_hf(flat, src + "self_attention.dense.", dst + "self_attn.o_proj.", out,
-                 bias=cfg.add_bias_linear)
-    if cfg.qk_layernorm:
-        for n in "qk":
-            c.pair_to_hf(flat, f"{src}self_attention.{n}_layernorm.", f"{dst}self_attn.{n}_norm.",
-                         out, bias=False)
 
 
 # -- MLPs ---------------------------------------------------------------------------------
@@ -110,7 +74,7 @@ def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
     out = {c.WORD: c.take(sd, "model.embed_tokens.weight")}
     for i in range(cfg.num_layers):
         src, dst = f"{P}{i}.", c.layer(i)
-        attention_to_megatron(sd, src, dst, cfg, out)
+        llama.attention_to_megatron(sd, src, dst, cfg, out)
         experts_to_megatron(sd, src, dst, cfg, MIXTRAL_NAMES, out)
     c.pair_to_megatron(sd, "model.norm.", c.FINAL_NORM, out, bias=False)
     c.head_to_megatron(sd, hf, out)
@@ -121,7 +85,7 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     out = {"model.embed_tokens.weight": c.take(flat, c.WORD)}
     for i in range(cfg.num_layers):
         src, dst = c.layer(i), f"{P}{i}."
-        attention_to_hf(flat, src, dst, cfg, out)
+        llama.attention_to_hf(flat, src, dst, cfg, out)
         experts_to_hf(flat, src, dst, cfg, MIXTRAL_NAMES, out)
     c.pair_to_hf(flat, c.FINAL_NORM, "model.norm.", out, bias=False)
     c.head_to_hf(flat, hf, out)

@@ -63,7 +63,7 @@ def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
     out = {c.WORD: c.take(sd, "model.embed_tokens.weight")}
     for i in range(cfg.num_layers):
         src, dst = f"{P}{i}.", c.layer(i)
-        moe_map.attention_to_megatron(sd, src, dst, cfg, out)
+        llama.attention_to_megatron(sd, src, dst, cfg, out)
         if not cfg.is_moe_layer(i + 1):
             moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.", out)
             continue
@@ -82,7 +82,7 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     out = {"model.embed_tokens.weight": c.take(flat, c.WORD)}
     for i in range(cfg.num_layers):
         src, dst = c.layer(i), f"{P}{i}."
-        moe_map.attention_to_hf(flat, src, dst, cfg, out)
+        llama.attention_to_hf(flat, src, dst, cfg, out)
         if not cfg.is_moe_layer(i + 1):
             moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.", out)
             continue
