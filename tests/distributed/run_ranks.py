@@ -1,5 +1,6 @@
 """Run a function on N CPU ranks over gloo: the harness of every multi-rank test."""
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -26,7 +27,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # by value (plain pickle): a tensor shared by file descriptor is lost when the rank
+        # exits before the parent reads it (FileNotFoundError under load)
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure, including assertion errors
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -51,7 +54,7 @@ def run_ranks(fn, world_size, *args, timeout=300):
     for _ in range(world_size):
         rank, ok, payload = _get(queue, procs, timeout)
         if ok:
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             failures.append(f"rank {rank}:\n{payload}")
             if len(failures) == 1:
