@@ -32,8 +32,11 @@ from tests.distributed.run_ranks import run_ranks  # noqa: E402
 VOCAB = 255  # NullTokenizer ids (+1 end of document)
 
 
+LAYERS = 2  # --num-layers: deeper models reach a budget at shorter, faster sequences
+
+
 def flags(seq: int, cp: int):
-    return ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8",
+    return ["--num-layers", str(LAYERS), "--hidden-size", "256", "--num-attention-heads", "8",
             "--group-query-attention", "--num-query-groups", "2", "--swiglu",
             "--normalization", "RMSNorm", "--use-rotary-position-embeddings",
             "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -44,6 +47,12 @@ def flags(seq: int, cp: int):
             "--make-vocab-size-divisible-by", "128", "--eval-interval", "1000",
             "--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",
             "--context-parallel-size", str(cp)]
+
+
+def set_layers(n: int) -> None:
+    global LAYERS
+    LAYERS = n
+    os.environ["BENCH_LONG_CONTEXT_LAYERS"] = str(n)  # for spawned ranks
 
 
 def planned_bytes(seq: int, cp: int) -> float:
@@ -70,6 +79,7 @@ def _peak_rss_bytes() -> int:
 
 def _train(rank, world_size, seq):
     import pretrain_gpt
+    set_layers(int(os.environ.get("BENCH_LONG_CONTEXT_LAYERS", LAYERS)))
     baseline = _peak_rss_bytes()
     pretrain_gpt.main(flags(seq, world_size))
     return {"baseline": baseline, "peak": _peak_rss_bytes()}
@@ -88,7 +98,10 @@ def main(argv=None):
     p.add_argument("--step", type=int, default=2048, help="sequence granularity (tokens)")
     p.add_argument("--plan-only", action="store_true", help="skip the measured runs")
     p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--num-layers", type=int, default=LAYERS,
+                   help="model depth (the measured ranks inherit it)")
     args = p.parse_args(argv)
+    set_layers(args.num_layers)
     budget = args.budget_gib * GiB
     lengths = {}
     for cp in args.cp_sizes:
