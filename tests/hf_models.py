@@ -157,6 +157,22 @@ def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None, extr
     return models, tokenizer, pstate, config
 
 
+def pipeline_logits(ckpt: str, vocab: int, tokens: torch.Tensor, pstate, **layout):
+    """(logits [..., :vocab] on the last stage, None on the first; pstate) of a PP 2
+    checkpoint loaded by `load_ours(ckpt, vocab, pp=2, **layout)` on two ranks."""
+    import torch.distributed as dist
+    models, _, pstate, config = load_ours(ckpt, vocab, pp=2, pstate=pstate, **layout)
+    model, positions = models[0], position_ids(tokens)
+    with torch.no_grad():
+        if pstate.pp_rank == 0:
+            dist.send(model(tokens, positions).contiguous(), pstate.next_rank)
+            return None, pstate
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], config.model.hidden_size)
+        dist.recv(hidden, pstate.prev_rank)
+        model.set_input_tensor(hidden)
+        return model(tokens, positions)[..., :vocab], pstate
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
@@ -175,6 +191,23 @@ def converted(tmp_dir: str, family: str, tp: int = 1, pp: int = 1) -> str:
         argv += ["--seq-length", str(SEQ_LENGTH[family])]
     assert convert_checkpoint.main(argv) == 0
     return ckpt
+
+
+def converted_family(name: str, tmp_path_factory):
+    """(name, HF model, work dir holding hf/ and the TP 1 conversion ckpt_tp1_pp1/): the
+    module fixture of the conversion tests."""
+    work = str(tmp_path_factory.mktemp(name))
+    model = save_hf_model(name, os.path.join(work, "hf"))
+    converted(work, name)
+    return name, model, work
+
+
+def load_converted(family):
+    """`load_ours` of a `converted_family`'s TP 1 checkpoint, on one thread."""
+    from tests.gpt_setup import one_thread
+    _, model, work = family
+    with one_thread():
+        return load_ours(os.path.join(work, "ckpt_tp1_pp1"), model.config.vocab_size)
 
 
 def save_word_tokenizer(directory: str, size: int) -> None:

@@ -1,15 +1,19 @@
-"""Megatron-Core 0.16.1 as the reference implementation of torch_dist (../shared/references.md).
+"""Megatron-Core 0.16.1 as a reference implementation (../shared/references.md): the one
+way tests reach it (torch_dist checkpoints, the MoE layer).
 
 Megatron-Core installs a namespace package `megatron` (with only `megatron/core`), which our
 own `megatron` package shadows. `import_mcore()` appends the installed directory to our
 package's `__path__`, so `megatron.core` resolves to the installed one and everything else
-to ours; only test processes that call it see `megatron.core` (our package defines no
-`core`). It then applies the CPU monkeypatches the dense GPT model and
-`dist_checkpointing` need (items 1-4 of references.md), after init_process_group.
+to ours, and a test compares both in one process; only processes that call it see
+`megatron.core` (our package defines no `core`). It then applies the CPU monkeypatches that
+the dense GPT model, `dist_checkpointing` and the MoE layer with the allgather dispatcher
+need (items 1-5 of references.md; no test here uses the alltoall dispatcher, sequence
+parallelism or the pipeline schedules of Megatron-Core, items 6-9). The patches replace
+torch.cuda functions process-wide: call it in spawned ranks (tests/distributed/run_ranks.py)
+after init_process_group, never in the pytest process.
 """
 import contextlib
 import importlib.metadata
-import importlib.util
 import os
 
 import torch
@@ -45,7 +49,9 @@ def _patch_cpu() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mc_random
     from megatron.core.transformer import utils
+    from megatron.core.transformer.moe import moe_utils
     torch.cuda.current_device = lambda: torch.device("cpu")  # 1: allocation device
+    moe_utils.te_general_gemm = None  # 5: the router's Transformer Engine path
 
     def causal(sq):
         return torch.triu(torch.ones(sq, sq), diagonal=1).bool()

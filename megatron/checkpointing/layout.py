@@ -288,7 +288,9 @@ def read_model_file(path: str, verify: bool = True, mmap: bool = False) -> dict:
     state = checkpoint_io.load_file(path, verify, mmap)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
-    return megatron_legacy.to_ours(state) if megatron_legacy.is_megatron_file(state) else state
+    if megatron_legacy.is_megatron_file(state):
+        return megatron_legacy.to_ours(state)
+    return megatron_legacy.drop_megatron_only(state)
 
 
 def load_checkpoint(root: str, models, optimizer, scheduler, config, pstate):

@@ -310,7 +310,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
         print(f" loading checkpoint from {summary}", flush=True)
     state = None
     if summary and saved_layout(root) != (pstate.tp_size, pstate.pp_size):
-        state = resharded_state(root, pstate, len(models))
+        state = resharded_state(root, pstate, len(models), inference=True)
     if state is not None and pstate.rank == 0:
         tp, pp, _ = state["resharded_from"]
         print(f" re-sharding {root} in memory from TP {tp} x PP {pp} to TP {pstate.tp_size} x "

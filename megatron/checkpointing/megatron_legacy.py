@@ -16,7 +16,11 @@ Loading uses torch.load(weights_only=True) with an explicit allowlist (`SAFE_GLO
 argparse.Namespace and what a numpy RNG state needs; anything else is refused by name.
 `to_ours` turns such a file into our state (QKV rows of versions < 2.0 reordered, old key
 names mapped, counters taken from args); `add_megatron_entries` adds to our state what
-Megatron's loaders read, so Megatron resumes our checkpoints.
+Megatron's loaders read, so Megatron resumes our checkpoints. Sinusoidal positions (fairseq's
+fixed table, recomputed from the config and never saved by our model) have no Megatron
+kind: our files describe them to Megatron as learned absolute positions whose weight is the
+table, the same function; `drop_megatron_only` removes that weight again when we read our
+own file.
 """
 import argparse
 import pickle
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 
 from megatron.checkpointing.experts import stack_megatron_experts
+from megatron.model.positions import sinusoidal_table
 from megatron.optimizer.optimizer import _param_groups
 
 MEGATRON_VERSION = 3.0
@@ -185,7 +190,7 @@ def to_ours(state: dict) -> dict:
         raise UnusableCheckpoint(f"checkpoint version {version} needs args.num_attention_heads "
                                  f"to reorder its QKV rows, and its args have none")
     out = {key: value for key, value in state.items() if key not in ("args", "rng_state")}
-    for key in [k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
+    for key in _model_keys(state):
         out[key] = _model_to_ours(state[key], version, heads)
     out["consumed_train_samples"] = int(getattr(args, "consumed_train_samples", 0) or 0)
     out["consumed_valid_samples"] = int(getattr(args, "consumed_valid_samples", 0) or 0)
@@ -231,8 +236,8 @@ def megatron_args(config, pstate, iteration: int, consumed_train: int, consumed_
         num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
         group_query_attention=m.group_query_attention, num_query_groups=m.num_query_groups,
         seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-        position_embedding_type=m.position_embedding_type,
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        position_embedding_type=_megatron_positions(m.position_embedding_type),
+        add_position_embedding=_megatron_positions(m.position_embedding_type) == "learned_absolute",
         use_rotary_position_embeddings=m.position_embedding_type == "rope",
         normalization=m.normalization, layernorm_epsilon=m.layernorm_epsilon,
         norm_epsilon=m.layernorm_epsilon, swiglu=m.activation == "swiglu",
@@ -253,10 +258,32 @@ def megatron_args(config, pstate, iteration: int, consumed_train: int, consumed_
         consumed_valid_samples=consumed_valid, data_parallel_random_init=False)
 
 
+def _megatron_positions(kind: str) -> str:
+    """Megatron's position embedding type for ours (sinusoidal: learned_absolute, whose
+    weight add_megatron_entries writes)."""
+    return "learned_absolute" if kind == "sinusoidal" else kind
+
+
+def _model_keys(state: dict) -> List[str]:
+    return [k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())]
+
+
+def _sinusoidal_embeddings(state: dict) -> List[dict]:
+    """The embedding dicts (Megatron's nested layout) of the chunks that hold the embedding."""
+    return [state[k]["language_model"]["embedding"] for k in _model_keys(state)
+            if "embedding" in state[k].get("language_model", {})]
+
+
 def add_megatron_entries(state: dict, config, pstate, optimizer) -> None:
     """Add to our checkpoint state what Megatron-LM's and Megatron-DeepSpeed's loaders read."""
     state["args"] = megatron_args(config, pstate, state["iteration"],
                                   state["consumed_train_samples"], state["consumed_valid_samples"])
+    m = config.model
+    if m.position_embedding_type == "sinusoidal":  # replicated over TP, first stage only
+        for embedding in _sinusoidal_embeddings(state):
+            dtype = embedding["word_embeddings"]["weight"].dtype
+            table = sinusoidal_table(m.max_position_embeddings, m.hidden_size).to(dtype)
+            embedding["position_embeddings"] = {"weight": table}
     state["checkpoint_version"] = MEGATRON_VERSION
     if "opt_param_scheduler" in state:
         state["lr_scheduler"] = state["opt_param_scheduler"]
@@ -267,6 +294,16 @@ def add_megatron_entries(state: dict, config, pstate, optimizer) -> None:
     if saved is not None and "fp32_from_fp16_params" in saved:
         state["optimizer"] = dict(saved, fp32_from_fp16_params=[
             [p.detach().clone() for p in group["params"]] for group in optimizer.param_groups])
+
+
+def drop_megatron_only(state: dict) -> dict:
+    """Our file `state` without what add_megatron_entries wrote for Megatron alone: the
+    sinusoidal table as a position embedding weight (our model recomputes it)."""
+    model = (state.get("config") or {}).get("model") or {}
+    if model.get("position_embedding_type") == "sinusoidal":
+        for embedding in _sinusoidal_embeddings(state):
+            embedding.pop("position_embeddings", None)
+    return state
 
 
 def optimizer_to_ours(saved: dict, models) -> dict:

@@ -13,9 +13,21 @@ from megatron.checkpointing.experts import check_split as split_problem, split_e
 from megatron.checkpointing.layout import CheckpointError, read_tracker
 
 
-def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
+def _refusal(root: str, problem: str, pstate, inference: bool) -> CheckpointError:
+    if not inference:
+        return CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {problem}")
+    return CheckpointError(
+        f"loading {root} for inference re-shards it in memory to TP {pstate.tp_size} x PP "
+        f"{pstate.pp_size}, which fails: {problem}; run with the checkpoint's own "
+        f"--tensor-model-parallel-size / --pipeline-model-parallel-size, or re-shard it on "
+        f"disk first with tools/merge_mp_partitions.py")
+
+
+def resharded_state(root: str, pstate, num_chunks: int,
+                    inference: bool = False) -> Optional[dict]:
     """This rank's state re-cut from the saved layout; None when there is no checkpoint or
-    it was saved with the current TP / PP / virtual-pipeline layout."""
+    it was saved with the current TP / PP / virtual-pipeline layout. `inference`: for the
+    inference loaders, which re-shard without --universal-checkpoint (the errors say so)."""
     if read_tracker(root) is None:
         return None
     try:
@@ -26,15 +38,15 @@ def resharded_state(root: str, pstate, num_chunks: int) -> Optional[dict]:
         if saved == (pstate.tp_size, pstate.pp_size, num_chunks) and source.ep == ep:
             return None
         if num_chunks > 1:
-            raise CheckpointError("--universal-checkpoint re-shards into one model chunk per "
-                                  "stage; drop --num-layers-per-virtual-pipeline-stage")
+            raise reshard.ReshardError("re-sharding makes one model chunk per stage; drop "
+                                       "--num-layers-per-virtual-pipeline-stage")
         flat = reshard.resplit(source, pstate.tp_size, pstate.pp_size)
     except reshard.ReshardError as err:
-        raise CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {err}") from None
+        raise _refusal(root, str(err), pstate, inference) from None
     mine = flat[(pstate.tp_rank, pstate.pp_rank)]
     problem = split_problem(mine, ep, source.sharding)
     if problem:
-        raise CheckpointError(f"--universal-checkpoint cannot re-shard {root}: {problem}")
+        raise _refusal(root, problem, pstate, inference)
     mine = split_experts(mine, ep, source.sharding)[getattr(pstate, "ep_rank", 0)]
     state = reshard.target_state(first, mine, pstate.tp_size, pstate.pp_size, source.sharding, ep)
     if "opt_param_scheduler" in first:

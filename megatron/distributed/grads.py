@@ -8,7 +8,9 @@
   over the tensor-parallel group.
 - The gradient norm counts each parameter once across TP and PP: sharded
   parameters on every rank, replicated ones on TP rank 0 only, and the last
-  stage's embedding copy not at all.
+  stage's embedding copy not at all. The k / v rows that TP ranks above the
+  number of query groups share are counted on the first rank of each replica
+  set only (megatron.mpu.sharding.duplicated_tail).
 """
 import math
 from typing import List, Optional, Tuple
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
+from megatron.mpu.sharding import duplicated_tail, parameter_meta
 
 
 def grad_of(param: torch.nn.Parameter):
@@ -69,28 +72,48 @@ def counts_for_norm(param, tp_rank: int) -> bool:
     return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
 
+def counted_parts(param, grad: torch.Tensor, tp_rank: int, tp: int,
+                  start: int = 0) -> List[Tuple[torch.Tensor, bool]]:
+    """`grad` (elements [start, start + numel) of the flattened `param`) as parts that
+    the norm counts on this rank or not: (grad, counts_for_norm) for every parameter
+    but the fused QKV of a rank that shares its k / v rows with an earlier rank, whose
+    shared tail is cut off and not counted."""
+    counted = counts_for_norm(param, tp_rank)
+    tail = duplicated_tail(parameter_meta(param), param.shape, tp_rank, tp) if counted else 0
+    if not tail:
+        return [(grad, counted)]
+    flat = grad.reshape(-1)
+    cut = min(max(param.numel() - tail - start, 0), flat.numel())
+    return [(part, keep) for part, keep in ((flat[:cut], True), (flat[cut:], False))
+            if part.numel()]
+
+
 def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
                        tp_group, mp_group, dp_group=None,
                        device: Optional[torch.device] = None, ep_group=None,
-                       edp_group=None) -> Tuple[float, bool]:
+                       edp_group=None, starts: Optional[List[int]] = None) -> Tuple[float, bool]:
     """(the global L2 norm, whether any gradient of any model-parallel rank holds an inf
     or a nan), from one multi-tensor norm and an all-reduce of two numbers per group. With
     `dp_group` (the distributed optimizer's DP shards) the sums also run over DP, and
     those of expert parameters (`expert_parallel`) over `edp_group`; expert sums also run
     over `ep_group` (each EP rank holds other experts).
-    `device`: where the two numbers live when this rank holds no gradient."""
-    tp_rank = group_rank(tp_group)
-    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    `device`: where the two numbers live when this rank holds no gradient. `starts`:
+    where each gradient begins in its flattened parameter (the distributed optimizer's
+    pieces; 0 by default)."""
+    tp_rank, tp = group_rank(tp_group), group_size(tp_group)
+    starts = starts if starts is not None else [0] * len(params)
+    pairs = [(p, part, keep) for p, g, start in zip(params, grads, starts) if g is not None
+             for part, keep in counted_parts(p, g, tp_rank, tp, start)]
     # Accumulated in float64 (see _float64_norms); finite gradients never overflow it.
     device = pairs[0][1].device if pairs else (device or torch.device("cpu"))
     # Expert sums take their own groups; whether they do is the same on every rank.
     split = ep_group is not None or (dp_group is not None and edp_group is not None)
-    expert = [split and getattr(p, "expert_parallel", False) for p, _ in pairs]
-    stats = _norm_stats([pq for pq, e in zip(pairs, expert) if not e], tp_rank, device)
+    expert = [split and getattr(p, "expert_parallel", False) for p, _, _ in pairs]
+    stats = _norm_stats([pq[1:] for pq, e in zip(pairs, expert) if not e], device)
     if dp_group is not None:
         all_reduce(stats, dp_group)
     if split:
-        expert_stats = _norm_stats([pq for pq, e in zip(pairs, expert) if e], tp_rank, device)
+        expert_stats = _norm_stats([pq[1:] for pq, e in zip(pairs, expert) if e], device)
         if dp_group is not None:
             all_reduce(expert_stats, edp_group)
         all_reduce(expert_stats, ep_group)
@@ -100,12 +123,13 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
     return math.sqrt(square), nonfinite > 0
 
 
-def _norm_stats(pairs, tp_rank: int, device) -> torch.Tensor:
-    """[sum of counted squares, number of non-finite gradients] (float64)."""
-    if not pairs:
+def _norm_stats(parts, device) -> torch.Tensor:
+    """[sum of counted squares, number of non-finite gradients] (float64) of
+    (gradient, counted) parts."""
+    if not parts:
         return torch.zeros(2, dtype=torch.float64, device=device)
-    norms = _float64_norms([g for _, g in pairs])
-    counted = torch.tensor([counts_for_norm(p, tp_rank) for p, _ in pairs], device=device)
+    norms = _float64_norms([g for g, _ in parts])
+    counted = torch.tensor([keep for _, keep in parts], device=device)
     return torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
                         (~torch.isfinite(norms)).sum().to(norms.dtype)])
 

@@ -193,7 +193,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     returning the logits. `vocab_limit`: ids at or beyond it (vocabulary padding) get
     probability 0. `float_loss`: 16-bit logits are converted to float32 for the loss
     (Megatron's default; off is --fp16-lm-cross-entropy). The gradient is the same as
-    that of `vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`."""
+    that of `vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`.
+    Label smoothing and a `vocab_limit` that masks columns are refused: the smoothing term
+    averages log p over every column, and the masked ones (log 0) would make it NaN; no
+    flag sets label smoothing for the GPT today."""
+    vocab = weight.shape[0] * group_size(group)
+    if label_smoothing > 0 and vocab_limit is not None and vocab_limit < vocab:
+        raise ValueError(f"label_smoothing {label_smoothing} with vocab_limit {vocab_limit} "
+                         f"(of {vocab} vocabulary columns) would average log 0 of the masked "
+                         f"padding columns into the loss (NaN); pass label_smoothing=0 or "
+                         f"vocab_limit=None")
     buffers = buffers if buffers is not None else LogitsBuffers()
     for_backward = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,

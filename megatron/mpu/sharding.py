@@ -46,6 +46,20 @@ def _replicas(meta: dict, tp: int) -> int:
     return tp // groups if groups is not None and tp > groups else 1
 
 
+def duplicated_tail(meta: dict, local_shape: Sequence[int], rank: int, tp: int) -> int:
+    """Elements at the end of TP rank `rank`'s flattened shard that an earlier rank of
+    its replica set also holds: the k / v rows of a query group when TP exceeds the
+    groups (the first rank of each set owns them, as merge_shards keeps its copy); 0
+    for every other parameter and for the first rank."""
+    replicas = _replicas(meta, tp)
+    if replicas == 1 or rank % replicas == 0:
+        return 0
+    per_row = 1
+    for n in local_shape[1:]:
+        per_row *= n
+    return 2 * meta["head_dim"] * per_row
+
+
 def check_shardable(shape: Sequence[int], meta: dict, tp: int) -> Optional[str]:
     """Why a full tensor of `shape` cannot be split over `tp` ranks, or None."""
     dim = meta.get("dim")

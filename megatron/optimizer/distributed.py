@@ -106,7 +106,8 @@ class DistributedOptimizer(OptimizerBase):
                                                  self.pstate.tp_group, self.pstate.mp_group,
                                                  dp_group=self.dp_group, device=self._device(),
                                                  ep_group=getattr(self.pstate, "ep_group", None),
-                                                 edp_group=self._expert_dp_group())
+                                                 edp_group=self._expert_dp_group(),
+                                                 starts=[p.start for p in self.pieces])
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:

@@ -8,9 +8,10 @@ a built model, its optimizer and the tensors autograd saves):
 - optimizer: fp32 main parameters (16-bit models), Adam's two moments, and the
   flat gradient copy of the flat Adam; all but the last sharded over DP with the
   distributed optimizer (which keeps its own fp32 main shard for every model);
-- activations of one micro batch, what autograd saves in the forward (SDPA
-  attention or the explicit softmax; full / selective recomputation; sequence
-  parallelism), times the micro batches the schedule keeps in flight on the rank.
+- activations of one micro batch, what autograd saves in the forward (SDPA or our CPU
+  attention kernel, or the explicit softmax, as CoreAttention chooses; full / selective
+  recomputation; sequence parallelism), times the micro batches the schedule keeps in
+  flight on the rank.
 
 Element counts per layer, one micro batch of b sequences of s tokens, TP = t,
 s' = s / t under sequence parallelism (else s), q = heads x kv_channels,
@@ -163,11 +164,41 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
     return {"parameters": _bytes_per(config) * n, "gradients": grads, "optimizer": optimizer}
 
 
-def _uses_sdpa(m, device_type: str) -> bool:
-    if m.attention_impl == "sdpa":
+def _cpu_kernel_runs(config) -> bool:
+    """Whether `--attention-impl auto` runs our CPU attention kernel in training (no mask,
+    no ALiBi, no dropout: CoreAttention._use_cpu_kernel), by the fused package's own
+    decision for q, k, v of this run's shape and dtype (stand-ins of one head's storage)."""
+    import torch
+
+    from megatron import fused
+    m = config.model
+    if not m.masked_softmax_fusion or m.attention_dropout > 0:
+        return False
+    dtype = (torch.float16 if config.training.fp16 else
+             torch.bfloat16 if config.training.bf16 else torch.float32)
+    seq = m.seq_length if _a2a(config) else local_seq_length(config)
+    d = m.kv_channels
+    q = torch.empty(d, dtype=dtype).as_strided((seq, 1, 1, d), (0, d, d, 1))
+    return fused.causal_attention_preferred(q, q, q)
+
+
+def _saves_probabilities(config, device_type: str) -> bool:
+    """Whether a layer's attention in training is the explicit softmax(q k^T) v, which
+    saves its probabilities, rather than SDPA or our CPU kernel (output and log-sum-exp
+    only): the choice of CoreAttention.forward."""
+    m = config.model
+    if _ring(config) or m.attention_impl == "sdpa":
+        return False
+    if m.attention_impl != "auto":
         return True
+    masked = m.window_size is not None and m.seq_length > m.window_size
+    if masked or m.position_embedding_type == "alibi":
+        return True
+    if device_type == "cpu" and _cpu_kernel_runs(config):
+        return False
     cpu_dropout = m.attention_dropout > 0 and device_type == "cpu"
-    return m.attention_impl == "auto" and not cpu_dropout
+    scaled_fp16 = config.training.fp16 and m.apply_query_key_layer_scaling
+    return cpu_dropout or scaled_fp16
 
 
 def local_seq_length(config) -> int:
@@ -178,6 +209,11 @@ def local_seq_length(config) -> int:
 def _ring(config) -> bool:
     p = config.parallel
     return p.context_parallel_size > 1 and p.cp_comm_type == "p2p"
+
+
+def _a2a(config) -> bool:
+    p = config.parallel
+    return p.context_parallel_size > 1 and p.cp_comm_type == "a2a"
 
 
 def cp_ring_buffers(config) -> float:
@@ -202,7 +238,7 @@ def layer_activation_elements(config, micro_batch: int, device_type: str) -> flo
     elements += s * b * f * (4 if m.gated_mlp else 2)
     elements += 4 * sp * b  # the norms' mean and 1 / std
     selective = m.recompute_granularity == "selective"
-    if _ring(config) or _uses_sdpa(m, device_type):
+    if not _saves_probabilities(config, device_type):
         elements += 0 if selective else s * b * q + b * heads * s  # output, log-sum-exp
     elif not selective:
         elements += b * heads * s * s  # the probabilities

@@ -7,8 +7,8 @@ from typing import List
 
 import torch
 
-from megatron.distributed.grads import counts_for_norm, grad_of, norm_and_nonfinite
-from megatron.mpu.mappings import all_reduce, group_rank
+from megatron.distributed.grads import counted_parts, counts_for_norm, grad_of, norm_and_nonfinite
+from megatron.mpu.mappings import all_reduce, group_rank, group_size
 
 
 def _counted(models, pstate) -> List[torch.nn.Parameter]:
@@ -26,8 +26,9 @@ def params_norm(models, pstate) -> float:
 
 def num_zeros_in_grad(models, pstate) -> int:
     """Gradient entries equal to zero after the last step's reduction (` num zeros:`)."""
-    grads = [grad_of(p) for p in _counted(models, pstate)]
-    grads = [g for g in grads if g is not None]
+    tp_rank, tp = group_rank(pstate.tp_group), group_size(pstate.tp_group)
+    grads = [part for p in _counted(models, pstate) if grad_of(p) is not None
+             for part, keep in counted_parts(p, grad_of(p), tp_rank, tp) if keep]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:

@@ -154,7 +154,8 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard, met
         state.iteration += 1
         state.consumed_train += trainer.microbatches.global_batch_size
         if losses:
-            state.history.append(dict(losses, iteration=state.iteration))
+            norm = {} if grad_norm is None else {"grad norm": grad_norm}
+            state.history.append(dict(losses, iteration=state.iteration, **norm))
         log.add(losses, time.perf_counter() - start, skipped, nan)
         if state.iteration % cfg.logging.log_interval == 0:
             _log(trainer, log, grad_norm, total, meter)

@@ -49,7 +49,8 @@ class Layout:
 def train(argv):
     import pretrain_gpt
     state = pretrain_gpt.main(argv)
-    return {"losses": losses(state), "iterations": [h["iteration"] for h in state.history]}
+    return {"losses": losses(state), "iterations": [h["iteration"] for h in state.history],
+            "grad norms": [h.get("grad norm") for h in state.history]}
 
 
 def reference_losses(data_prefix, cache_dir, *extra):

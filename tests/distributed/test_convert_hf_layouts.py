@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -22,29 +21,15 @@ from safetensors.torch import load_file  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
 from tests.distributed.run_ranks import run_ranks  # noqa: E402
 from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
-                             load_ours, position_ids, prompts, rel_err, save_hf_model)
+                             load_ours, pipeline_logits, prompts, rel_err, save_hf_model)
 from tools import convert_checkpoint  # noqa: E402
-
-
-def _pipeline_logits(ckpt: str, vocab: int, tokens: torch.Tensor, pstate):
-    """(logits on the last stage, None on the first; pstate) of the TP 2 x PP 2 checkpoint."""
-    models, _, pstate, config = load_ours(ckpt, vocab, tp=2, pp=2, pstate=pstate)
-    model, positions = models[0], position_ids(tokens)
-    with torch.no_grad():
-        if pstate.pp_rank == 0:
-            dist.send(model(tokens, positions).contiguous(), pstate.next_rank)
-            return None, pstate
-        hidden = torch.empty(tokens.shape[1], tokens.shape[0], config.model.hidden_size)
-        dist.recv(hidden, pstate.prev_rank)
-        model.set_input_tensor(hidden)
-        return model(tokens, positions)[..., :vocab], pstate
 
 
 def _worker(rank, world_size, cases):
     logits, greedy, pstate = {}, {}, None
     for name, work, vocab, tokens in cases:
-        logits[name], pstate = _pipeline_logits(os.path.join(work, "ckpt_tp2_pp2"), vocab,
-                                                tokens, pstate)
+        logits[name], pstate = pipeline_logits(os.path.join(work, "ckpt_tp2_pp2"), vocab,
+                                               tokens, pstate, tp=2)
     pstate = None
     for name, work, vocab, tokens in cases:
         models, tokenizer, pstate, _ = load_ours(os.path.join(work, "ckpt_tp2_pp1"), vocab,

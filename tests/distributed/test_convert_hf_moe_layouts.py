@@ -12,30 +12,21 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.distributed.run_ranks import run_ranks  # noqa: E402
-from tests.hf_models import (MOE_FAMILIES, converted, load_ours, position_ids,  # noqa: E402
-                             prompts, rel_err, save_hf_model)
+from tests.hf_models import (MOE_FAMILIES, converted, pipeline_logits, prompts,  # noqa: E402
+                             rel_err, save_hf_model)
 from tools import convert_checkpoint, merge_mp_partitions  # noqa: E402
 
 EP2 = ("--expert-model-parallel-size", "2")
 
 
 def _logits(ckpt, vocab, tokens, pstate):
-    models, _, pstate, config = load_ours(ckpt, vocab, pp=2, pstate=pstate, extra=EP2)
-    model, positions = models[0], position_ids(tokens)
-    with torch.no_grad():
-        if pstate.pp_rank == 0:
-            dist.send(model(tokens, positions).contiguous(), pstate.next_rank)
-            return None, pstate
-        hidden = torch.empty(tokens.shape[1], tokens.shape[0], config.model.hidden_size)
-        dist.recv(hidden, pstate.prev_rank)
-        model.set_input_tensor(hidden)
-        return model(tokens, positions)[..., :vocab].numpy(), pstate
+    logits, pstate = pipeline_logits(ckpt, vocab, tokens, pstate, extra=EP2)
+    return (None if logits is None else logits.numpy()), pstate
 
 
 def _worker(rank, world_size, cases):

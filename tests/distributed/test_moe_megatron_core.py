@@ -5,16 +5,15 @@ on, without and with a shared expert (with Qwen-MoE's sigmoid gate), SwiGLU expe
 at EP 1 (one process) and EP 2 (two ranks, each with its own tokens; ours with both
 dispatchers). Compared: the layer output, the router probabilities and routing map,
 and the load-balancing loss and z-loss (as both record them, without coefficients).
-Megatron-Core runs in a subprocess (tests/mcore_reference.py, tests/mcore_moe_layer.py).
+Both run in the same spawned ranks (Megatron-Core through tests/mcore_setup.py).
 """
 import pytest
 import torch
 
-from tests import mcore_reference
 from tests.distributed.run_ranks import run_ranks
+from tests.mcore_setup import have_mcore
 
-pytestmark = pytest.mark.skipif(not mcore_reference.available(),
-                                reason="megatron-core is not installed")
+pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
 
 E, H, FFN, SHARED, SEQ, BATCH = 8, 32, 16, 24, 8, 2
 CASES = [dict(score="softmax", shared=False), dict(score="sigmoid", shared=False),
@@ -51,11 +50,42 @@ def _mcore_config(case):
     return cfg
 
 
-def _mcore(ep):
-    cases = [{"config": _mcore_config(c), "weights": _weights(c, i), "x": _tokens(i, ep)}
-             for i, c in enumerate(CASES)]
-    return [r["cases"] for r in mcore_reference.run("mcore_moe_layer.py",
-                                                     {"ep": ep, "cases": cases}, world_size=ep)]
+def theirs(case, weights, x, ep, rank):
+    """Megatron-Core's MoELayer (its parallel state initialised at EP `ep`) with the same
+    weights (this rank's experts): output, probs, map, and the losses it recorded."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    clear_aux_losses_tracker()
+    config = TransformerConfig(**_mcore_config(case), activation_func=F.silu,
+                               gated_linear_unit=True, add_bias_linear=False,
+                               use_cpu_initialization=True, expert_model_parallel_size=ep,
+                               hidden_dropout=0.0, attention_dropout=0.0, bf16=False,
+                               params_dtype=torch.float32)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    layer = MoELayer(config, spec.submodules.mlp.submodules, layer_number=1)
+    layer.set_layer_number(1)
+    local = E // ep
+    state = {}
+    for name in layer.state_dict():
+        if name.endswith("_extra_state"):
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["experts", "local_experts"]:
+            parts[2] = str(rank * local + int(parts[2]))
+        state[name] = weights[".".join(parts)]
+    layer.load_state_dict(state, strict=False)
+    seen = {}
+    layer.router.register_forward_hook(lambda m, i, o: seen.update(probs=o[0], map=o[1]))
+    layer.train()
+    output, _ = layer(x)
+    losses = {name: float(v["values"][0])
+              for name, v in get_moe_layer_wise_logging_tracker().items()}
+    return {"output": output.detach(), "probs": seen["probs"].detach(), "map": seen["map"],
+            **losses}
 
 
 def ours(case, weights, x, groups, dispatcher="allgather"):
@@ -103,28 +133,27 @@ def _compare(got, want, what):
             f"{what}: {key} {got[key]} != {want[key]}"
 
 
-def test_moe_layer_equals_megatron_core_ep1():
-    from megatron.mpu.parallel_state import ExpertGroups
-    reference = _mcore(1)[0]
-    for i, case in enumerate(CASES):
-        got = ours(case, _weights(case, i), _tokens(i, 1)[0], ExpertGroups())
-        _compare(got, reference[i], f"EP 1 {case}")
-
-
 def _rank(rank, world_size):
+    """Theirs and ours (both dispatchers) at EP = world size, on this rank's tokens."""
     import torch.distributed as dist
     from megatron.mpu.parallel_state import ExpertGroups
+    from tests.mcore_setup import import_mcore
+    import_mcore()
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     groups = ExpertGroups(ep_group=dist.group.WORLD, ep_rank=rank, ep_size=world_size)
-    # numpy across the process boundary (tensors would travel as shared-memory handles)
-    return {d: [{k: v.numpy() if torch.is_tensor(v) else v for k, v in
-                 ours(case, _weights(case, i), _tokens(i, world_size)[rank], groups, d).items()}
-                for i, case in enumerate(CASES)] for d in ("allgather", "alltoall")}
+    inputs = [(case, _weights(case, i), _tokens(i, world_size)[rank])
+              for i, case in enumerate(CASES)]
+    results = {"mcore": [theirs(*args, world_size, rank) for args in inputs]}
+    for dispatcher in ("allgather", "alltoall"):
+        results[dispatcher] = [ours(*args, groups, dispatcher) for args in inputs]
+    return results
 
 
-def test_moe_layer_equals_megatron_core_ep2():
-    reference = _mcore(2)
-    results = run_ranks(_rank, 2)
-    for rank in range(2):
-        for dispatcher, got in results[rank].items():
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_layer_equals_megatron_core(ep):
+    for rank, results in enumerate(run_ranks(_rank, ep)):
+        reference = results.pop("mcore")
+        for dispatcher, got in results.items():
             for i, case in enumerate(CASES):
-                _compare(got[i], reference[rank][i], f"EP 2 rank {rank} {dispatcher} {case}")
+                _compare(got[i], reference[i], f"EP {ep} rank {rank} {dispatcher} {case}")

@@ -26,10 +26,7 @@ TARGETS = {
     "dp2-tp2": Layout(2, 1, 2, mbs=2, extra=["--use-distributed-optimizer"]),
     "pp2-vp2": Layout(1, 2, 2, mbs=1, extra=["--num-layers-per-virtual-pipeline-stage", "1"]),
 }
-# LLaMA: --clip-grad 0, because at TP 4 (above its 2 query groups) the gradient norm counts the
-# k / v replicas once per replica (megatron/distributed/grads.py), so clipping differs from
-# TP 2 by 1e-5 within five iterations; without clipping every layout gives the same run.
-CONFIGS = {"gpt": [], "llama": ARCHS["llama"] + ["--clip-grad", "0"], "bloom": ARCHS["bloom"]}
+CONFIGS = {"gpt": [], "llama": ARCHS["llama"], "bloom": ARCHS["bloom"]}
 
 
 def _with(layout: Layout, flags) -> Layout:

@@ -15,6 +15,7 @@ from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.optimizer import MegatronOptimizer, build_lr_scheduler
 from megatron.optimizer.optimizer import _param_groups
+from megatron.model.positions import sinusoidal_table
 from megatron.checkpointing.layout import (CheckpointError, load_checkpoint, read_model_file,
                                            save_checkpoint, to_megatron_layout)
 from tests.megatron_ckpt import (missing_megatron_entries, read_megatron_checkpoint,
@@ -26,10 +27,11 @@ ARGS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_em
             pipeline_model_parallel_size=1, consumed_train_samples=6, consumed_valid_samples=2)
 
 
-def config(bf16=False, no_load_optim=False):
+def config(bf16=False, no_load_optim=False, positions="learned_absolute"):
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                    seq_length=16, max_position_embeddings=16, padded_vocab_size=64,
-                                   hidden_dropout=0.0, attention_dropout=0.0),
+                                   hidden_dropout=0.0, attention_dropout=0.0,
+                                   position_embedding_type=positions),
                  training=TrainingConfig(train_iters=10, micro_batch_size=2, bf16=bf16),
                  optimizer=OptimizerConfig(lr=1e-3))
     cfg.check_layout(1)
@@ -113,6 +115,40 @@ def test_our_checkpoint_has_what_megatron_reads_and_resumes_here(tmp_path, bf16)
                            pstate) == (4, 8, 0)
     for a, b in zip(optimizer.main_params, resumed.main_params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _trainer_parts(cfg, m, pstate):
+    optimizer = MegatronOptimizer(cfg.optimizer, [m], pstate)
+    return optimizer, build_lr_scheduler(optimizer, cfg.optimizer, cfg.training)
+
+
+def test_sinusoidal_positions_round_trip_through_megatron_entries(tmp_path):
+    """fairseq's fixed table, which our model recomputes and never saves: our file describes
+    it to Megatron as learned absolute positions whose weight is the table. Our loader gets
+    the sinusoidal model back; a Megatron reader (the args, no `config`) gets the same logits
+    from a learned-positions model."""
+    cfg, pstate = config(positions="sinusoidal"), single_process_state()
+    source = model(cfg, seed=3)
+    expected = logits(source)
+    save_checkpoint(str(tmp_path / "ours"), 4, [source], *_trainer_parts(cfg, source, pstate),
+                    cfg, pstate, 8, 0)
+    state = read_megatron_checkpoint(
+        os.path.join(str(tmp_path / "ours"), "iter_0000004", "mp_rank_00", "model_optim_rng.pt"))
+    args = state["args"]
+    assert args.position_embedding_type == "learned_absolute" and args.add_position_embedding
+    table = state["model"]["language_model"]["embedding"]["position_embeddings"]["weight"]
+    torch.testing.assert_close(table, sinusoidal_table(16, 32), rtol=0, atol=0)
+    again = model(cfg, seed=5)
+    assert not torch.equal(logits(again), expected)
+    assert load_checkpoint(str(tmp_path / "ours"), [again], *_trainer_parts(cfg, again, pstate),
+                           cfg, pstate) == (4, 8, 0)
+    torch.testing.assert_close(logits(again), expected, rtol=0, atol=0)
+    write_megatron_checkpoint(str(tmp_path / "megatron"), state["model"], 3.0, vars(args), 4)
+    learned = config(no_load_optim=True)
+    theirs = model(learned, seed=5)
+    load_checkpoint(str(tmp_path / "megatron"), [theirs], *_trainer_parts(learned, theirs, pstate),
+                    learned, pstate)
+    torch.testing.assert_close(logits(theirs), expected, rtol=0, atol=0)
 
 
 class _Hostile:

@@ -19,27 +19,21 @@ from safetensors.torch import load_file  # noqa: E402
 from megatron.text_generation import generate  # noqa: E402
 from megatron.checkpointing.io import save_file  # noqa: E402
 from tests.gpt_setup import one_thread  # noqa: E402
-from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
-                             load_ours, position_ids, prompts, rel_err, save_hf_model)
+from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted,  # noqa: E402
+                             converted_family, hf_greedy, load_converted, load_ours,
+                             position_ids, prompts, rel_err, save_hf_model)
 from megatron.checkpointing.megatron_legacy import safe_load  # noqa: E402
 from tools import convert_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    """(name, HF model, work dir holding hf/ and the TP 1 conversion ckpt_tp1_pp1/)."""
-    work = str(tmp_path_factory.mktemp(request.param))
-    model = save_hf_model(request.param, os.path.join(work, "hf"))
-    converted(work, request.param)
-    return request.param, model, work
+    return converted_family(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def ours(family):
-    name, model, work = family
-    with one_thread():
-        models, tokenizer, _, _ = load_ours(os.path.join(work, "ckpt_tp1_pp1"),
-                                            model.config.vocab_size)
+    models, tokenizer, _, _ = load_converted(family)
     return models[0], tokenizer
 
 

@@ -17,25 +17,19 @@ from safetensors.torch import load_file  # noqa: E402
 
 from megatron.text_generation import generate  # noqa: E402
 from tests.gpt_setup import one_thread  # noqa: E402
-from tests.hf_models import (MOE_FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
-                             load_ours, position_ids, prompts, rel_err, save_hf_model)
+from tests.hf_models import (MOE_FAMILIES, NEW_TOKENS, PROMPT_LEN, converted_family,  # noqa: E402
+                             hf_greedy, load_converted, position_ids, prompts, rel_err)
 from tools import convert_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
 def family(request, tmp_path_factory):
-    work = str(tmp_path_factory.mktemp(request.param))
-    model = save_hf_model(request.param, os.path.join(work, "hf"))
-    converted(work, request.param)
-    return request.param, model, work
+    return converted_family(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def ours(family):
-    _, model, work = family
-    with one_thread():
-        models, tokenizer, _, config = load_ours(os.path.join(work, "ckpt_tp1_pp1"),
-                                                 model.config.vocab_size)
+    models, tokenizer, _, config = load_converted(family)
     return models[0], tokenizer, config
 
 

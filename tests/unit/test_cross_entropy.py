@@ -111,3 +111,14 @@ def test_only_the_latest_shape_is_kept():
             linear_cross_entropy(torch.randn(rows, 8), weight, torch.randint(0, 32, (rows,)),
                                  buffers=buffers)
     assert list(buffers._free) == [((5, 32), torch.float32, torch.device("cpu"))]
+
+
+def test_label_smoothing_with_masked_vocabulary_padding_is_refused():
+    """Smoothing averages log p over every column; masked padding (log 0) would make the loss
+    NaN, so the combination is an error (a limit covering the whole vocabulary is fine)."""
+    hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(32, 8)
+    target = torch.randint(0, 30, (4,))
+    with pytest.raises(ValueError, match="label_smoothing 0.1 with vocab_limit 30 .of 32"):
+        linear_cross_entropy(hidden, weight, target, vocab_limit=30, label_smoothing=0.1)
+    loss = linear_cross_entropy(hidden, weight, target, vocab_limit=32, label_smoothing=0.1)
+    assert torch.isfinite(loss).all()

@@ -86,7 +86,9 @@ def _close(predicted, measured, what):
 
 
 ONE_PROCESS = [(), ("--recompute-granularity", "selective"), ("--recompute-granularity", "full"),
-               ("--attention-impl", "torch"), ("--bf16",)]
+               ("--attention-impl", "torch"), ("--bf16",),
+               # the explicit softmax (its probabilities) where CoreAttention takes it
+               ("--position-embedding-type", "alibi"), ("--window-size", "16")]
 
 
 @pytest.mark.parametrize("flags", ONE_PROCESS, ids=lambda f: " ".join(f) or "plain")

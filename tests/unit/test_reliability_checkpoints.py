@@ -470,3 +470,25 @@ def test_refused_checkpoint_exits_with_loader_workers(saved, tmp_path, damage, w
     rc, err, seconds = run_entry(tiny_argv(prefix, out / "cache", "--load", root, "--num-workers",
                                            "2", iters=3), timeout=90)
     assert rc == 2 and len(err) == 1 and words in err[0] and seconds < 30, (rc, err, seconds)
+
+
+def test_inference_reshard_refusal_names_inference_and_the_fix(saved, tmp_path, capsys):
+    """A checkpoint whose file says TP 2 but whose rank-1 file is missing: generation on one
+    process re-shards it in memory to TP 1 (no --universal-checkpoint involved) and refuses
+    in one line that says so and names both ways out."""
+    from tools import generate_samples_gpt
+    out, _ = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt", root)
+    state = safe_load(model_file(root))
+    state["parallel"]["tensor_model_parallel_size"] = 2
+    checkpoint_io.save_file(state, model_file(root))
+    with pytest.raises(SystemExit):
+        generate_samples_gpt.main(["--load", str(root), "--prompt", "a", "--out-seq-length", "2",
+                                   "--greedy"])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "--universal-checkpoint" not in err, err
+    for words in ("for inference re-shards it in memory to TP 1 x PP 1", "lacks the files",
+                  "--tensor-model-parallel-size", "tools/merge_mp_partitions.py"):
+        assert words in err, err
