@@ -188,18 +188,20 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         checkpoint_io.remove_stale_temp_files(root)
     if dist.is_initialized():
         dist.barrier()
-    writer = getattr(pstate, "cp_rank", 0) == 0  # CP ranks hold the same model and optimizer
-    if getattr(pstate, "edp_rank", pstate.dp_rank) == 0 and writer:  # a file per TP x PP x EP
+    # One model file per TP x PP x EP: expert-DP rank 0 (expert-DP spans DP x CP); the
+    # distributed optimizer's shards are per DP x CP rank (what it shards over).
+    shard_rank, shard_size = _shard_rank_size(pstate)
+    if getattr(pstate, "edp_rank", pstate.dp_rank) == 0:
         checkpoint_io.save_file(state, path)
         shard_dir = os.path.dirname(distributed_optimizer_path(
             root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, 0))
-        if sharded and pstate.dp_rank == 0 and os.path.isdir(shard_dir):
+        if sharded and shard_rank == 0 and os.path.isdir(shard_dir):
             # shards of a larger DP size saved here before would confuse loading
-            for stale in _shard_files(shard_dir, from_rank=pstate.dp_size):
+            for stale in _shard_files(shard_dir, from_rank=shard_size):
                 os.remove(stale)
-    if sharded and writer:
+    if sharded:
         checkpoint_io.save_file(optimizer.state_dict(), distributed_optimizer_path(
-            root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, pstate.dp_rank))
+            root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, shard_rank))
     if dist.is_initialized():
         dist.barrier()
     if pstate.rank == 0:
@@ -359,7 +361,7 @@ def _load_optimizer(root: str, state: dict, optimizer, pstate, models) -> None:
     if state.get("distributed_optimizer"):
         saved = None
         if getattr(optimizer, "is_distributed", False) and _saved_dp_size(root, iteration, pstate) \
-                == pstate.dp_size:
+                == _shard_rank_size(pstate)[1]:
             saved = _load_shard(root, iteration, pstate)
         if saved is None or not optimizer.fits_shard(saved):
             # a regular optimizer, another DP size or --ddp-bucket-size: merge the shards
@@ -385,14 +387,22 @@ def _saved_dp_size(root: str, iteration: int, pstate) -> int:
 
 
 def _load_shard(root: str, iteration: int, pstate) -> dict:
-    """This DP rank's distributed-optimizer shard (saved with this run's DP size)."""
+    """This DP x CP rank's distributed-optimizer shard (saved with this run's DP x CP size)."""
+    rank, size = _shard_rank_size(pstate)
     path = distributed_optimizer_path(root, iteration, pstate.tp_rank, pstate.pp_rank,
-                                      pstate.pp_size, pstate.dp_rank)
+                                      pstate.pp_size, rank)
     shard = checkpoint_io.load_file(path)
-    if shard.get("dp_size") != pstate.dp_size:
+    if shard.get("dp_size") != size:
         raise CheckpointError(f"{path} was saved with {shard.get('dp_size')} data-parallel ranks, "
-                              f"this run has {pstate.dp_size}; its shard files are inconsistent")
+                              f"this run has {size}; its shard files are inconsistent")
     return shard
+
+
+def _shard_rank_size(pstate):
+    """This rank's distributed-optimizer shard (rank, count): DP x CP, so that a checkpoint
+    saved at CP x DP = N ranks has the N shard files of DP N (it does not depend on CP)."""
+    return (getattr(pstate, "dp_cp_rank", pstate.dp_rank),
+            getattr(pstate, "dp_cp_size", pstate.dp_size))
 
 
 def consolidate_distributed_optimizer(root: str, tp_rank: int = 0, pp_rank: int = 0,

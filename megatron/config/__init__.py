@@ -88,9 +88,6 @@ class Config:
             return
         require(moe is not None and moe.enabled,
                 f"--expert-model-parallel-size {ep} needs --num-experts")
-        cp = p.context_parallel_size
-        require(cp == 1, f"MoE layers (--num-experts) with --context-parallel-size {cp} are not "
-                         f"supported yet; use --context-parallel-size 1")
         require(ep == 1 or self.checkpoint.ckpt_format == "torch",
                 f"--ckpt-format torch_dist does not hold experts split over "
                 f"--expert-model-parallel-size {ep} yet; use --ckpt-format torch")

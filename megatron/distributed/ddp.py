@@ -13,6 +13,10 @@ overlapping with the rest of backward. Buckets holding a parameter passed as
 distributed optimizer, whose copies on the first and last stage must be summed
 before the reduce-scatter (the two stages shard them at different offsets).
 
+The reducer's group is the one its gradients are summed over: DP x CP for dense
+parameters (one reduction, as Megatron-Core's; DP alone without context parallelism),
+expert-DP for MoE experts. "DP" below means that group.
+
 With `reduce_scatter` (the distributed optimizer) each bucket is padded to a
 multiple of the DP size and split into DP equal contiguous shards; a DP rank
 only needs the averaged gradient of its own shard of every bucket:
@@ -99,9 +103,9 @@ class GradReducer:
                  bucket_size: int = 40_000_000, overlap: bool = False,
                  reduce_scatter: bool = False, held: Sequence[torch.nn.Parameter] = (),
                  divisor: Optional[int] = None, experts: bool = False):
-        """`divisor`: what the summed gradients are divided by (default the group size);
-        expert parameters are summed over their expert-DP group and divided by the DP size
-        (`experts`: this reducer holds them)."""
+        """`divisor`: what the summed gradients are divided by (default the group size):
+        the DP size, for dense gradients summed over DP x CP and expert gradients summed
+        over their expert-DP group (`experts`: this reducer holds them)."""
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
@@ -234,26 +238,29 @@ class TorchDDPReducer:
             p.grad = None
 
 
-def build_grad_reducers(models: List[torch.nn.Module], dp_group, parallel_cfg,
+def build_grad_reducers(models: List[torch.nn.Module], pstate, parallel_cfg,
                         grad_dtype: torch.dtype,
-                        tied_params: Sequence[torch.nn.Parameter] = (),
-                        expert_dp_group=None) -> list:
+                        tied_params: Sequence[torch.nn.Parameter] = ()) -> list:
     """One reducer per model chunk, of the kind --DDP-impl asks for, and one more per
-    chunk with MoE experts (over `expert_dp_group`). `tied_params`: parameters whose
-    gradients are summed with another stage's after backward."""
+    chunk with MoE experts. Dense gradients are reduced once over DP x CP (Megatron-Core's
+    data-parallel group with context parallelism: each CP rank's gradient is its chunks'
+    part of the sequence's), expert gradients over expert-DP (the same ranks re-divided by
+    EP), both divided by the DP size. `tied_params`: parameters whose gradients are summed
+    with another stage's after backward."""
     if parallel_cfg.DDP_impl == "torch":
-        return [TorchDDPReducer(m, dp_group) for m in models]
+        return [TorchDDPReducer(m, pstate.dp_group) for m in models]
     sharded = parallel_cfg.use_distributed_optimizer
     common = dict(bucket_size=parallel_cfg.ddp_bucket_size,
-                  overlap=parallel_cfg.overlap_grad_reduce, reduce_scatter=sharded)
+                  overlap=parallel_cfg.overlap_grad_reduce, reduce_scatter=sharded,
+                  divisor=pstate.dp_size)
     reducers = []
     for m in models:
         params = list(m.parameters())
         experts = [p for p in params if getattr(p, "expert_parallel", False)]
         dense = [p for p in params if not getattr(p, "expert_parallel", False)]
-        reducers.append(GradReducer(dense, dp_group, grad_dtype,
+        reducers.append(GradReducer(dense, pstate.dp_cp_group, grad_dtype,
                                     held=tied_params if sharded else (), **common))
         if experts:
-            reducers.append(GradReducer(experts, expert_dp_group, grad_dtype,
-                                        divisor=group_size(dp_group), experts=True, **common))
+            reducers.append(GradReducer(experts, pstate.edp_group, grad_dtype, experts=True,
+                                        **common))
     return reducers

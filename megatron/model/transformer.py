@@ -16,6 +16,7 @@ from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
 from megatron.mpu.sharding import qkv_meta
 from megatron.model.spec import make_norm, mlp_activation
 from megatron.model.moe.layer import MoELayer
+from megatron.model.moe.router import TopKRouter
 from megatron.mpu.parallel_state import ExpertGroups
 from megatron.mpu import checkpoint, get_rng_tracker
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
@@ -263,10 +264,13 @@ class ParallelAttention(torch.nn.Module):
 
 def enable_context_parallel(model: torch.nn.Module, group, comm_type: str = "p2p") -> None:
     """Make every attention module of `model` attend across the CP `group` (its inputs
-    are then this rank's two sequence chunks, megatron.model.context_parallel)."""
+    are then this rank's two sequence chunks, megatron.model.context_parallel), and every
+    MoE router count its auxiliary losses over the whole sequences."""
     for module in model.modules():
         if isinstance(module, ParallelAttention):
             module.cp_group, module.cp_comm_type = group, comm_type
+        elif isinstance(module, TopKRouter):
+            module.cp_group = group
 
 
 class ParallelMLP(torch.nn.Module):

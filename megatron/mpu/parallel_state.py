@@ -15,7 +15,7 @@ from megatron.mpu.topology import ParallelDims
 
 @dataclass
 class ParallelState:
-    """This rank's position in the TP x DP x PP grid and its process groups.
+    """This rank's position in the TP x CP x DP x PP grid and its process groups.
 
     A group is None when the run has a single process (no torch.distributed);
     every collective treats a None group, or a group of one, as a no-op.
@@ -41,7 +41,14 @@ class ParallelState:
     ep_group: Optional[object] = None
     """Expert parallelism: the ranks that split each MoE layer's experts."""
     edp_group: Optional[object] = None
-    """Expert data parallelism: the ranks holding the same experts."""
+    """Expert data parallelism: the ranks holding the same experts (DP x CP re-divided)."""
+    dp_cp_group: Optional[object] = None
+    """DP x CP: the ranks whose dense weight gradients are reduced together (and over which
+    the distributed optimizer shards them); the DP group when CP is 1."""
+
+    def __post_init__(self):
+        if self.dp_cp_group is None and self.dims.cp == 1:
+            self.dp_cp_group = self.dp_group  # a state built by hand: DP x CP is DP
 
     @property
     def ep_size(self) -> int:
@@ -50,6 +57,15 @@ class ParallelState:
     @property
     def edp_size(self) -> int:
         return self.dims.edp
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dims.dp * self.dims.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """Rank in the DP x CP group (dp_rank x CP + cp_rank, Megatron-Core's order)."""
+        return self.dp_rank * self.dims.cp + self.cp_rank
 
     def expert_groups(self) -> "ExpertGroups":
         """What MoE layers need to know of the layout."""
@@ -149,9 +165,12 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
     mp_group, _ = _my_group(dims.model_parallel_groups(), rank, backend, timeout)
     emb_group, emb_ranks = _my_group(dims.embedding_groups(), rank, backend, timeout)
     cp_group, _ = _my_group(dims.context_parallel_groups(), rank, backend, timeout)
+    dp_cp_group = dp_group
+    if cp > 1:
+        dp_cp_group, _ = _my_group(dims.data_context_parallel_groups(), rank, backend, timeout)
     _, edp_rank, ep_rank, _ = dims.expert_coordinates(rank)
-    ep_group, edp_group = None, None
-    if ep > 1:  # else EP is one rank and expert DP is DP
+    ep_group, edp_group = None, dp_cp_group  # EP of one rank: expert DP is DP x CP
+    if ep > 1:
         ep_group, _ = _my_group(dims.expert_parallel_groups(), rank, backend, timeout)
         edp_group, _ = _my_group(dims.expert_data_parallel_groups(), rank, backend, timeout)
     _STATE = ParallelState(
@@ -159,8 +178,8 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
         tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,
         embedding_group=emb_group, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
         embedding_ranks=emb_ranks or [], cp_rank=dims.cp_rank_of(rank), cp_group=cp_group,
-        ep_rank=ep_rank, edp_rank=edp_rank, ep_group=ep_group,
-        edp_group=edp_group if ep > 1 else dp_group)
+        ep_rank=ep_rank, edp_rank=edp_rank, ep_group=ep_group, edp_group=edp_group,
+        dp_cp_group=dp_cp_group)
     return _STATE
 
 

@@ -9,7 +9,9 @@ by TP * CP and pipeline groups by TP * CP * DP.
 Expert parallelism (Megatron-Core's RankGenerator, order tp-cp-ep-dp-pp) re-divides
 the TP x CP x DP ranks of each pipeline stage (a contiguous block of `stage_size` ranks)
 into expert-TP (fastest), EP, then expert-DP: with ETP = TP and CP = 1 an EP group is EP
-consecutive DP ranks, and expert gradients are reduced over the expert-DP ranks only.
+consecutive DP ranks; with CP > 1 the EP groups run over CP first, and expert-DP spans
+DP x CP. Dense weight gradients are reduced over DP x CP (`data_context_parallel_groups`),
+expert gradients over the expert-DP ranks only, each once.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple

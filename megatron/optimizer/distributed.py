@@ -1,5 +1,6 @@
 """The distributed optimizer (ZeRO-1): fp32 main parameters and optimizer state
-sharded over the data-parallel group.
+sharded over the data-parallel group (DP x CP with context parallelism, as in
+Megatron-Core; expert parameters over expert-DP).
 
 The reducers (`GradReducer(reduce_scatter=True)`) split every gradient bucket
 into DP contiguous shards and leave each rank the averaged gradient of its own
@@ -67,7 +68,9 @@ class DistributedOptimizer(OptimizerBase):
 
     def __init__(self, cfg, models, pstate, reducers, grad_scaler=None):
         super().__init__(cfg, pstate, grad_scaler)
-        self.dp_group = pstate.dp_group
+        # The group the dense gradients are sharded over (DP x CP); the saved shard's rank.
+        dense = [r for r in reducers if not getattr(r, "experts", False)]
+        self.dp_group = dense[0].dp_group if dense else pstate.dp_cp_group
         self.model_params = [p for m in models for p in m.parameters() if p.requires_grad]
         index_of = {p: i for i, p in enumerate(self.model_params)}
         self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
@@ -136,8 +139,9 @@ class DistributedOptimizer(OptimizerBase):
 
     def _expert_dp_group(self):
         """The expert-DP group when expert parameters have their own reducer (else None)."""
-        if any(getattr(r, "experts", False) for r, _, _ in self.buckets):
-            return self.pstate.edp_group
+        for reducer, _, _ in self.buckets:
+            if getattr(reducer, "experts", False):
+                return reducer.dp_group
         return None
 
     @torch.no_grad()

@@ -154,11 +154,12 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
     mixed = config.training.fp16 or config.training.bf16
     grads = 4 * n if (mixed or p.accumulate_allreduce_grads_in_fp32) else _bytes_per(config) * n
     moments = 8 * n if config.optimizer.optimizer == "adam" else 4 * n
-    if p.use_distributed_optimizer:  # expert parameters are sharded over expert-DP only
+    if p.use_distributed_optimizer:  # dense over DP x CP, experts over expert-DP only
         experts = stage_expert_params(config, layout.pp_rank)
         per_param = 4 + (8 if config.optimizer.optimizer == "adam" else 4)
-        edp = max(1, dp // p.expert_model_parallel_size)
-        optimizer = per_param * (n - experts) // dp + per_param * experts // edp
+        shards = dp * p.context_parallel_size
+        edp = max(1, shards // p.expert_model_parallel_size)
+        optimizer = per_param * (n - experts) // shards + per_param * experts // edp
     else:
         optimizer = (4 * n if mixed else 0) + moments + (4 * n if flat_adam(config, layout) else 0)
     return {"parameters": _bytes_per(config) * n, "gradients": grads, "optimizer": optimizer}
@@ -357,7 +358,9 @@ def step_time(config, layout: Layout, micro: int, device_flops: float,
         layers = stage_layers(config)
         # 2 all-reduces forward + 2 backward per layer, ring: 2 (t - 1) / t of the data each
         comm += 4 * layers * tokens * m.hidden_size * item * 2 * (tp - 1) / tp / link_bandwidth
-        comm += 2 * (dp - 1) / dp * state_bytes(config, layout)["gradients"] / link_bandwidth
+        shards = dp * p.context_parallel_size  # one gradient reduction over DP x CP
+        comm += 2 * (shards - 1) / shards * state_bytes(config, layout)["gradients"] \
+            / link_bandwidth
         comm += 2 * micro * (pp - 1 > 0) * t.micro_batch_size * local_seq_length(config) \
             * m.hidden_size * item / tp ** (1 if m.sequence_parallel else 0) / link_bandwidth
         comm += _cp_ring_bytes(config, micro, layers) / link_bandwidth

@@ -15,7 +15,6 @@ from megatron.distributed.ddp import build_grad_reducers
 from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
 from megatron.model.transformer import enable_context_parallel
-from megatron.mpu.mappings import all_reduce
 from megatron.model.moe.layer import collect_moe_metrics, update_expert_bias
 from megatron.model.moe.router import AuxLossScaler
 from megatron.optimizer import build_lr_scheduler, build_optimizer
@@ -107,9 +106,8 @@ class Trainer:
         grad_dtype = torch.float32 if (config.training.fp16 or config.training.bf16
                                        or config.parallel.accumulate_allreduce_grads_in_fp32) \
             else params_dtype(config)
-        self.reducers = build_grad_reducers(models, pstate.dp_group, config.parallel, grad_dtype,
-                                            tied_embedding_params(models, pstate),
-                                            expert_dp_group=pstate.edp_group)
+        self.reducers = build_grad_reducers(models, pstate, config.parallel, grad_dtype,
+                                            tied_embedding_params(models, pstate))
         self.torch_ddp = config.parallel.DDP_impl == "torch"
         # --DDP-impl torch: the forward goes through the DDP wrapper (the plain
         # module stays in self.models for checkpoints and set_input_tensor).
@@ -191,8 +189,8 @@ class Trainer:
         return losses, grad_norm, overflow and scaled, overflow and not scaled
 
     def _reduce_grads(self) -> None:
-        """Average gradients over DP, sum the tied embedding copies and the
-        sequence-parallel partial gradients."""
+        """Average gradients over DP (summing the CP ranks' parts), sum the tied embedding
+        copies and the sequence-parallel partial gradients."""
         # The distributed optimizer's reduce-scatter leaves each DP rank only its
         # shard, at different offsets on the first and last stage: sum the
         # embedding copies before it (their buckets are held back from an
@@ -202,9 +200,7 @@ class Trainer:
             self._reduce_embedding_grads()
         self.timers.start("grads-all-reduce")
         for reducer in self.reducers:
-            reducer.finish_grad_sync()
-            if self.pstate.cp_size > 1:  # the CP ranks' parts of each gradient: DP x CP
-                all_reduce(reducer.buffer, self.pstate.cp_group)
+            reducer.finish_grad_sync()  # dense over DP x CP, experts over expert-DP
         self.timers.stop("grads-all-reduce")
         if self.config.model.sequence_parallel:
             allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)

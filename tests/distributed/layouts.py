@@ -1,4 +1,4 @@
-"""Machinery of the layout tests: a (TP, PP, DP) layout of the tiny GPT run, training
+"""Machinery of the layout tests: a (TP, PP, DP[, CP]) layout of the tiny GPT run, training
 every layout of one world size in one spawn, and the loss / resume checks.
 
 With --use-cpu-initialization, dropout 0 and one seed, 10 iterations at any layout
@@ -27,39 +27,63 @@ class Layout:
     extra: List[str] = field(default_factory=list)
     resume: bool = False  # also save at SAVE_AT and resume to ITERS
     keep: bool = False  # save the model at ITERS (in ckpt-final-<name>)
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_micro_batches(self) -> int:
         return GLOBAL_BATCH // (self.dp * self.mbs)
 
     def argv(self, data_prefix, cache_dir, *more):
+        cp = ["--context-parallel-size", str(self.cp)] if self.cp > 1 else []
         return tiny_gpt_argv(data_prefix, cache_dir, "--tensor-model-parallel-size", str(self.tp),
-                             "--pipeline-model-parallel-size", str(self.pp), *self.extra, *more,
-                             mbs=self.mbs, gbs=GLOBAL_BATCH, iters=ITERS)
+                             "--pipeline-model-parallel-size", str(self.pp), *cp, *self.extra,
+                             *more, mbs=self.mbs, gbs=GLOBAL_BATCH, iters=ITERS)
 
     def is_last_stage(self, rank: int) -> bool:
-        pp_rank, _, _ = ParallelDims(world_size=self.world, tp=self.tp, pp=self.pp).coordinates(rank)
-        return pp_rank == self.pp - 1
+        dims = ParallelDims(world_size=self.world, tp=self.tp, pp=self.pp, cp=self.cp)
+        return dims.coordinates(rank)[0] == self.pp - 1
+
+
+def llama_style(seq: int) -> list:
+    """The LLaMA-style model of the context-parallel tests (RoPE, RMSNorm, SwiGLU, GQA with
+    2 groups, untied head; hidden 32, 2 layers) at sequence length `seq`."""
+    return ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--swiglu",
+            "--group-query-attention", "--num-query-groups", "2",
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+
+
+MOE_FIELDS = ("load_balancing_loss", "z_loss", "tokens-per-expert max/mean")
+"""The MoE fields of the log line (present in a run's history when the model has them)."""
+
+
+def _result(state) -> dict:
+    return {"losses": losses(state), "iterations": [h["iteration"] for h in state.history],
+            "grad norms": [h.get("grad norm") for h in state.history],
+            "moe": [{k: h[k] for k in MOE_FIELDS if k in h} for h in state.history]}
 
 
 def train(argv):
     import pretrain_gpt
-    state = pretrain_gpt.main(argv)
-    return {"losses": losses(state), "iterations": [h["iteration"] for h in state.history],
-            "grad norms": [h.get("grad norm") for h in state.history]}
+    return _result(pretrain_gpt.main(argv))
+
+
+def reference_run(data_prefix, cache_dir, *extra) -> dict:
+    """(TP, PP, DP) = (1, 1, 1) in this process (one thread, like each rank): losses,
+    iterations and the MoE fields per iteration."""
+    import pretrain_gpt
+    with one_thread():
+        return _result(pretrain_gpt.main(tiny_gpt_argv(data_prefix, cache_dir, *extra, mbs=2,
+                                                       gbs=GLOBAL_BATCH, iters=ITERS)))
 
 
 def reference_losses(data_prefix, cache_dir, *extra):
-    """(TP, PP, DP) = (1, 1, 1) in this process (one thread, like each rank)."""
-    import pretrain_gpt
-    with one_thread():
-        state = pretrain_gpt.main(tiny_gpt_argv(data_prefix, cache_dir, *extra, mbs=2,
-                                                gbs=GLOBAL_BATCH, iters=ITERS))
-    return losses(state)
+    return reference_run(data_prefix, cache_dir, *extra)["losses"]
 
 
 def checkpoint_dir(workdir, name: str, final: bool = False) -> str:

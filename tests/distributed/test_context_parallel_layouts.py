@@ -10,11 +10,10 @@ One spawn of 2 ranks and one of 4 (CP_TEST_SEQ / CP_TEST_ONLY pick a shorter seq
 or some layouts for a quick run).
 """
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 
-from megatron.mpu.topology import ParallelDims
 from tests.distributed import layouts as L
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import have_reference_data, preprocess_wiki
@@ -22,28 +21,12 @@ from tests.gpt_setup import have_reference_data, preprocess_wiki
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 SEQ = int(os.environ.get("CP_TEST_SEQ", "1024"))
-MODEL = ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--swiglu",
-         "--group-query-attention", "--num-query-groups", "2",
-         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ)]
+MODEL = L.llama_style(SEQ)
 
 
 @dataclass(frozen=True)
 class CPLayout(L.Layout):
     cp: int = 2
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    def argv(self, data_prefix, cache_dir, *more):
-        return super().argv(data_prefix, cache_dir, "--context-parallel-size", str(self.cp),
-                            *more)
-
-    def is_last_stage(self, rank: int) -> bool:
-        dims = ParallelDims(world_size=self.world, tp=self.tp, pp=self.pp, cp=self.cp)
-        return dims.coordinates(rank)[0] == self.pp - 1
 
 
 LAYOUTS = {

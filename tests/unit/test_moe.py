@@ -58,8 +58,6 @@ def test_layer_freq_forms():
      ["--moe-router-num-groups (3)"]),
     (["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"], 2,
      ["--ckpt-format torch_dist", "--expert-model-parallel-size 2"]),
-    (["--context-parallel-size", "2", "--attention-dropout", "0"], 2,
-     ["--context-parallel-size 2", "not supported yet"]),
 ])
 def test_bad_moe_settings_exit_2_with_one_line(capsys, extra, world, words):
     with pytest.raises(SystemExit) as exc:

@@ -74,3 +74,26 @@ def test_cp_1_keeps_the_3d_rank_order():
 def test_rejects_cp_that_does_not_divide_the_world():
     with pytest.raises(ValueError, match=r"world size \(6\).*context-parallel-size \(4\)"):
         ParallelDims(6, tp=1, pp=1, cp=4)
+
+
+def test_expert_groups_with_context_parallelism_re_divide_tp_cp_dp():
+    """Megatron-Core's expert decomposition: the TP x CP x DP ranks of a stage re-divided
+    into ETP x EP x expert-DP, so expert-DP includes CP; dense gradients go over DP x CP."""
+    dims = ParallelDims(4, cp=2, ep=2)  # CP 2 x DP 2: the EP groups are the CP groups
+    assert dims.expert_parallel_groups() == dims.context_parallel_groups() == [[0, 1], [2, 3]]
+    assert dims.expert_data_parallel_groups() == dims.data_parallel_groups() == [[0, 2], [1, 3]]
+    assert dims.data_context_parallel_groups() == [[0, 1, 2, 3]]
+    one_ep = ParallelDims(4, cp=2)  # EP 1: expert-DP is DP x CP
+    assert one_ep.edp == 4
+    assert one_ep.expert_data_parallel_groups() == one_ep.data_context_parallel_groups()
+    big = ParallelDims(16, tp=2, cp=2, pp=2, ep=2)  # DP 2
+    assert big.edp == 2
+    for groups, size in ((big.expert_parallel_groups(), 2), (big.expert_data_parallel_groups(), 2),
+                         (big.data_context_parallel_groups(), 4)):
+        assert all(len(g) == size for g in groups)
+        _check_partition(groups, 16)
+    coords = [big.expert_coordinates(r) for r in range(16)]  # (pp, edp, ep, etp)
+    assert [c[3] for c in coords] == [big.coordinates(r)[2] for r in range(16)]  # ETP = TP
+    # expert-DP rank 0 writes the model file: exactly one rank per (PP, EP, TP)
+    writers = [(p, e, t) for p, edp, e, t in coords if edp == 0]
+    assert len(set(writers)) == len(writers) == 2 * 2 * 2

@@ -70,7 +70,7 @@ def collect_moe_metrics(models, pstate, num_micro_batches: int) -> Dict[str, flo
         if "tokens" in metrics:
             tokens[i] = metrics["tokens"].cpu()
         layer.router.metrics = {}
-    for group in (pstate.pp_group, pstate.dp_group):
+    for group in (pstate.pp_group, pstate.dp_cp_group):  # CP ranks: parts of the sequences
         all_reduce(values, group)
         all_reduce(tokens, group)
     values /= max(1, pstate.dp_size)
@@ -98,12 +98,12 @@ def _loss_names(moe) -> set:
 @torch.no_grad()
 def update_expert_bias(models, pstate) -> None:
     """Aux-loss-free balancing after each step: move each expert's bias by the update
-    rate towards the mean load (tokens of the step summed over DP)."""
+    rate towards the mean load (tokens of the step summed over DP and CP)."""
     for layer in moe_layers(models):
         router = layer.router
         if router.expert_bias is None:
             continue
-        counts = all_reduce(router.local_tokens_per_expert.clone(), pstate.dp_group)
+        counts = all_reduce(router.local_tokens_per_expert.clone(), pstate.dp_cp_group)
         offset = counts.mean() - counts
         router.expert_bias += torch.sign(offset) * router.moe.moe_router_bias_update_rate
         router.local_tokens_per_expert.zero_()

@@ -3,7 +3,11 @@
 Tokens are rows: logits [T, E]. `probs` [T, E] holds each token's combine weight for
 its selected experts (0 elsewhere) and `routing_map` [T, E] (bool) the selection.
 The router sees every token of this data-parallel rank's micro batch (the MoE layer
-gathers a sequence-parallel input first), so its losses need no TP reduction.
+gathers a sequence-parallel input first), so its losses need no TP reduction. Under
+context parallelism it sees this CP rank's chunks of each sequence: each loss is then
+this rank's part of the whole sequences' loss (scores of the local tokens, token counts
+and the token total of all CP ranks), so the parts sum to the single-process loss, and
+their gradients, summed over CP with the weight gradients, to its gradient.
 
 Auxiliary losses do not change the returned values: like Megatron-LM, each is
 attached to an activation by `AuxLossScaler`, whose backward feeds the loss's
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.mpu.layers import init_normal, set_parallel_attributes
+from megatron.mpu.mappings import all_reduce, group_size
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -206,6 +211,8 @@ class TopKRouter(torch.nn.Module):
             self.expert_bias = None
         self.metrics = {}
         """Sums over this step's micro batches: load_balancing_loss, z_loss, tokens."""
+        self.cp_group = None
+        """The context-parallel group (set by enable_context_parallel)."""
 
     def gating(self, x):
         dtype = _DTYPES.get(self.moe.moe_router_dtype, x.dtype)
@@ -217,7 +224,7 @@ class TopKRouter(torch.nn.Module):
         logits = self.gating(x)
         training = self.training and torch.is_grad_enabled()
         if training and self.moe.moe_z_loss_coeff:
-            loss = z_loss(logits, self.moe.moe_z_loss_coeff)
+            loss = z_loss(logits, self.moe.moe_z_loss_coeff) / group_size(self.cp_group)
             logits = AuxLossScaler.apply(logits, loss)
             self._record("z_loss", loss.detach() / self.moe.moe_z_loss_coeff)
         probs, routing_map = self.route(logits)
@@ -247,13 +254,16 @@ class TopKRouter(torch.nn.Module):
         if kind not in ("aux_loss", "seq_aux_loss") or not coeff:
             return probs
         routing_map, scores = aux_loss_scores(logits, k, moe.moe_router_score_function)
+        cp = group_size(self.cp_group)
         if kind == "aux_loss":
-            loss = switch_aux_loss(scores, routing_map.sum(dim=0), scores.shape[0], k,
-                                   moe.num_experts, coeff)
+            counts = all_reduce(routing_map.sum(dim=0).float(), self.cp_group)
+            loss = switch_aux_loss(scores, counts, scores.shape[0] * cp, k, moe.num_experts,
+                                   coeff)
         else:  # per sequence: columns are (sequence, expert) pairs, averaged over sequences
             seq, batch = seq_shape
-            loss = switch_aux_loss(scores.reshape(seq, -1), routing_map.reshape(seq, -1).sum(0),
-                                   seq, k, moe.num_experts, coeff) / batch
+            counts = all_reduce(routing_map.reshape(seq, -1).sum(0).float(), self.cp_group)
+            loss = switch_aux_loss(scores.reshape(seq, -1), counts, seq * cp, k,
+                                   moe.num_experts, coeff) / batch
         self._record("load_balancing_loss", loss.detach() / coeff)
         return AuxLossScaler.apply(probs, loss)
 
