@@ -1,7 +1,8 @@
 """Our MoE training step against transformers' MixtralForCausalLM and a minimal plain-PyTorch
 MoE (a loop over experts), interleaved in one run, at the same size.
 
-    python benchmarks/bench_moe.py [--reps 5] [--steps 2] [--threads 2] [--profile ROWS]
+    python benchmarks/bench_moe.py [--reps 5] [--steps 2] [--threads 2] [--loop] [--profile ROWS]
+    python benchmarks/bench_moe.py --gemm   # one layer's expert matmuls by each grouped-GEMM path
 
 Size: 8 experts, top 2 (a softmax over the two best logits), 4 layers, hidden 256 (8 heads,
 4 key/value groups, RoPE, RMSNorm), SwiGLU experts of width 512, seq 256, micro batch 2,
@@ -11,12 +12,15 @@ contender does the same step: forward, backward, clipping to 1.0 and AdamW (weig
 
 - ours: the step `pretrain_gpt.py` runs with these flags (bench_train_step's `build_ours`:
   its model provider, forward step and `Trainer`), `--moe-grouped-gemm` on;
-- ours, expert loop: the same without `--moe-grouped-gemm` (the reference loop);
+- ours, expert loop (`--loop`): the same without `--moe-grouped-gemm` (the reference loop);
 - transformers: `MixtralForCausalLM` (SDPA attention, its router loss on);
 - minimal: the MoE below, written the plain way (one nn.Linear per projection, SDPA,
   a Python loop over experts with index_add), and torch's foreach AdamW.
 Prints the median ms per step over `--reps` interleaved repetitions of `--steps` steps and
-the ratios peer / ours (> 1: ours is faster).
+the ratios peer / ours (> 1: ours is faster). `--gemm` times, interleaved, the forward and
+backward of one layer's experts (the rows a random router sends them) by the reference loop,
+one `torch.bmm` over rows padded to the largest expert, `torch._grouped_mm` and ours
+(`GroupedLinear`), which is what `--moe-grouped-gemm` uses.
 """
 import argparse
 import os
@@ -140,7 +144,7 @@ def minimal(args):
 
 # -- the experts' matmuls alone ------------------------------------------------------
 def gemm_paths():
-    """f(rows, w1, w2, counts) of the three ways to run the experts' two projections."""
+    """f(rows, w1, w2, counts) of the ways to run the experts' two projections."""
     from megatron.model.moe.experts import GroupedLinear
 
     def act(h):
@@ -160,7 +164,12 @@ def gemm_paths():
 
     def grouped_linear(x, w1, w2, counts):
         return GroupedLinear.apply(act(GroupedLinear.apply(x, w1, counts)), w2, counts)
-    paths = {"padded torch.bmm": padded_bmm, "GroupedLinear (ours)": grouped_linear}
+
+    def loop(x, w1, w2, counts):
+        return torch.cat([F.linear(act(F.linear(r, w1[e])), w2[e])
+                          for e, r in enumerate(x.split(counts))])
+    paths = {"expert loop": loop, "padded torch.bmm": padded_bmm,
+             "GroupedLinear (ours)": grouped_linear}
     if hasattr(torch, "_grouped_mm"):
         paths["torch._grouped_mm"] = grouped_mm
     return paths
@@ -179,6 +188,7 @@ def time_gemm(args) -> None:
     rows = x[index.flatten().argsort(stable=True) // K]  # sorted by expert
     w1 = torch.nn.Parameter(torch.randn(E, 2 * FFN, H, generator=gen) * 0.02)
     w2 = torch.nn.Parameter(torch.randn(E, H, FFN, generator=gen) * 0.02)
+
     def into_buffer(param):  # what the data-parallel reducer's hook does
         if param.grad is not None:
             param.main_grad.add_(param.grad)

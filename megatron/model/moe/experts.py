@@ -119,8 +119,8 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, counts):
         out = rows.new_empty((rows.shape[0], weight.shape[1]))
-        for e, (a, b) in enumerate(_spans(counts)):
-            torch.mm(rows[a:b], weight[e].t(), out=out[a:b])
+        for w, x, y in zip(weight, rows.split(counts), out.split(counts)):
+            torch.mm(x, w.t(), out=y)
         ctx.save_for_backward(rows, weight)
         ctx.counts, ctx.main_grad = counts, _main_grad_of(weight)
         return out
@@ -130,27 +130,19 @@ class GroupedLinear(torch.autograd.Function):
         rows, weight = ctx.saved_tensors
         grad = grad.contiguous()
         grad_rows = grad_weight = None
-        spans = list(_spans(ctx.counts))
+        blocks = list(zip(weight, grad.split(ctx.counts), rows.split(ctx.counts)))
         if ctx.needs_input_grad[0]:
             grad_rows = grad.new_empty(rows.shape)
-            for e, (a, b) in enumerate(spans):
-                torch.mm(grad[a:b], weight[e], out=grad_rows[a:b])
+            for (w, g, _), out in zip(blocks, grad_rows.split(ctx.counts)):
+                torch.mm(g, w, out=out)
         if ctx.needs_input_grad[1]:
             target = ctx.main_grad
             if target is None:
                 target = grad_weight = torch.zeros_like(weight)
-            for e, (a, b) in enumerate(spans):
-                if b > a:
-                    target[e].addmm_(grad[a:b].t(), rows[a:b])
+            for t, (_, g, x) in zip(target, blocks):
+                if x.shape[0]:
+                    t.addmm_(g.t(), x)
         return grad_rows, grad_weight, None
-
-
-def _spans(counts):
-    """(start, end) of each expert's block of rows."""
-    start = 0
-    for count in counts:
-        yield start, start + count
-        start += count
 
 
 class SharedExpert(torch.nn.Module):
