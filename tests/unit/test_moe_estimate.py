@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.training.memory import Layout, estimate
 from megatron.training.trainer import Trainer, build_model_chunks

@@ -7,7 +7,6 @@ and the memory planner of each stage."""
 import io
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import pretrain_gpt
