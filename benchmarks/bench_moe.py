@@ -1,131 +1,252 @@
-"""Time one MoE training step (forward, backward, AdamW): ours (grouped GEMM and the
-per-expert loop) against transformers' MixtralForCausalLM and a minimal plain-PyTorch
-MoE (a loop over experts), interleaved, at the same size.
+"""Our MoE training step against transformers' MixtralForCausalLM and a minimal plain-PyTorch
+MoE (a loop over experts), interleaved in one run, at the same size.
 
-    python benchmarks/bench_moe.py [--runs 3] [--steps 5] [--threads 2]
+    python benchmarks/bench_moe.py [--reps 5] [--steps 2] [--threads 2] [--loop] [--profile ROWS]
+    python benchmarks/bench_moe.py --gemm   # one layer's expert matmuls by each grouped-GEMM path
 
-Size: 8 experts, top 2, 4 layers, hidden 256 (8 heads, 4 key/value groups), expert
-width 512, seq 256, micro batch 2, vocabulary 1024, fp32. Prints the median step time
-of each and ours' speed-up over the others per run.
+Size: 8 experts, top 2 (a softmax over the two best logits), 4 layers, hidden 256 (8 heads,
+4 key/value groups, RoPE, RMSNorm), SwiGLU experts of width 512, seq 256, micro batch 2,
+vocabulary 1024, fp32, a load-balancing loss (coefficient 1e-2), no dropout. Every
+contender does the same step: forward, backward, clipping to 1.0 and AdamW (weight decay
+0.01 on matrices).
+
+- ours: the step `pretrain_gpt.py` runs with these flags (bench_train_step's `build_ours`:
+  its model provider, forward step and `Trainer`), `--moe-grouped-gemm` on;
+- ours, expert loop (`--loop`): the same without `--moe-grouped-gemm` (the reference loop);
+- transformers: `MixtralForCausalLM` (SDPA attention, its router loss on);
+- minimal: the MoE below, written the plain way (one nn.Linear per projection, SDPA,
+  a Python loop over experts with index_add), and torch's foreach AdamW.
+Prints the median ms per step over `--reps` interleaved repetitions of `--steps` steps and
+the ratios peer / ours (> 1: ours is faster). `--gemm` times, interleaved, the forward and
+backward of one layer's experts (the rows a random router sends them) by the reference loop,
+one `torch.bmm` over rows padded to the largest expert, `torch._grouped_mm` and ours
+(`GroupedLinear`), which is what `--moe-grouped-gemm` uses.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
+from types import SimpleNamespace
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_train_step as bts  # noqa: E402  (imports isa_env before torch)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 E, K, LAYERS, H, HEADS, GROUPS, FFN, SEQ, BATCH, VOCAB = 8, 2, 4, 256, 8, 4, 512, 256, 2, 1024
+AUX, ROPE_BASE = 1e-2, 10000.0
+TARGETS = {"transformers": 1.3, "minimal": 1.3}
+
+OUR_FLAGS = (f"--num-experts {E} --moe-router-topk {K} --moe-ffn-hidden-size {FFN} "
+             f"--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff {AUX} "
+             f"--group-query-attention --num-query-groups {GROUPS} --swiglu "
+             f"--normalization RMSNorm --position-embedding-type rope --no-position-embedding "
+             f"--rotary-base {int(ROPE_BASE)} --disable-bias-linear "
+             f"--untie-embeddings-and-output-weights")
 
 
-def ours(grouped: bool):
-    from megatron.config import ModelConfig, MoEConfig
-    from megatron.model import GPTModel
-    moe = MoEConfig(num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=FFN,
-                    moe_grouped_gemm=grouped, moe_aux_loss_coeff=1e-2)
-    cfg = ModelConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS,
-                      group_query_attention=True, num_query_groups=GROUPS, seq_length=SEQ,
-                      max_position_embeddings=SEQ, padded_vocab_size=VOCAB, activation="swiglu",
-                      normalization="RMSNorm", position_embedding_type="rope",
-                      add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                      hidden_dropout=0.0, attention_dropout=0.0, moe=moe)
-    model = GPTModel(cfg)
-    model.init_weights(1234)
-    pos = torch.arange(SEQ).expand(BATCH, SEQ)
-    return model, lambda tokens: model(tokens, pos, labels=tokens).mean()
+def bench_args(extra: str = "") -> SimpleNamespace:
+    """The arguments bench_train_step's builders take, at this benchmark's size."""
+    return SimpleNamespace(layers=LAYERS, hidden=H, heads=HEADS, seq=SEQ, batch=BATCH,
+                           vocab=VOCAB, dropout=0.0, bf16=False, device="cpu",
+                           our_flags=f"{OUR_FLAGS} {extra}")
 
 
-def mixtral():
+# -- peers -----------------------------------------------------------------------
+def mixtral(args):
     from transformers import MixtralConfig, MixtralForCausalLM
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN,
                         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                         num_key_value_heads=GROUPS, num_local_experts=E, num_experts_per_tok=K,
-                        max_position_embeddings=SEQ, tie_word_embeddings=False,
-                        output_router_logits=True, router_aux_loss_coef=1e-2)
+                        max_position_embeddings=SEQ, rope_theta=ROPE_BASE,
+                        tie_word_embeddings=False, output_router_logits=True,
+                        router_aux_loss_coef=AUX)
     model = MixtralForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    return model, lambda tokens: model(tokens, labels=tokens).loss
+    # Mixtral shifts the labels itself: its labels are the input tokens.
+    return lambda tokens, labels: model(input_ids=tokens, labels=tokens).loss, model
 
 
-class LoopMoE(torch.nn.Module):
-    """The textbook MoE block: softmax router, top-k, a loop over SwiGLU experts."""
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class MinimalMoE(torch.nn.Module):
+    """Softmax router, top-k renormalised, a loop over SwiGLU experts; the Switch loss."""
 
     def __init__(self):
         super().__init__()
         self.router = torch.nn.Linear(H, E, bias=False)
-        self.w1 = torch.nn.ModuleList(torch.nn.Linear(H, 2 * FFN, bias=False) for _ in range(E))
-        self.w2 = torch.nn.ModuleList(torch.nn.Linear(FFN, H, bias=False) for _ in range(E))
+        self.gate_up = torch.nn.ModuleList(torch.nn.Linear(H, 2 * FFN, bias=False) for _ in range(E))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(FFN, H, bias=False) for _ in range(E))
 
     def forward(self, x):
-        weights, index = torch.softmax(self.router(x), -1).topk(K, -1)
+        probs = torch.softmax(self.router(x), -1)
+        weights, index = probs.topk(K, -1)
         weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         for e in range(E):
             token, slot = (index == e).nonzero(as_tuple=True)
-            gate, up = self.w1[e](x[token]).chunk(2, -1)
-            out.index_add_(0, token, self.w2[e](F.silu(gate) * up) * weights[token, slot, None])
-        return out
+            gate, up = self.gate_up[e](x[token]).chunk(2, -1)
+            out.index_add_(0, token, self.down[e](F.silu(gate) * up) * weights[token, slot, None])
+        load = F.one_hot(index, E).sum((0, 1)).float() / (x.shape[0] * K)
+        return out, E * (load * probs.mean(0)).sum()
 
 
-class LoopBlock(torch.nn.Module):
+class MinimalBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.norm1, self.norm2 = torch.nn.RMSNorm(H), torch.nn.RMSNorm(H)
-        self.attn = torch.nn.MultiheadAttention(H, HEADS, batch_first=True, bias=False)
-        self.moe = LoopMoE()
-        self.mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+        self.norm1, self.norm2 = torch.nn.RMSNorm(H, eps=1e-5), torch.nn.RMSNorm(H, eps=1e-5)
+        self.qkv = torch.nn.Linear(H, H + 2 * GROUPS * (H // HEADS), bias=False)
+        self.proj = torch.nn.Linear(H, H, bias=False)
+        self.moe = MinimalMoE()
 
-    def forward(self, x):
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+    def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        return x + self.moe(self.norm2(x).reshape(b * s, H)).view(b, s, H)
+        d = H // HEADS
+        q, k, v = self.qkv(self.norm1(x)).split([H, GROUPS * d, GROUPS * d], -1)
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v,
+                                           is_causal=True, enable_gqa=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, H))
+        out, aux = self.moe(self.norm2(x).view(b * s, H))
+        return x + out.view(b, s, H), aux
 
 
-def plain():
-    layers = torch.nn.Sequential(*(LoopBlock() for _ in range(LAYERS)))
-    emb, head = torch.nn.Embedding(VOCAB, H), torch.nn.Linear(H, VOCAB, bias=False)
-    model = torch.nn.ModuleList([emb, layers, head])
+class MinimalMoEGPT(torch.nn.Module):
+    """[b, s] tokens -> mean cross entropy + the load-balancing loss of every layer."""
 
-    def loss(tokens):
-        logits = head(layers(emb(tokens)))
-        return F.cross_entropy(logits.view(-1, VOCAB), tokens.view(-1))
-    return model, loss
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, H)
+        self.blocks = torch.nn.ModuleList(MinimalBlock() for _ in range(LAYERS))
+        self.norm = torch.nn.RMSNorm(H, eps=1e-5)
+        self.head = torch.nn.Linear(H, VOCAB, bias=False)
+        d = H // HEADS
+        freq = ROPE_BASE ** (-torch.arange(0, d, 2).float() / d)
+        angle = torch.outer(torch.arange(SEQ).float(), freq).repeat(1, 2)
+        self.register_buffer("cos", angle.cos(), persistent=False)
+        self.register_buffer("sin", angle.sin(), persistent=False)
+
+    def forward(self, tokens, labels):
+        x, aux = self.embed(tokens), 0.0
+        for block in self.blocks:
+            x, layer_aux = block(x, self.cos, self.sin)
+            aux = aux + layer_aux
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1)) + AUX * aux
 
 
-def step_time(model, loss_fn, steps: int) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    times = []
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        loss_fn(tokens).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i:  # the first step warms up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def minimal(args):
+    model = MinimalMoEGPT()
+    return model, model
+
+
+# -- the experts' matmuls alone ------------------------------------------------------
+def gemm_paths():
+    """f(rows, w1, w2, counts) of the ways to run the experts' two projections."""
+    from megatron.model.moe.experts import GroupedLinear
+
+    def act(h):
+        gate, up = h.chunk(2, -1)
+        return F.silu(gate) * up
+
+    def padded_bmm(x, w1, w2, counts):
+        width = max(counts)
+        padded = torch.stack([F.pad(r, (0, 0, 0, width - r.shape[0])) for r in x.split(counts)])
+        y = torch.bmm(act(torch.bmm(padded, w1.transpose(1, 2))), w2.transpose(1, 2))
+        return torch.cat([y[e, :c] for e, c in enumerate(counts)])
+
+    def grouped_mm(x, w1, w2, counts):
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(act(h), w2.transpose(1, 2), offs=offs)
+
+    def grouped_linear(x, w1, w2, counts):
+        return GroupedLinear.apply(act(GroupedLinear.apply(x, w1, counts)), w2, counts)
+
+    def loop(x, w1, w2, counts):
+        return torch.cat([F.linear(act(F.linear(r, w1[e])), w2[e])
+                          for e, r in enumerate(x.split(counts))])
+    paths = {"expert loop": loop, "padded torch.bmm": padded_bmm,
+             "GroupedLinear (ours)": grouped_linear}
+    if hasattr(torch, "_grouped_mm"):
+        paths["torch._grouped_mm"] = grouped_mm
+    return paths
+
+
+def time_gemm(args) -> None:
+    """Forward + backward of one layer's experts (the rows a random router sends them,
+    tokens of one micro batch x top 2), each path interleaved; weight gradients land in a
+    gradient buffer as in training (ours adds them there itself; the others' are added)."""
+    import statistics
+    import time
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * SEQ, H, generator=gen)
+    index = (x @ torch.randn(H, E, generator=gen) * 0.02).topk(K, -1).indices
+    counts = torch.bincount(index.flatten(), minlength=E).tolist()
+    rows = x[index.flatten().argsort(stable=True) // K]  # sorted by expert
+    w1 = torch.nn.Parameter(torch.randn(E, 2 * FFN, H, generator=gen) * 0.02)
+    w2 = torch.nn.Parameter(torch.randn(E, H, FFN, generator=gen) * 0.02)
+
+    def into_buffer(param):  # what the data-parallel reducer's hook does
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+    for w in (w1, w2):
+        w.main_grad = torch.zeros_like(w)
+        w.register_post_accumulate_grad_hook(into_buffer)
+    grad_out = torch.randn(rows.shape[0], H, generator=gen)
+    times = {name: [] for name in gemm_paths()}
+    for rep in range(args.reps + 1):
+        for name, fn in gemm_paths().items():
+            leaf = rows.clone().requires_grad_()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                fn(leaf, w1, w2, counts).backward(grad_out)
+            if rep:
+                times[name].append((time.perf_counter() - start) / args.steps)
+    print(f"one layer's experts, forward + backward: {rows.shape[0]} rows, counts {counts}")
+    for name, t in times.items():
+        print(f"{name:>22}: {1000 * statistics.median(t):7.2f} ms")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
+    p.add_argument("--steps", type=int, default=2, help="steps per repetition")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--loop", action="store_true", help="also time ours without --moe-grouped-gemm")
+    p.add_argument("--gemm", action="store_true",
+                   help="time only the experts' matmuls of one layer, by each grouped-GEMM path")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="print torch.profiler's top ROWS operators of one step of each contender")
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    candidates = {"ours (grouped GEMM)": ours(True), "ours (expert loop)": ours(False),
-                  "transformers Mixtral": mixtral(), "plain loop MoE": plain()}
-    for run in range(args.runs):
-        times = {name: step_time(m, f, args.steps) for name, (m, f) in candidates.items()}
-        best = times["ours (grouped GEMM)"]
-        print(f"run {run + 1}: " + " | ".join(f"{n}: {1000 * t:.1f} ms" for n, t in times.items())
-              + f" | speed-up vs Mixtral {times['transformers Mixtral'] / best:.2f}x, "
-              f"vs plain {times['plain loop MoE'] / best:.2f}x", flush=True)
+    if args.gemm:
+        return time_gemm(args)
+    torch.manual_seed(1234)
+    text = torch.randint(0, VOCAB - 1, (BATCH, SEQ + 1))
+    print(f"{E} experts, top {K}, {LAYERS} layers, hidden {H}, expert width {FFN}, seq {SEQ}, "
+          f"micro batch {BATCH}, vocab {VOCAB}, fp32, threads {torch.get_num_threads()}, "
+          f"median of {args.reps} x {args.steps} steps; load {os.getloadavg()[0]:.2f}")
+    steps = {"ours": bts.build_ours(bench_args("--moe-grouped-gemm"), text)[1]}
+    if args.loop:
+        steps["ours, expert loop"] = bts.build_ours(bench_args(), text)[1]
+    for name, make in (("transformers", mixtral), ("minimal", minimal)):
+        steps[name] = bts.build_peer(bench_args(), text, make)
+    if args.profile:
+        return bts.profile(steps, args.profile)
+    medians = bts.interleaved(steps, SimpleNamespace(reps=args.reps, steps=args.steps,
+                                                     warmup=args.warmup, device="cpu"))
+    for name, sec in medians.items():
+        print(f"{name:>20}: {1000 * sec:8.1f} ms/step")
+    for name, target in TARGETS.items():
+        ratio = medians[name] / medians["ours"]
+        print(f"ours / {name}: {ratio:.2f}x faster (target >= {target}x: "
+              f"{'met' if ratio >= target else 'NOT met'})")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -256,9 +256,10 @@ def backward_working_set(config) -> float:
 
 def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
     """An MoE layer saves, instead of the dense MLP's activations: router logits and
-    probabilities (3 s b E), the dispatched token copies (top-k s b h; x EP gathered
-    by allgather), each expert row's activation input and output, and the shared
-    expert's."""
+    probabilities (3 s b E), the rows its local experts take (top-k s b h on average
+    under either dispatcher: allgather's gathered tokens are only indexed, not saved)
+    and their weighted outputs (top-k s b h), each expert row's activation input and
+    output, and the shared expert's (tests/unit/test_moe_estimate.py measures them)."""
     m, p = config.model, config.parallel
     moe = m.moe
     layers = sum(m.is_moe_layer(n) for n in stage_layer_numbers(config, pp_rank))
@@ -267,9 +268,8 @@ def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
     tp, s, b, h = p.tensor_model_parallel_size, m.seq_length, micro_batch, m.hidden_size
     act = 4 if m.gated_mlp else 2
     k, f = moe.moe_router_topk, (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // tp
-    gathered = p.expert_model_parallel_size if moe.moe_token_dispatcher_type == "allgather" else 1
     shared = (moe.moe_shared_expert_intermediate_size or 0) // tp
-    elements = 3 * s * b * moe.num_experts + k * s * b * h * (1 + gathered)
+    elements = 3 * s * b * moe.num_experts + 2 * k * s * b * h
     elements += k * s * b * f * act + s * b * shared * act + (2 * s * b * h if shared else 0)
     return layers * (elements - s * b * m.ffn_hidden_size // tp * act)
 

@@ -149,10 +149,10 @@ def test_losses_follow_their_formulas():
     assert torch.allclose(R.z_loss(logits, 0.5), 0.5 * torch.logsumexp(logits, -1).square().mean())
 
 
-def _layer(**moe_flags):
+def _layer(add_bias=False, **moe_flags):
     moe = MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, **moe_flags)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=6,
-                      max_position_embeddings=6, activation="swiglu", add_bias_linear=False,
+                      max_position_embeddings=6, activation="swiglu", add_bias_linear=add_bias,
                       padded_vocab_size=16, moe=moe)
     torch.manual_seed(0)
     layer = MoELayer(cfg, 1, ExpertGroups(), None, torch.float32)
@@ -178,6 +178,51 @@ def test_grouped_gemm_equals_the_expert_loop():
     assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ga, gb, atol=1e-6)
     for name in wa:
         assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_adds_weight_gradients_to_the_gradient_buffer(bias):
+    """With a `main_grad` buffer (the data-parallel reducer's), the grouped GEMM adds its
+    weight gradients to what the buffer holds and leaves `.grad` None; every other
+    gradient, and the output, equal the loop's."""
+    x = torch.randn(6, 3, 32)
+    loop, grouped = _layer(add_bias=bias), _layer(add_bias=bias, moe_grouped_gemm=True)
+    grouped.load_state_dict(loop.state_dict())
+    experts = {n: p for n, p in grouped.named_parameters() if n.endswith("weight")
+               and n.startswith("experts.")}
+    held = {n: torch.randn_like(w) for n, w in experts.items()}
+    for name, w in experts.items():
+        w.main_grad = held[name].clone()
+    (a, ga, wa), (b, gb, _) = _run(loop, x), _run_buffered(grouped, x)
+    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ga, gb, atol=1e-6)
+    for name, p in grouped.named_parameters():
+        if name in experts:
+            assert p.grad is None
+            assert torch.allclose(p.main_grad - held[name], wa[name], atol=1e-5), name
+        else:
+            assert torch.allclose(p.grad, wa[name], atol=1e-5), name
+
+
+def _run_buffered(layer, x):
+    x = x.clone().requires_grad_()
+    out, _ = layer(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad, None
+
+
+def test_grouped_linear_gradients_and_empty_blocks():
+    """Blocks of rows times their expert's weight; an expert with no rows gets no gradient
+    (and its buffer is left as it was)."""
+    from megatron.model.moe.experts import GroupedLinear
+    w = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: GroupedLinear.apply(x, w, [2, 0, 5]), (x, w))
+    y = GroupedLinear.apply(x, w, [2, 0, 5])
+    assert torch.allclose(y, torch.cat([x[:2] @ w[0].t(), x[2:] @ w[2].t()]))
+    w.main_grad = torch.ones_like(w)
+    GroupedLinear.apply(x, w, [2, 0, 5]).backward(torch.ones(7, 4, dtype=torch.float64))
+    assert w.grad is None and torch.equal(w.main_grad[1], torch.ones(4, 5, dtype=torch.float64))
+    assert torch.allclose(w.main_grad[2] - 1, torch.ones(4, 5, dtype=torch.float64) @ x[2:].detach())
 
 
 def test_aux_losses_train_the_router_but_leave_the_output():

@@ -24,13 +24,15 @@ def permute(x, routing_map) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, L
     """(rows of x sorted by expert, their token ids, their expert ids, count per expert)."""
     expert, token = routing_map.t().nonzero(as_tuple=True)  # expert-major, tokens in order
     counts = routing_map.sum(dim=0).tolist()
-    return x[token], token, expert, counts
+    # index_select, not x[token]: its backward is one index_add instead of an accumulating
+    # index_put (forward + backward 0.24-0.27 ms against 0.78-0.95 ms at 1024 x 256 rows)
+    return x.index_select(0, token), token, expert, counts
 
 
 def unpermute(y, token, weights, num_tokens: int):
     """sum over each token's rows of weight x row -> [num_tokens, h]."""
     out = y.new_zeros((num_tokens, y.shape[-1]))
-    return out.index_add(0, token, y * weights.unsqueeze(-1).to(y.dtype))
+    return out.index_add_(0, token, y * weights.unsqueeze(-1).to(y.dtype))
 
 
 def local_experts(x, probs, routing_map, experts):

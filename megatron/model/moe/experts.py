@@ -3,9 +3,10 @@
 `Experts` holds this EP rank's E / EP experts as stacked weights, each split over TP
 like a dense MLP: linear_fc1.weight [E_local, gates x ffn / TP, h] (gated: this rank's
 [gate_r; up_r] rows), linear_fc2.weight [E_local, h, ffn / TP]. Its input is tokens
-sorted by local expert and the count per expert; `--moe-grouped-gemm` runs all
-experts as one batched matmul over inputs padded to the largest count, otherwise a
-loop over experts (the reference).
+sorted by local expert and the count per expert; `--moe-grouped-gemm` runs each
+projection of all experts as one grouped matmul (`GroupedLinear`: no padding, weight
+gradients added straight into the data-parallel gradient buffer), otherwise a loop of
+autograd linears over experts (the reference).
 
 Initialisation draws all E experts from the parameter's seed and keeps the local
 ones, so any EP layout starts from the single-process model.
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.model.spec import mlp_activation
+from megatron.mpu.cross_entropy import _main_grad_of
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
                                  scaled_init_normal, set_parallel_attributes)
 from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region, group_size,
@@ -99,15 +101,48 @@ class Experts(torch.nn.Module):
         return torch.cat(outs) if outs else x.new_zeros((0, w2.shape[1]))
 
     def _batched(self, x, counts):
-        """Pad each expert's rows to the largest count; two batched matmuls."""
-        width = max(counts) if counts else 0
-        padded = torch.stack([F.pad(rows, (0, 0, 0, width - rows.shape[0]))
-                              for rows in torch.split(x, counts)])
         b1 = self.linear_fc1.bias
-        h = torch.bmm(padded, self.linear_fc1.weight.transpose(1, 2))
-        h = self._act(h, None if b1 is None else b1.unsqueeze(1))
-        y = torch.bmm(h, self.linear_fc2.weight.transpose(1, 2))
-        return torch.cat([y[e, :count] for e, count in enumerate(counts)])
+        h = GroupedLinear.apply(x, self.linear_fc1.weight, counts)
+        if b1 is not None:
+            b1 = torch.repeat_interleave(b1, torch.tensor(counts), dim=0)
+        return GroupedLinear.apply(self._act(h, b1), self.linear_fc2.weight, counts)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """rows [N, in] sorted by expert, weight [E, out, in], counts [E] (ints) -> [N, out]:
+    block e of the rows times weight[e]^T, each block one matmul written in place.
+
+    The weight gradient goes straight into the weight's data-parallel gradient buffer
+    (`main_grad`, when it has the weight's dtype), block by block, so no [E, out, in]
+    gradient is made and then added there; otherwise it is returned as usual."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, counts):
+        out = rows.new_empty((rows.shape[0], weight.shape[1]))
+        for w, x, y in zip(weight, rows.split(counts), out.split(counts)):
+            torch.mm(x, w.t(), out=y)
+        ctx.save_for_backward(rows, weight)
+        ctx.counts, ctx.main_grad = counts, _main_grad_of(weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_rows = grad_weight = None
+        blocks = list(zip(weight, grad.split(ctx.counts), rows.split(ctx.counts)))
+        if ctx.needs_input_grad[0]:
+            grad_rows = grad.new_empty(rows.shape)
+            for (w, g, _), out in zip(blocks, grad_rows.split(ctx.counts)):
+                torch.mm(g, w, out=out)
+        if ctx.needs_input_grad[1]:
+            target = ctx.main_grad
+            if target is None:
+                target = grad_weight = torch.zeros_like(weight)
+            for t, (_, g, x) in zip(target, blocks):
+                if x.shape[0]:
+                    t.addmm_(g.t(), x)
+        return grad_rows, grad_weight, None
 
 
 class SharedExpert(torch.nn.Module):

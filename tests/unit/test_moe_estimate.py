@@ -1,0 +1,100 @@
+"""tools/estimate.py's MoE memory plan against a real training step, within 10%, at EP 1
+(one process) and EP 2 (two ranks, each dispatcher): parameters, gradient buffers and
+optimizer state of the rank (expert parameters divided by EP), what autograd saves in one
+forward (router, dispatched token copies, expert activations, shared expert), and the
+peak of a whole training step: what is held before it plus the most the step allocates
+on top (torch.profiler's allocator events), against the planner's total."""
+from functools import partial
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.mpu import model_parallel_seed, single_process_state
+from megatron.training.memory import Layout, estimate
+from megatron.training.trainer import Trainer, build_model_chunks
+from tests.distributed.run_ranks import run_ranks
+from tests.gpt_setup import one_thread
+from tests.unit.test_estimate import VOCAB, _close, _storages, config_for, saved_activation_bytes
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+       "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+       "--moe-shared-expert-intermediate-size", "64", "--swiglu", "--disable-bias-linear",
+       "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "128",
+       "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+       "--micro-batch-size", "4", "--seq-length", "128", "--max-position-embeddings", "128"]
+
+
+def _peak_live_bytes(prof) -> int:
+    """The most bytes live at once in a profiled stretch (torch.profiler's allocator events)."""
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def measured(config, pstate):
+    """Bytes of the rank's state after a training step, what one forward saves, and the
+    peak of all the bytes the rank holds, from building the model through two steps."""
+    from torch.profiler import ProfilerActivity, profile
+    model_parallel_seed(1234, pstate.tp_rank)
+    s, b = config.model.seq_length, config.training.micro_batch_size
+    generator = torch.Generator().manual_seed(pstate.dp_rank)
+    text = [torch.randint(0, VOCAB - 1, (b, s + 1), generator=generator) for _ in range(2)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        provider = partial(pretrain_gpt.model_provider, config, pstate.tp_group,
+                           expert_groups=pstate.expert_groups())
+        models = build_model_chunks(config, pstate, torch.device("cpu"), provider)
+        trainer = Trainer(config, pstate, torch.device("cpu"), models,
+                          partial(pretrain_gpt.forward_step, config, VOCAB - 1, pstate,
+                                  torch.device("cpu")))
+        for tokens in text:  # the optimizer's state exists from the first step on
+            trainer.train_step([iter([{"text": tokens}])])
+    params = _storages(p for m in models for p in m.parameters())
+    grads = _storages(r.buffer for r in trainer.reducers)
+    opt = trainer.optimizer
+    held = [t for st in opt.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    held += [p for g in opt.optimizer.param_groups for p in g["params"]]
+    if getattr(opt, "flat", None) is not None:
+        held.append(opt.flat.flat_grads)
+    optimizer = {k: v for k, v in _storages(held).items() if k not in params and k not in grads}
+    acts = saved_activation_bytes(models[0], b, s, config.model.hidden_size)
+    return {"parameters": sum(params.values()), "gradients": sum(grads.values()),
+            "optimizer": sum(optimizer.values()), "activations": acts,
+            "peak": _peak_live_bytes(prof)}
+
+
+def _compare(config, world_size, result, what):
+    predicted = estimate(config, Layout(world_size=world_size, device_type="cpu"))
+    for key in ("parameters", "gradients", "optimizer"):
+        _close(predicted[key], result[key], f"{what} {key}")
+    _close(predicted["activations_per_micro_batch"], result["activations"], f"{what} activations")
+    _close(predicted["total"], result["peak"], f"{what} training peak")
+
+
+def test_moe_memory_one_process():
+    config = config_for(*MOE)
+    with one_thread():
+        _compare(config, 1, measured(config, single_process_state()), "EP 1")
+
+
+def _ep2(rank, world_size, dispatcher, extra):
+    from megatron.mpu import destroy_model_parallel, initialize_model_parallel
+    config = config_for(*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                        dispatcher, *extra, world_size=2)
+    out = measured(config, initialize_model_parallel(1, 1, ep=2))
+    destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("dispatcher, extra", [("alltoall", ()), ("allgather", ()),
+                                               ("alltoall", ("--use-distributed-optimizer",))])
+def test_moe_memory_at_ep2(dispatcher, extra):
+    results = run_ranks(_ep2, 2, dispatcher, extra)
+    config = config_for(*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                        dispatcher, *extra, world_size=2)
+    for rank, result in enumerate(results):
+        _compare(config, 2, result, f"EP 2 {dispatcher} {' '.join(extra)} rank {rank}")
