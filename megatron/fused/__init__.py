@@ -17,6 +17,8 @@ attention_softmax, scores [b, np, sq, sk]:
     broadcastable to [b, 1, sq, sk] (no per-head masks); it is expanded to
     [b or 1, 1, sq, sk] and combined with the causal mask when `causal`.
 layer_norm, rms_norm:
+  - layer_norm on a CPU: 16-bit with the AVX-512 build only (`layer_norm_preferred`:
+    torch's kernel is faster elsewhere; `FusedLayerNormAffine` runs ours always);
   - normalises the last dim only, weight (and for layer_norm bias) given, [hidden]
     of the input's dtype (float32, bfloat16 or float16);
   - CUDA: hidden <= 8192.
@@ -263,10 +265,24 @@ def layer_norm_fusable(x, weight, bias) -> bool:
     return _norm_fusable(x, (weight, bias))
 
 
+def layer_norm_preferred(x, weight, bias) -> bool:
+    """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: it applies
+    (`layer_norm_fusable`), and on a CPU only for 16-bit inputs with the AVX-512 build.
+    torch's own CPU layer norm is a fused, vectorised kernel too; `benchmarks/bench_fused.py`
+    ([8192, 1024], ours / plain, three quiet runs) measured it faster in float32 (AVX2
+    0.92-0.99x, AVX-512 0.90-0.94x) and in bfloat16 on AVX2 (0.80-0.95x), ours faster in
+    bfloat16 on AVX-512 (0.99x, 1.07x, 1.12x)."""
+    if not layer_norm_fusable(x, weight, bias):
+        return False
+    if x.device.type == "cpu" and (x.dtype == torch.float32 or cpu_kernels_isa() != "avx512"):
+        return False
+    return fused_kernels.get_extension(x.device.type) is not None
+
+
 def layer_norm(x, weight, bias, eps, fusion=True):
-    """Layer norm of x over its last dim with `weight` and `bias`."""
-    if (fusion and layer_norm_fusable(x, weight, bias)
-            and fused_kernels.get_extension(x.device.type) is not None):
+    """Layer norm of x over its last dim with `weight` and `bias`: our kernel where it is
+    the faster path (`layer_norm_preferred`), else F.layer_norm."""
+    if fusion and layer_norm_preferred(x, weight, bias):
         return FusedLayerNormAffine.apply(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
@@ -488,11 +504,14 @@ def attention_dropout_seed() -> int:
 
 # Longest sequence at which our attention kernel beats SDPA's CPU kernel, per instruction
 # set of the kernels (forward+backward, `benchmarks/bench_fused.py --only attention`, two
-# threads: AVX-512 1.3-1.9x at seq 256-4096; AVX2 1.7x at 256, 1.2x at 1024, 0.97x at 2048,
-# 0.6x at 4096). None: no limit; the baseline build was not measured, so SDPA there.
-# With dropout, the kernel is always preferred: its alternative is the explicit path (SDPA
-# with dropout on a CPU is unfused math with Bernoulli sampling), slower at every length.
-KERNEL_MAX_SEQ = {"avx512": None, "avx2": 1024, "baseline": 0}
+# threads, quiet machine: AVX-512 1.4-1.7x at seq 256-4096; AVX2 1.5x at 256 and 512,
+# 0.97-1.07x at 1024, 0.7-0.9x at 2048 and 4096). None: no limit; the baseline build was not
+# measured, so SDPA there.
+KERNEL_MAX_SEQ = {"avx512": None, "avx2": 512, "baseline": 0}
+# With attention dropout our kernel runs at every length on these ISAs: its alternative is
+# the explicit path (SDPA with dropout on a CPU is unfused math with Bernoulli sampling), 5-9x
+# slower at seq 256-4096 (`bench_fused.py --only attention_dropout`).
+KERNEL_WITH_DROPOUT = ("avx512", "avx2")
 
 
 def causal_attention_preferred(q, k, v, dropout_p: float = 0.0) -> bool:
@@ -504,7 +523,7 @@ def causal_attention_preferred(q, k, v, dropout_p: float = 0.0) -> bool:
         return False
     isa = cpu_kernels_isa()
     if dropout_p > 0:
-        return isa in KERNEL_MAX_SEQ and KERNEL_MAX_SEQ[isa] != 0
+        return isa in KERNEL_WITH_DROPOUT
     limit = KERNEL_MAX_SEQ.get(isa, 0)
     return limit is None or q.shape[0] <= limit
 

@@ -60,7 +60,8 @@ CHECK = textwrap.dedent("""
         errs = [rel_err(a, b) for a, b in zip(fwd[0] + tuple(bwd[0]), fwd[1] + tuple(bwd[1]))]
         assert max(errs) < 5e-6, ("full block", s, errs)
     for cols in (96, 1000, 13):
-        check(f"layer_norm {{cols}}", lambda x, w, b: fused.layer_norm(x, w, b, 1e-5),
+        check(f"layer_norm {{cols}}",
+              lambda x, w, b: fused.FusedLayerNormAffine.apply(x, w, b, 1e-5),
               lambda x, w, b: fused.layer_norm(x, w, b, 1e-5, fusion=False),
               [(70, cols), (cols,), (cols,)], (70, cols), 1e-5)
         check(f"rms_norm {{cols}}", lambda x, w: fused.rms_norm(x, w, 1e-5),
@@ -137,7 +138,7 @@ def test_auto_attention_rule_per_isa(monkeypatch):
     explicit path with it; otherwise that path."""
     import torch
     from megatron import fused
-    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1040, 1, 2, 16)
+    short, long_ = torch.randn(512, 1, 2, 16), torch.randn(520, 1, 2, 16)
     monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
     expected = {"avx512": (True, True, True), "avx2": (True, False, True),
                 "baseline": (False, False, False), "not built": (False, False, False)}
