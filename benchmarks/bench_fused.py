@@ -1,20 +1,26 @@
 """Speed of the fused CPU/CUDA kernels against plain PyTorch, same run.
 
     python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
-                                    [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy,attention}]
+                                    [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy,
+                                             attention,attention_dropout}]
 
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
     scale + masked_fill + softmax (target: >= 1.5x);
-  - layer norm forward+backward on [8192, 1024]: fused vs F.layer_norm (target: >= 1x);
+  - layer norm forward+backward on [8192, 1024], float32 and bfloat16: our kernel vs
+    F.layer_norm (target: >= 1x; where it misses, the default must take F.layer_norm);
   - RMSNorm forward+backward on [8192, 1024], float32 and bfloat16: fused vs the
     plain path (float32 arithmetic, as Hugging Face's LlamaRMSNorm; target: >= 1x);
   - bias_gelu forward+backward on [2048, 4096]: plain vs our kernel (target: >= 1.5x),
     and vs TorchScript (and torch.compile with --compile);
   - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
     [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x);
-  - causal self-attention forward+backward (seq 256 / head_dim 32, seq 1024, 2048 and 4096 /
-    head_dim 64): SDPA vs our kernel (target: >= 1.1x).
+  - causal self-attention forward+backward (seq 256 / head_dim 32, seq 512, 1024, 2048 and
+    4096 / head_dim 64): SDPA vs our kernel (target: >= 1.1x), and with attention dropout 0.1 the
+    explicit path (what auto runs without our kernel) vs our kernel.
+Every CPU line ends with the path the default takes for those inputs (`auto: fused` or
+`auto: plain`) and whether it is the faster one in this run (`faster`, `SLOWER`, or `tie`
+when the two are within 10% of each other, as close as repeated runs here agree).
 CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
 with the achieved bandwidth against a device-to-device copy.
 Timings interleave the two sides and take medians, so both see the same load.
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron import fused  # noqa: E402
 from megatron.fused import kernels as fused_kernels  # noqa: E402
+from megatron.mpu import model_parallel_seed  # noqa: E402
 
 
 def timeit(fn, repeat: int, warmup: int = 2, sync=None) -> float:
@@ -68,10 +75,14 @@ def softmax_step(x, grad, fusion: bool):
     return run
 
 
-def layer_norm_step(x, w, b, grad, fusion: bool):
+def layer_norm_step(x, w, b, grad, fusion):
+    """fusion: False (F.layer_norm), True (what fused.layer_norm picks) or "kernel"."""
     def run():
         xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
-        y = fused.layer_norm(xr, wr, br, 1e-5, fusion=fusion)
+        if fusion == "kernel":
+            y = fused.FusedLayerNormAffine.apply(xr, wr, br, 1e-5)
+        else:
+            y = fused.layer_norm(xr, wr, br, 1e-5, fusion=fusion)
         y.backward(grad)
     return run
 
@@ -84,12 +95,26 @@ def rms_norm_step(x, w, grad, fusion: bool):
     return run
 
 
-def report(name: str, times: list[float], target: float | None = None) -> None:
+# Two paths within this factor of each other are a tie: runs on this shared machine drift more.
+TIE = 1.10
+
+
+def report(name: str, times: list[float], target: float | None = None,
+           auto_fused: bool | None = None) -> None:
+    """One line: both times, the speed-up against the target, and (auto_fused given) which
+    path the default (`fusion=True` / `--attention-impl auto`) takes for these inputs and
+    whether that is the faster one in this run."""
     t_plain, t_fused = times
     ratio = t_plain / t_fused
     goal = f" (target >= {target:.1f}x: {'ok' if ratio >= target else 'MISSED'})" if target else ""
+    auto = ""
+    if auto_fused is not None:
+        faster = (t_fused <= t_plain) == auto_fused
+        verdict = ("faster" if faster else
+                   "tie" if max(ratio, 1 / ratio) < TIE else "SLOWER")
+        auto = f"  auto: {'fused' if auto_fused else 'plain'} ({verdict})"
     print(f"{name:<44} plain {t_plain * 1e3:8.2f} ms  fused {t_fused * 1e3:8.2f} ms  "
-          f"speed-up {ratio:5.2f}x{goal}")
+          f"speed-up {ratio:5.2f}x{goal}{auto}")
 
 
 def bench_cpu(repeat: int, only: str | None) -> None:
@@ -98,19 +123,21 @@ def bench_cpu(repeat: int, only: str | None) -> None:
         x = torch.randn(32, 1, 512, 512)
         g = torch.randn_like(x)
         report("CPU causal softmax fwd+bwd [32,512,512] f32",
-               compare([softmax_step(x, g, False), softmax_step(x, g, True)], repeat), 1.5)
+               compare([softmax_step(x, g, False), softmax_step(x, g, True)], repeat), 1.5,
+               fused.softmax_kernel_for(x, True) is not None)
     x = torch.randn(8192, 1024)
     w, b, g = torch.randn(1024), torch.randn(1024), torch.randn(8192, 1024)
-    if only in (None, "layer_norm"):
-        report("CPU layer norm fwd+bwd [8192,1024] f32",
-               compare([layer_norm_step(x, w, b, g, False), layer_norm_step(x, w, b, g, True)],
-                       repeat), 1.0)
-    if only in (None, "rms_norm"):
-        for dtype in (torch.float32, torch.bfloat16):
-            xs, ws, gs = x.to(dtype), w.to(dtype), g.to(dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ws, bs, gs = (t.to(dtype) for t in (x, w, b, g))
+        if only in (None, "layer_norm"):  # the kernel itself against F.layer_norm
+            report(f"CPU layer norm fwd+bwd [8192,1024] {str(dtype)[6:]}",
+                   compare([layer_norm_step(xs, ws, bs, gs, False),
+                            layer_norm_step(xs, ws, bs, gs, "kernel")], repeat), 1.0,
+                   fused.layer_norm_preferred(xs, ws, bs))
+        if only in (None, "rms_norm"):
             report(f"CPU RMSNorm fwd+bwd [8192,1024] {str(dtype)[6:]}",
                    compare([rms_norm_step(xs, ws, gs, False), rms_norm_step(xs, ws, gs, True)],
-                           repeat), 1.0)
+                           repeat), 1.0, fused.rms_norm_fusable(xs, ws))
 
 
 def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -129,7 +156,8 @@ def bench_bias_gelu(repeat: int, with_compile: bool) -> None:
         return run
 
     report("CPU bias_gelu fwd+bwd [2048,4096] f32",
-           compare([step(_bias_gelu), step(fused.bias_gelu)], repeat, warmup=3), 1.5)
+           compare([step(_bias_gelu), step(fused.bias_gelu)], repeat, warmup=3), 1.5,
+           fused.bias_gelu_fusable(y, bias))
     report("CPU bias_gelu fwd+bwd [2048,4096]: TorchScript",
            compare([step(_bias_gelu), step(torch.jit.script(_bias_gelu))], repeat, warmup=3))
     if with_compile:
@@ -156,22 +184,37 @@ def bench_cross_entropy(repeat: int) -> None:
         return run
 
     report("CPU head matmul + cross entropy fwd+bwd [2048,256]x[256,8064] f32",
-           compare([step(False), step(True)], repeat), 1.1)
+           compare([step(False), step(True)], repeat), 1.1, True)
 
 
-def bench_attention(repeat: int) -> None:
-    """Causal self-attention forward+backward from the views of a fused QKV projection:
-    SDPA (what --attention-impl sdpa runs) vs our CPU kernel (what auto runs)."""
-    for s, b, heads, dim in ((256, 8, 8, 32), (1024, 2, 16, 64), (2048, 1, 16, 64),
-                             (4096, 1, 8, 64)):
+ATTENTION_SHAPES = ((256, 8, 8, 32), (512, 4, 8, 64), (1024, 2, 16, 64), (2048, 1, 16, 64),
+                    (4096, 1, 8, 64))
+
+
+def bench_attention(repeat: int, dropout: float) -> None:
+    """Causal self-attention forward+backward from the views of a fused QKV projection: our
+    CPU kernel against what auto runs otherwise, SDPA without dropout, and with dropout
+    the explicit path (fused softmax and dropout; SDPA with dropout on a CPU is unfused
+    math with Bernoulli sampling)."""
+    from megatron.config import ModelConfig
+    from megatron.model.transformer import CoreAttention
+    for s, b, heads, dim in ATTENTION_SHAPES:
         qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+        cfg = ModelConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                          seq_length=s, max_position_embeddings=s, padded_vocab_size=64,
+                          attention_dropout=dropout, attention_impl="fused")
+        explicit = CoreAttention(cfg, 1).train()
 
         def step(kernel):
             def run():
                 x = qkv.detach().requires_grad_()
                 q, k, v = x.split(dim, dim=-1)
                 if kernel:
-                    out = fused.causal_attention(q, k, v, dim ** -0.5)
+                    out = fused.causal_attention(q, k, v, dim ** -0.5, dropout, 1234)
+                elif dropout:  # its dropout runs in the tracker's fork
+                    out = explicit._explicit(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                             None, None)
+                    out = out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
                 else:
                     out = F.scaled_dot_product_attention(
                         *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
@@ -179,8 +222,11 @@ def bench_attention(repeat: int) -> None:
                 out.backward(grad)
             return run
 
-        report(f"CPU causal attention fwd+bwd s{s} b{b} h{heads} d{dim} f32",
-               compare([step(False), step(True)], repeat), 1.1)
+        q = qkv[..., :dim]
+        other = "explicit" if dropout else "SDPA"
+        report(f"CPU causal attention fwd+bwd s{s} b{b} h{heads} d{dim} dropout {dropout}: "
+               f"{other} vs ours", compare([step(False), step(True)], repeat), 1.1,
+               fused.causal_attention_preferred(q, q, q, dropout))
 
 
 def bench_cuda(repeat: int) -> None:
@@ -219,7 +265,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
-                                           "cross_entropy", "attention"),
+                                           "cross_entropy", "attention", "attention_dropout"),
                         help="time one CPU benchmark only (CUDA ones run in full)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -234,7 +280,10 @@ def main() -> None:
     if args.only in (None, "cross_entropy"):
         bench_cross_entropy(args.repeat)
     if args.only in (None, "attention"):
-        bench_attention(args.repeat)
+        bench_attention(args.repeat, 0.0)
+    if args.only in (None, "attention_dropout"):
+        model_parallel_seed(1234, 0)
+        bench_attention(args.repeat, 0.1)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
 

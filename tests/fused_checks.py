@@ -19,3 +19,20 @@ def outputs_and_grads(fn, tensors, grad):
     out = fn(*inputs)
     out.backward(grad)
     return out.detach(), [t.grad for t in inputs]
+
+
+def explicit_attention(q, k, v, scale, causal=True, keep=None, dropout_p=0.0):
+    """softmax(scale q k^T) v of q, k, v [s, b, heads, d] -> [s, b, heads * d] in plain
+    PyTorch: over keys j <= i (causal) or all keys; keep (bool [b * heads, s, s], the CPU
+    kernel's mask from `fused.attention_dropout_keep`) drops probabilities as the kernel
+    does (kept ones scaled by 1 / (1 - dropout_p))."""
+    s, b, heads, d = q.shape
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        probs = probs * keep.view(b, heads, s, s) / (1.0 - dropout_p)
+    return torch.matmul(probs, vh).permute(2, 0, 1, 3).reshape(s, b, heads * d)

@@ -1,10 +1,16 @@
-// CPU kernel for causal self-attention, softmax(scale * q k^T, keys j <= query i) v,
-// in the manner of flash attention: one (batch, head) per task; the scores of a block
-// of query rows are computed, turned into probabilities and multiplied by v while they
-// sit in cache, and only each row's log-sum-exp is kept. The backward recomputes the
-// probabilities from it. Keys beyond a block's last query are never touched, so the
-// causal mask halves the work. q, k, v rows may be strided (views of the fused QKV
-// projection); the head size is a multiple of 16.
+// CPU kernel for self-attention, softmax(scale * q k^T) v over keys j <= query i (causal)
+// or over all keys (the full blocks of context-parallel ring attention), in the manner of
+// flash attention: one (batch, head) per task; the scores of a block of query rows are
+// computed, turned into probabilities and multiplied by v while they sit in cache, and
+// only each row's log-sum-exp is kept. The backward recomputes the probabilities from
+// it. Causal: keys beyond a block's last query are never touched, which halves the work.
+// q, k, v rows may be strided (views of the fused QKV projection); the head size is a
+// multiple of 16.
+//
+// Attention dropout: probability (i, j) is kept with probability 1 - p and scaled by
+// 1 / (1 - p). Whether it is kept is a hash of (seed, task, i * sq + j) (dropout_keep
+// below), so the backward regenerates the forward's mask from the seed alone; the
+// log-sum-exp is that of the probabilities before dropout.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -187,6 +193,48 @@ MF_INLINE void softmax_grad_row(float* ds, const float* p, int64_t n16, float de
   for (int64_t j = 0; j < n16; j += kLanes) store(ds + j, load(p + j) * (load(ds + j) - delta));
 }
 
+// The dropout hash: a 32-bit integer mixer (xor-shift-multiply, the "lowbias32"
+// constants), a bijection of the counter applied twice with the two key halves.
+MF_INLINE LaneU32 mix32(LaneU32 x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+MF_INLINE LaneU32 dropout_hash(const Dropout& drop, uint32_t counter) {
+  LaneU32 c;
+  for (int l = 0; l < kLanes; ++l) c[l] = counter + static_cast<uint32_t>(l);
+  return mix32(mix32(c ^ drop.k0) + drop.k1);
+}
+
+// The dropout factors (0 or 1 / (1 - p)) of keys j .. j + kLanes - 1 of row `row`.
+MF_INLINE LaneVec dropout_factor(const Dropout& drop, int64_t row, int64_t j) {
+  const LaneU32 h = dropout_hash(drop, static_cast<uint32_t>(row * drop.keys + j));
+  return select(h >= drop.threshold, splat(drop.scale), splat(0.0f));
+}
+
+// ds[j] = p[j] * (z[j] * ds[j] - delta), then p[j] *= z[j], with z[j] the dropout factor
+// of key j in row `row` (0 or 1 / (1 - p)): the softmax backward through dropout, and p
+// becomes the dropped probabilities that the value gradient takes.
+MF_INLINE void dropout_softmax_grad_row(float* ds, float* p, int64_t n16, float delta,
+                                        const Dropout& drop, int64_t row) {
+  for (int64_t j = 0; j < n16; j += kLanes) {
+    const LaneVec z = dropout_factor(drop, row, j);
+    const LaneVec pj = load(p + j);
+    store(ds + j, pj * (z * load(ds + j) - delta));
+    store(p + j, pj * z);
+  }
+}
+
+// row[j] *= the dropout factor of key j, for j < n16.
+MF_INLINE void dropout_row(float* row, int64_t n16, const Dropout& drop, int64_t r) {
+  for (int64_t j = 0; j < n16; j += kLanes)
+    store(row + j, load(row + j) * dropout_factor(drop, r, j));
+}
+
 struct Head {
   const float* q;
   const float* k;
@@ -194,21 +242,26 @@ struct Head {
   int64_t qs, ks, vs;  // row (sequence) strides
   int64_t sq, hn;
   float scale;
+  bool causal;
+  // Keys seen by some row of the block of rows i0 .. i0 + R - 1 / by row i.
+  MF_INLINE int64_t block_keys(int64_t i0, int R) const { return causal ? i0 + R : sq; }
+  MF_INLINE int64_t row_keys(int64_t i) const { return causal ? i + 1 : sq; }
 };
 
 template <int R>
-MF_INLINE void forward_block(const Head& h, int64_t i0, const float* kt, float* s, int64_t ld, float* o,
-                   int64_t os, float* lse) {
-  const int64_t n = i0 + R;  // keys 0 .. n-1 are visible to some row of the block
+MF_INLINE void forward_block(const Head& h, int64_t i0, const float* kt, float* s, int64_t ld,
+                             float* o, int64_t os, float* lse, const Dropout& drop) {
+  const int64_t n = h.block_keys(i0, R);  // keys 0 .. n-1 are visible to some row
   block_products<R>(s, ld, h.q + i0 * h.qs, h.qs, kt, round_lanes(n), h.hn, h.scale);
   float inv[R];
   for (int r = 0; r < R; ++r) {
-    const int64_t valid = i0 + r + 1;
+    const int64_t valid = h.row_keys(i0 + r);
     float* row = s + r * ld;
     const float m = row_max(row, valid);
     const float l = exp_row(row, valid, round_lanes(n), m);
     lse[i0 + r] = m + std::log(l);
     inv[r] = 1.0f / l;
+    if (drop.active()) dropout_row(row, round_lanes(n), drop, i0 + r);
   }
   block_combine<R>(o + i0 * os, os, s, ld, h.v, h.vs, n, h.hn, inv);
 }
@@ -217,16 +270,19 @@ template <int R>
 MF_INLINE void backward_block(const Head& h, int64_t i0, const float* kt, const float* vt, float* p,
                     float* ds, int64_t ld, const float* dout, int64_t dos, const float* lse,
                     const float* delta, float* dq, int64_t dqs, float* dk, int64_t dks,
-                    float* dv, int64_t dvs) {
-  const int64_t n = i0 + R;
+                    float* dv, int64_t dvs, const Dropout& drop) {
+  const int64_t n = h.block_keys(i0, R);
   const int64_t n16 = round_lanes(n);
   block_products<R>(p, ld, h.q + i0 * h.qs, h.qs, kt, n16, h.hn, h.scale);
   block_products<R>(ds, ld, dout + i0 * dos, dos, vt, n16, h.hn, 1.0f);
   for (int r = 0; r < R; ++r) {
     const int64_t i = i0 + r;
     float* prow = p + r * ld;
-    exp_row(prow, i + 1, n16, lse[i]);  // the probabilities of row i
-    softmax_grad_row(ds + r * ld, prow, n16, delta[i]);
+    exp_row(prow, h.row_keys(i), n16, lse[i]);  // the probabilities of row i
+    if (drop.active())
+      dropout_softmax_grad_row(ds + r * ld, prow, n16, delta[i], drop, i);
+    else
+      softmax_grad_row(ds + r * ld, prow, n16, delta[i]);
   }
   float scale[R];
   for (int r = 0; r < R; ++r) scale[r] = h.scale;
@@ -249,32 +305,57 @@ MF_INLINE void backward_block(const Head& h, int64_t i0, const float* kt, const 
 
 }  // namespace
 
-void causal_attention_head_forward(const float* q, int64_t qs, const float* k,
-                                             int64_t ks, const float* v, int64_t vs, float* o,
-                                             int64_t os, float* lse, int64_t sq, int64_t hn,
-                                             float scale, float* work) {
+Dropout attention_dropout(double p, uint64_t seed, int64_t task, int64_t keys) {
+  Dropout drop;
+  drop.keys = static_cast<uint32_t>(keys);
+  const double threshold = std::round(p * 4294967296.0);
+  if (!(threshold >= 1.0)) return drop;
+  drop.threshold = static_cast<uint32_t>(std::min(threshold, 4294967295.0));
+  drop.scale = static_cast<float>(1.0 / (1.0 - p));
+  // splitmix64 of the seed and the task: independent keys for every (batch, head)
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(task + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  drop.k0 = static_cast<uint32_t>(z);
+  drop.k1 = static_cast<uint32_t>(z >> 32);
+  return drop;
+}
+
+void attention_dropout_keep(uint8_t* keep, int64_t rows, const Dropout& drop) {
+  const int64_t keys = drop.keys;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < keys; j += kLanes) {
+      const LaneVec z = drop.active() ? dropout_factor(drop, i, j) : splat(1.0f);
+      for (int l = 0; l < kLanes && j + l < keys; ++l) keep[i * keys + j + l] = z[l] != 0.0f;
+    }
+}
+
+void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
+                            const float* v, int64_t vs, float* o, int64_t os, float* lse,
+                            int64_t sq, int64_t hn, float scale, bool causal,
+                            const Dropout& drop, float* work) {
   const int64_t ld = row_pitch(sq);
   float* kt = work;
   float* s = kt + hn * ld;
   float* vc = s + kRows * ld;  // v's rows, contiguous
   transpose_rows(kt, k, sq, ks, hn, ld);
   copy_rows(vc, hn, v, vs, sq, hn);
-  const Head h{q, k, vc, qs, ks, hn, sq, hn, scale};
+  const Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal};
   for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, sq - i0);
-#define MF_FORWARD(R) forward_block<R>(h, i0, kt, s, ld, o, os, lse)
+#define MF_FORWARD(R) forward_block<R>(h, i0, kt, s, ld, o, os, lse, drop)
     MF_ROWS_DISPATCH(rows, MF_FORWARD)
 #undef MF_FORWARD
   }
 }
 
-void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
-                                              int64_t ks, const float* v, int64_t vs,
-                                              const float* o, int64_t os, const float* dout,
-                                              int64_t dos, const float* lse, float* dq,
-                                              int64_t dqs, float* dk, int64_t dks, float* dv,
-                                              int64_t dvs, int64_t sq, int64_t hn, float scale,
-                                              float* work) {
+void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,
+                             const float* v, int64_t vs, const float* o, int64_t os,
+                             const float* dout, int64_t dos, const float* lse, float* dq,
+                             int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
+                             int64_t sq, int64_t hn, float scale, bool causal,
+                             const Dropout& drop, float* work) {
   const int64_t ld = row_pitch(sq);
   float* kt = work;
   float* vt = kt + hn * ld;
@@ -291,12 +372,14 @@ void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
   transpose_rows(vt, v, sq, vs, hn, ld);
   copy_rows(kc, hn, k, ks, sq, hn);
   fill_zero(dkc, 2 * sq * hn);
-  for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);  // sum_j p dp
-  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale};
+  // delta_i = sum_j p_ij dp_ij = dout_i . o_i, with or without dropout (o = dropped p v)
+  for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);
+  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale, causal};
   for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, sq - i0);
-#define MF_BACKWARD(R) \
-  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dkc, hn, dvc, hn)
+#define MF_BACKWARD(R)                                                                       \
+  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dkc, hn, dvc, hn, \
+                    drop)
     MF_ROWS_DISPATCH(rows, MF_BACKWARD)
 #undef MF_BACKWARD
   }
@@ -304,7 +387,7 @@ void causal_attention_head_backward(const float* q, int64_t qs, const float* k,
   copy_rows(dv, dvs, dvc, hn, sq, hn);
 }
 
-int64_t causal_attention_work_floats(int64_t sq, int64_t hn) {
+int64_t attention_work_floats(int64_t sq, int64_t hn) {
   const int64_t ld = row_pitch(sq);
   return 2 * hn * ld + 2 * kRows * ld + sq + 3 * sq * hn;
 }

@@ -214,38 +214,50 @@ inline int64_t head_offset(const at::Tensor& t, int64_t task) {
   return (task / t.size(2)) * t.stride(1) + (task % t.size(2)) * t.stride(2);
 }
 
-// Returns (o [sq, b, heads, hn] contiguous, lse [b * heads, sq] float).
-std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q,
-                                                            const at::Tensor& k,
-                                                            const at::Tensor& v, double scale) {
+// The dropout of task t for rows of sq keys; p = 0: none.
+cpu::Dropout task_dropout(double p, int64_t seed, int64_t task, int64_t sq) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "attention dropout must be in [0, 1), got ", p);
+  TORCH_CHECK(p == 0.0 || sq < 65536, "attention dropout takes sequences below 65536, got ", sq);
+  return cpu::attention_dropout(p, static_cast<uint64_t>(seed), task, sq);
+}
+
+// Returns (o [sq, b, heads, hn] contiguous, lse [b * heads, sq] float). causal: keys
+// j <= i, else all keys; dropout_p with the mask of `seed` (see cpu_kernels.h).
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, double scale,
+                                                     bool causal, double dropout_p,
+                                                     int64_t seed) {
   check_attention_inputs(q, k, v);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
+  task_dropout(dropout_p, seed, 0, sq);
   at::Tensor o = new_output(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = new_output({tasks, sq}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float *op = o.data_ptr<float>(), *lp = lse.data_ptr<float>();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(cpu::causal_attention_work_floats(sq, hn));
+    std::vector<float> work(cpu::attention_work_floats(sq, hn));
     for (int64_t t = begin; t < end; ++t) {
-      cpu::causal_attention_head_forward(qp + head_offset(q, t), q.stride(0),
-                                         kp + head_offset(k, t), k.stride(0),
-                                         vp + head_offset(v, t), v.stride(0),
-                                         op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
-                                         static_cast<float>(scale), work.data());
+      cpu::attention_head_forward(qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t),
+                                  k.stride(0), vp + head_offset(v, t), v.stride(0),
+                                  op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
+                                  static_cast<float>(scale), causal,
+                                  task_dropout(dropout_p, seed, t, sq), work.data());
     }
   });
   return {o, lse};
 }
 
 // Returns (dq, dk, dv), each [sq, b, heads, hn] contiguous.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& o, const at::Tensor& lse, double scale) {
+    const at::Tensor& o, const at::Tensor& lse, double scale, bool causal, double dropout_p,
+    int64_t seed) {
   check_attention_inputs(q, k, v);
   check_attention_inputs(q, o, dout);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == tasks * sq,
               "lse must be float32 [b * heads, sq]");
+  task_dropout(dropout_p, seed, 0, sq);
   auto options = q.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor dq = new_output(q.sizes(), options);
   at::Tensor dk = new_output(q.sizes(), options);
@@ -254,17 +266,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   const float *op = o.data_ptr<float>(), *gp = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
   float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(cpu::causal_attention_work_floats(sq, hn));
+    std::vector<float> work(cpu::attention_work_floats(sq, hn));
     for (int64_t t = begin; t < end; ++t) {
-      cpu::causal_attention_head_backward(
+      cpu::attention_head_backward(
           qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
           vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
           gp + head_offset(dout, t), dout.stride(0), lp + t * sq, dqp + head_offset(dq, t),
           dq.stride(0), dkp + head_offset(dk, t), dk.stride(0), dvp + head_offset(dv, t),
-          dv.stride(0), sq, hn, static_cast<float>(scale), work.data());
+          dv.stride(0), sq, hn, static_cast<float>(scale), causal,
+          task_dropout(dropout_p, seed, t, sq), work.data());
     }
   });
   return {dq, dk, dv};
+}
+
+// The keep mask [tasks, sq, sq] (uint8, 1 = kept) the kernels above apply for
+// (dropout_p, seed): the same hash, for references and tests.
+at::Tensor attention_dropout_keep(int64_t tasks, int64_t sq, double dropout_p, int64_t seed) {
+  TORCH_CHECK(tasks >= 0 && sq >= 0, "tasks and sq must be >= 0");
+  task_dropout(dropout_p, seed, 0, sq);
+  at::Tensor keep = at::empty({tasks, sq, sq}, at::TensorOptions().dtype(at::kByte));
+  uint8_t* kp = keep.data_ptr<uint8_t>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      cpu::attention_dropout_keep(kp + t * sq * sq, sq, task_dropout(dropout_p, seed, t, sq));
+  });
+  return keep;
 }
 
 }  // namespace
@@ -291,10 +318,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_gelu_backward", &mf::bias_gelu_backward, "bias-GeLU gradients -> (dx, db or None)");
   m.def("exp_sum_", &mf::exp_sum_,
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
-  m.def("causal_attention_forward", &mf::causal_attention_forward,
-        "causal softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim] -> (out, lse)");
-  m.def("causal_attention_backward", &mf::causal_attention_backward,
-        "gradients of causal_attention_forward -> (dq, dk, dv)");
+  m.def("causal_attention_forward", &mf::attention_forward,
+        "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim], causal or over all keys, "
+        "with attention dropout -> (out, lse)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = true,
+        py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
+  m.def("causal_attention_backward", &mf::attention_backward,
+        "gradients of causal_attention_forward -> (dq, dk, dv)", py::arg("dout"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
+        py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
+  m.def("attention_dropout_keep", &mf::attention_dropout_keep,
+        "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; },
         "fill outputs with NaN before kernels run (tests)");
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });

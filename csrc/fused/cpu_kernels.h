@@ -67,19 +67,39 @@ void bias_gelu_backward(const T* g, const T* x, const T* b, T* dx, T* db, int64_
 template <typename T>
 void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols, bool given_max);
 
-// Causal self-attention of one (batch, head), float32 (attention_cpu.cpp): q, k, v, o, dout
-// rows [sq, hn] at the given row strides (hn contiguous, a multiple of 16); lse [sq] the
-// log-sum-exp of each row of scale * q k^T. `work` holds causal_attention_work_floats
-// floats. The backward writes dq, dk, dv.
-void causal_attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
-                                   const float* v, int64_t vs, float* o, int64_t os, float* lse,
-                                   int64_t sq, int64_t hn, float scale, float* work);
-void causal_attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,
-                                    const float* v, int64_t vs, const float* o, int64_t os,
-                                    const float* dout, int64_t dos, const float* lse, float* dq,
-                                    int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
-                                    int64_t sq, int64_t hn, float scale, float* work);
-int64_t causal_attention_work_floats(int64_t sq, int64_t hn);
+// Attention dropout of one (batch, head): probability (i, j) is kept where
+// hash(key, i * keys + j) >= threshold (probability 1 - p) and then scaled by 1 / (1 - p).
+// The key comes from the seed and the task (b * heads + head), so the mask is a function
+// of (seed, task, i, j) alone and the backward regenerates it.
+struct Dropout {
+  uint32_t threshold = 0;  // 0: no dropout
+  float scale = 1.0f;      // 1 / (1 - p)
+  uint32_t k0 = 0, k1 = 0;
+  uint32_t keys = 0;       // keys per row (the counter's row stride)
+  bool active() const { return threshold != 0; }
+};
+// Dropout with probability p (0 <= p < 1; p = 0 or below 2^-32: none) of task `task` for
+// rows of `keys` keys (keys^2 < 2^32).
+Dropout attention_dropout(double p, uint64_t seed, int64_t task, int64_t keys);
+// keep[i * keys + j] = 1 where the kernels keep probability (i, j), else 0, for i < rows.
+void attention_dropout_keep(uint8_t* keep, int64_t rows, const Dropout& drop);
+
+// Self-attention of one (batch, head), float32 (attention_cpu.cpp): q, k, v, o, dout rows
+// [sq, hn] at the given row strides (hn contiguous, a multiple of 16); causal: keys
+// j <= i, else all sq keys; lse [sq] the log-sum-exp of each row of scale * q k^T over
+// the visible keys (before dropout). `work` holds attention_work_floats floats. The
+// backward writes dq, dk, dv.
+void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
+                            const float* v, int64_t vs, float* o, int64_t os, float* lse,
+                            int64_t sq, int64_t hn, float scale, bool causal,
+                            const Dropout& drop, float* work);
+void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,
+                             const float* v, int64_t vs, const float* o, int64_t os,
+                             const float* dout, int64_t dos, const float* lse, float* dq,
+                             int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
+                             int64_t sq, int64_t hn, float scale, bool causal,
+                             const Dropout& drop, float* work);
+int64_t attention_work_floats(int64_t sq, int64_t hn);
 
 }  // namespace cpu
 }  // namespace megatron_fused

@@ -17,6 +17,8 @@ attention_softmax, scores [b, np, sq, sk]:
     broadcastable to [b, 1, sq, sk] (no per-head masks); it is expanded to
     [b or 1, 1, sq, sk] and combined with the causal mask when `causal`.
 layer_norm, rms_norm:
+  - layer_norm on a CPU: 16-bit with the AVX-512 build only (`layer_norm_preferred`:
+    torch's kernel is faster elsewhere; `FusedLayerNormAffine` runs ours always);
   - normalises the last dim only, weight (and for layer_norm bias) given, [hidden]
     of the input's dtype (float32, bfloat16 or float16);
   - CUDA: hidden <= 8192.
@@ -263,10 +265,24 @@ def layer_norm_fusable(x, weight, bias) -> bool:
     return _norm_fusable(x, (weight, bias))
 
 
+def layer_norm_preferred(x, weight, bias) -> bool:
+    """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: it applies
+    (`layer_norm_fusable`), and on a CPU only for 16-bit inputs with the AVX-512 build.
+    torch's own CPU layer norm is a fused, vectorised kernel too; `benchmarks/bench_fused.py`
+    ([8192, 1024], ours / plain, three quiet runs) measured it faster in float32 (AVX2
+    0.92-0.99x, AVX-512 0.90-0.94x) and in bfloat16 on AVX2 (0.80-0.95x), ours faster in
+    bfloat16 on AVX-512 (0.99x, 1.07x, 1.12x)."""
+    if not layer_norm_fusable(x, weight, bias):
+        return False
+    if x.device.type == "cpu" and (x.dtype == torch.float32 or cpu_kernels_isa() != "avx512"):
+        return False
+    return fused_kernels.get_extension(x.device.type) is not None
+
+
 def layer_norm(x, weight, bias, eps, fusion=True):
-    """Layer norm of x over its last dim with `weight` and `bias`."""
-    if (fusion and layer_norm_fusable(x, weight, bias)
-            and fused_kernels.get_extension(x.device.type) is not None):
+    """Layer norm of x over its last dim with `weight` and `bias`: our kernel where it is
+    the faster path (`layer_norm_preferred`), else F.layer_norm."""
+    if fusion and layer_norm_preferred(x, weight, bias):
         return FusedLayerNormAffine.apply(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
@@ -415,13 +431,16 @@ def exp_sum_(x, row_max=None, fusion=True):
 class FusedCausalAttention(torch.autograd.Function):
     """softmax(scale * q k^T, causal) v of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads,
     head_dim], flash-attention style on CPUs (saves the output and each row's log-sum-exp;
-    the backward recomputes the probabilities)."""
+    the backward recomputes the probabilities). With dropout_p > 0 the probabilities are
+    dropped by the kernel's counter-based mask of `seed` (`attention_dropout_keep`), which
+    the backward regenerates."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        out, lse = _ext(q).causal_attention_forward(q, k, v, float(scale))
+    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0):
+        out, lse = _ext(q).causal_attention_forward(q, k, v, float(scale), True,
+                                                    float(dropout_p), int(seed))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = float(scale)
+        ctx.scale, ctx.dropout = float(scale), (float(dropout_p), int(seed))
         return out
 
     @staticmethod
@@ -430,57 +449,94 @@ class FusedCausalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        dq, dk, dv = _ext(q).causal_attention_backward(grad, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None
+        dq, dk, dv = _ext(q).causal_attention_backward(grad, q, k, v, out, lse, ctx.scale, True,
+                                                       *ctx.dropout)
+        return dq, dk, dv, None, None, None
 
 
-def causal_attention_fusable(q, k, v) -> bool:
+# The kernels' dropout counts positions i * sq + j in 32 bits.
+MAX_DROPOUT_SEQ = 65535
+
+
+def causal_attention_fusable(q, k, v, dropout_p: float = 0.0) -> bool:
     """The CPU kernel applies: float32 q, k, v of one shape [sq, b, heads, head_dim] on a CPU
-    (self-attention, sq == sk), head_dim a multiple of 16 and contiguous."""
+    (self-attention, sq == sk), head_dim a multiple of 16 and contiguous; with dropout,
+    0 < dropout_p < 1 and sq <= MAX_DROPOUT_SEQ."""
     tensors = (q, k, v)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4
            or t.shape != q.shape or t.stride(-1) != 1 for t in tensors):
         return False
     if q.shape[-1] % 16:
         return False
+    if dropout_p and not (0.0 <= dropout_p < 1.0 and q.shape[0] <= MAX_DROPOUT_SEQ):
+        return False
     module = fused_kernels.get_extension("cpu")
-    return module is not None and hasattr(module, "causal_attention_forward")
+    return module is not None and hasattr(module, "attention_dropout_keep")
 
 
-def causal_attention_with_lse(q, k, v, scale):
+def attention_with_lse(q, k, v, scale, causal=True):
     """(out [sq, b, heads, head_dim], lse float32 [b * heads, sq]) of the CPU kernel, without
-    autograd: the diagonal blocks of ring attention, whose log-sum-exps merge with the
-    other blocks' (check `causal_attention_fusable` first)."""
-    return _ext(q).causal_attention_forward(q, k, v, float(scale))
+    autograd, over keys j <= i (causal) or all keys: the blocks of ring attention, whose
+    log-sum-exps merge with the other blocks' (check `causal_attention_fusable` first)."""
+    return _ext(q).causal_attention_forward(q, k, v, float(scale), bool(causal))
 
 
-def causal_attention_with_lse_backward(dout, q, k, v, out, lse, scale):
+def attention_with_lse_backward(dout, q, k, v, out, lse, scale, causal=True):
     """(dq, dk, dv) of the CPU kernel for a given output and log-sum-exp: with those of the
     whole row (merged over every key block) it gives one block's share of the gradients."""
-    return _ext(q).causal_attention_backward(dout, q, k, v, out, lse.contiguous(), float(scale))
+    return _ext(q).causal_attention_backward(dout, q, k, v, out, lse.contiguous(), float(scale),
+                                             bool(causal))
+
+
+def attention_dropout_keep(tasks: int, sq: int, dropout_p: float, seed: int) -> torch.Tensor:
+    """The bool keep mask [tasks, sq, sq] that the CPU kernel applies for (dropout_p, seed),
+    task = batch * heads + head: for references (the explicit path with the same mask)."""
+    return _ext(torch.empty(0)).attention_dropout_keep(tasks, sq, float(dropout_p),
+                                                       int(seed)).bool()
+
+
+def attention_dropout_seed() -> int:
+    """A dropout seed for the kernel, drawn from torch's generator of this context (under
+    the RNG tracker's fork: the tensor-model-parallel state), so that recomputation under
+    the same state draws the same seed and mask."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 # Longest sequence at which our attention kernel beats SDPA's CPU kernel, per instruction
 # set of the kernels (forward+backward, `benchmarks/bench_fused.py --only attention`, two
-# threads: AVX-512 1.3-1.9x at seq 256-4096; AVX2 1.7x at 256, 1.2x at 1024, 0.97x at 2048,
-# 0.6x at 4096). None: no limit; the baseline build was not measured, so SDPA there.
-KERNEL_MAX_SEQ = {"avx512": None, "avx2": 1024, "baseline": 0}
+# threads, quiet machine: AVX-512 1.4-1.7x at seq 256-4096; AVX2 1.5x at 256 and 512,
+# 0.97-1.07x at 1024, 0.7-0.9x at 2048 and 4096). None: no limit; the baseline build was not
+# measured, so SDPA there.
+KERNEL_MAX_SEQ = {"avx512": None, "avx2": 512, "baseline": 0}
+# With attention dropout our kernel runs at every length on these ISAs: its alternative is
+# the explicit path (SDPA with dropout on a CPU is unfused math with Bernoulli sampling), 5-9x
+# slower at seq 256-4096 (`bench_fused.py --only attention_dropout`).
+KERNEL_WITH_DROPOUT = ("avx512", "avx2")
 
 
-def causal_attention_preferred(q, k, v) -> bool:
-    """The CPU kernel applies (`causal_attention_fusable`) and, by the measured rule above,
-    is faster than SDPA at this sequence length on this instruction set."""
-    if not causal_attention_fusable(q, k, v):
+def causal_attention_preferred(q, k, v, dropout_p: float = 0.0) -> bool:
+    """Whether `--attention-impl auto` runs our CPU kernel for causal self-attention of these
+    q, k, v (no mask, no bias) with this attention dropout (0 when not training): it
+    applies (`causal_attention_fusable`) and, by the measured rule above, is faster than
+    the other path on this instruction set."""
+    if not causal_attention_fusable(q, k, v, dropout_p):
         return False
-    limit = KERNEL_MAX_SEQ.get(cpu_kernels_isa(), 0)
+    isa = cpu_kernels_isa()
+    if dropout_p > 0:
+        return isa in KERNEL_WITH_DROPOUT
+    limit = KERNEL_MAX_SEQ.get(isa, 0)
     return limit is None or q.shape[0] <= limit
 
 
-def causal_attention(q, k, v, scale):
+def causal_attention(q, k, v, scale, dropout_p: float = 0.0, seed: int | None = None):
     """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
-    with the CPU kernel (check `causal_attention_fusable` first)."""
+    with the CPU kernel (check `causal_attention_fusable` first); dropout_p > 0 drops
+    probabilities with the mask of `seed` (None: `attention_dropout_seed()`)."""
     sq, b, heads, dim = q.shape
-    return FusedCausalAttention.apply(q, k, v, scale).view(sq, b, heads * dim)
+    if dropout_p > 0 and seed is None:
+        seed = attention_dropout_seed()
+    return FusedCausalAttention.apply(q, k, v, scale, dropout_p, seed or 0).view(
+        sq, b, heads * dim)
 
 
 def cpu_kernels_isa() -> str:

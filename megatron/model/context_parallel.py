@@ -9,9 +9,9 @@ Ring attention (`--cp-comm-type p2p`, `RingAttention`): the keys / values of eac
 rank travel once around the CP ring (p2p to the next rank, from the previous one,
 started before the local block is computed). Each query chunk attends to each key
 chunk by their global chunk indices: earlier chunks fully, its own chunk causally,
-later chunks not at all (the diagonal, causal blocks go through the CPU flash-attention
-kernel, which returns the log-sum-exp and takes the merged one back in its backward, where
-it applies). Partial results merge by their log-sum-exp. The backward
+later chunks not at all (blocks of equal lengths, the causal diagonal ones and the full
+ones, go through the CPU flash-attention kernel, which returns the log-sum-exp and takes
+the merged one back in its backward, where it applies). Partial results merge by their log-sum-exp. The backward
 pass recomputes each block's probabilities from the saved log-sum-exp, and the
 key / value gradients circulate with their keys and values, one more hop at the end
 bringing them home.
@@ -103,30 +103,31 @@ def _kernel_layout(*tensors):
 
 
 def _use_kernel(q, k, causal: bool, fusion: bool) -> bool:
-    """The CPU flash-attention kernel (causal, float32, head_dim % 16) for diagonal blocks."""
-    if not (fusion and causal and q.shape == k.shape):
+    """The CPU flash-attention kernel (float32, head_dim % 16, sq == sk) for the causal
+    diagonal blocks and the full (non-causal) ones."""
+    if not (fusion and q.shape == k.shape):
         return False
     q_s, k_s = _kernel_layout(q, k)
     return fused.causal_attention_fusable(q_s, k_s, k_s)
 
 
-def _kernel_forward(q, k, v, scale):
+def _kernel_forward(q, k, v, scale, causal):
     b, h, s, _ = q.shape
-    out, lse = fused.causal_attention_with_lse(*_kernel_layout(q, k, v), scale)
+    out, lse = fused.attention_with_lse(*_kernel_layout(q, k, v), scale, causal)
     return out.permute(1, 2, 0, 3), lse.view(b, h, s)
 
 
-def _kernel_backward(q, k, v, out, lse, dout, scale):
+def _kernel_backward(q, k, v, out, lse, dout, scale, causal):
     b, h, s, _ = q.shape
-    grads = fused.causal_attention_with_lse_backward(
-        *_kernel_layout(dout, q, k, v, out), lse.reshape(b * h, s), scale)
+    grads = fused.attention_with_lse_backward(
+        *_kernel_layout(dout, q, k, v, out), lse.reshape(b * h, s), scale, causal)
     return [g.permute(1, 2, 0, 3) for g in grads]
 
 
 def block_forward(q, k, v, scale: float, causal: bool, fusion: bool = True):
     """(out [b, h, sq, d], lse [b, h, sq]) of q over one key block (k / v grouped)."""
     if _use_kernel(q, _expand(k, q.shape[1]), causal, fusion):
-        return _kernel_forward(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), scale)
+        return _kernel_forward(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), scale, causal)
     s = _scores(q, _expand(k, q.shape[1]), scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), _expand(v, q.shape[1]))
@@ -138,7 +139,7 @@ def block_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fusion: 
     heads, groups = q.shape[1], k.shape[1]
     ke, ve = _expand(k, heads), _expand(v, heads)
     if _use_kernel(q, ke, causal, fusion):
-        dq, dk, dv = _kernel_backward(q, ke, ve, out, lse, dout, scale)
+        dq, dk, dv = _kernel_backward(q, ke, ve, out, lse, dout, scale, causal)
         return dq, _fold(dk, groups), _fold(dv, groups)
     p = torch.exp(_scores(q, ke, scale, causal) - lse[..., None])
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)

@@ -78,9 +78,14 @@ class CoreAttention(torch.nn.Module):
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
         mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
         if self._use_cpu_kernel(q, k, v, mask, bias):
+            p = self._dropout_p()
             announce_attention(f"our CPU kernel ({self.cfg.attention_impl}, "
-                               f"{fused.cpu_kernels_isa()})")
-            return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
+                               f"{fused.cpu_kernels_isa()}, dropout {p})")
+            seed = None
+            if p > 0:
+                with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
+                    seed = fused.attention_dropout_seed()
+            return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), p, seed)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
             announce_attention(f"SDPA ({self.cfg.attention_impl})")
@@ -92,13 +97,16 @@ class CoreAttention(torch.nn.Module):
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
+    def _dropout_p(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
     def _use_cpu_kernel(self, q, k, v, mask, bias):
-        """auto, with fusions on: our CPU flash-attention kernel for plain causal
-        self-attention in float32 without dropout, where it is faster than SDPA's CPU
-        kernel on this instruction set (fused.KERNEL_MAX_SEQ)."""
+        """auto, with fusions on: our CPU flash-attention kernel (attention dropout
+        included) for plain causal self-attention in float32, where it is faster than the
+        other path on this instruction set (fused.causal_attention_preferred)."""
         return (self.cfg.attention_impl == "auto" and self._fusion() and mask is None
-                and bias is None and not (self.training and self.dropout_p > 0)
-                and fused.causal_attention_preferred(q, k, v))
+                and bias is None
+                and fused.causal_attention_preferred(q, k, v, self._dropout_p()))
 
     def _use_sdpa(self, mask, q, bias):
         """auto: SDPA for plain causal attention, except where our path is faster or

@@ -141,23 +141,24 @@ def test_every_parameter_gradient_equals_one_process(cp):
             assert count == 15 and loss_err < 1e-6 and grad_err < 1e-5, (name, errors)
 
 
-def test_ring_blocks_use_the_cpu_kernel_where_it_applies():
-    """The diagonal blocks: the LSE-returning CPU kernel gives the plain path's output,
-    log-sum-exp and (with a merged output / lse) gradients."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_blocks_use_the_cpu_kernel_where_it_applies(causal):
+    """The diagonal (causal) and full blocks: the LSE-returning CPU kernel gives the plain
+    path's output, log-sum-exp and (with a merged output / lse) gradients."""
     from megatron.fused import kernels
     from megatron.model.context_parallel import _use_kernel, block_backward, block_forward
     if kernels.get_extension("cpu") is None:
         pytest.skip("the CPU fused kernels are not built")
     gen = torch.Generator().manual_seed(2)
     q, k, v, dout = torch.randn(4, 2, 4, 24, 16, generator=gen)
-    assert _use_kernel(q, k, True, True) and not _use_kernel(q, k, False, True)
-    fused_out, fused_lse = block_forward(q, k, v, 0.25, True)
-    out, lse = block_forward(q, k, v, 0.25, True, fusion=False)
+    assert _use_kernel(q, k, causal, True) and not _use_kernel(q, k[:, :, :20], causal, True)
+    fused_out, fused_lse = block_forward(q, k, v, 0.25, causal)
+    out, lse = block_forward(q, k, v, 0.25, causal, fusion=False)
     torch.testing.assert_close(fused_out, out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused_lse, lse, rtol=1e-5, atol=1e-6)
     merged_lse = lse + 0.3  # as if another block had been merged into the rows
-    got = block_backward(q, k, v, out, merged_lse, dout, 0.25, True)
-    want = block_backward(q, k, v, out, merged_lse, dout, 0.25, True, fusion=False)
+    got = block_backward(q, k, v, out, merged_lse, dout, 0.25, causal)
+    want = block_backward(q, k, v, out, merged_lse, dout, 0.25, causal, fusion=False)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 

@@ -22,7 +22,8 @@ CHECK = textwrap.dedent("""
     from megatron import fused
     from megatron.fused import kernels as K
     from megatron.mpu.cross_entropy import linear_cross_entropy
-    from tests.fused_checks import outputs_and_grads, rel_err
+    from megatron.model import context_parallel as cp
+    from tests.fused_checks import explicit_attention, outputs_and_grads, rel_err
     assert K.load_fused_kernels()
     K.set_poison_outputs(True)
     assert K.get_extension("cpu").isa == {isa!r}, K.get_extension("cpu").isa
@@ -45,8 +46,22 @@ CHECK = textwrap.dedent("""
         split = lambda x: x.split(d, dim=-1)
         check(f"attention s{{s}} d{{d}}", lambda x: fused.causal_attention(*split(x), d ** -0.5),
               lambda x: sdpa(*split(x)), [(s, 2, 3, 3 * d)], (s, 2, 3 * d), 5e-6)
+    for s, d, p in ((37, 16, 0.3), (130, 64, 0.1)):  # attention dropout, the kernel's mask
+        split = lambda x: x.split(d, dim=-1)
+        keep = fused.attention_dropout_keep(6, s, p, 5)
+        check(f"attention dropout s{{s}} d{{d}}",
+              lambda x: fused.causal_attention(*split(x), d ** -0.5, p, 5),
+              lambda x: explicit_attention(*split(x), d ** -0.5, True, keep, p),
+              [(s, 2, 3, 3 * d)], (s, 2, 3 * d), 5e-6)
+    for s, d in ((37, 16), (70, 32)):  # the full blocks of ring attention: out, lse, grads
+        q, k, v, dout = (torch.randn(2, 3, s, d) for _ in range(4))
+        fwd = [cp.block_forward(q, k, v, 0.2, False, f) for f in (True, False)]
+        bwd = [cp.block_backward(q, k, v, *fwd[1], dout, 0.2, False, f) for f in (True, False)]
+        errs = [rel_err(a, b) for a, b in zip(fwd[0] + tuple(bwd[0]), fwd[1] + tuple(bwd[1]))]
+        assert max(errs) < 5e-6, ("full block", s, errs)
     for cols in (96, 1000, 13):
-        check(f"layer_norm {{cols}}", lambda x, w, b: fused.layer_norm(x, w, b, 1e-5),
+        check(f"layer_norm {{cols}}",
+              lambda x, w, b: fused.FusedLayerNormAffine.apply(x, w, b, 1e-5),
               lambda x, w, b: fused.layer_norm(x, w, b, 1e-5, fusion=False),
               [(70, cols), (cols,), (cols,)], (70, cols), 1e-5)
         check(f"rms_norm {{cols}}", lambda x, w: fused.rms_norm(x, w, 1e-5),
@@ -118,17 +133,19 @@ def test_each_isa_has_its_own_build(monkeypatch):
 
 
 def test_auto_attention_rule_per_isa(monkeypatch):
-    """auto takes our attention kernel only where bench_fused measured it faster than SDPA
-    on that instruction set (fused.KERNEL_MAX_SEQ); otherwise SDPA."""
+    """auto takes our attention kernel only where bench_fused measured it faster than the
+    other path on that instruction set (fused.KERNEL_MAX_SEQ): SDPA without dropout, the
+    explicit path with it; otherwise that path."""
     import torch
     from megatron import fused
-    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1040, 1, 2, 16)
-    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v: True)
-    expected = {"avx512": (True, True), "avx2": (True, False), "baseline": (False, False),
-                "not built": (False, False)}
-    for isa, (want_short, want_long) in expected.items():
+    short, long_ = torch.randn(512, 1, 2, 16), torch.randn(520, 1, 2, 16)
+    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
+    expected = {"avx512": (True, True, True), "avx2": (True, False, True),
+                "baseline": (False, False, False), "not built": (False, False, False)}
+    for isa, (want_short, want_long, want_dropout) in expected.items():
         monkeypatch.setattr(fused, "cpu_kernels_isa", lambda isa=isa: isa)
         assert fused.causal_attention_preferred(short, short, short) is want_short, isa
         assert fused.causal_attention_preferred(long_, long_, long_) is want_long, isa
-    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v: False)
+        assert fused.causal_attention_preferred(long_, long_, long_, 0.1) is want_dropout, isa
+    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: False)
     assert not fused.causal_attention_preferred(short, short, short)
