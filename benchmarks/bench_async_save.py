@@ -12,9 +12,11 @@ sees them (`elapsed time per iteration`), plus the saves' blocking time: everyth
 model building and loading. Prints the medians in ms per iteration and the overheads
 relative to the run without saves (issue 20 asks < 10 % for --async-save).
 
-Measured on the shared 2-core CPU machine (defaults, --reps 2 --iters 20): no saves 1558 ms,
-torch_dist 1881 ms (+20.7 %), --async-save 1978 ms (+27.0 %): the writing thread (Python-heavy
-torch.save of each chunk, then hashing) competes with training for the cores and the GIL.
+Measured on the shared 2-core CPU machine under cpu-quiet (defaults, --reps 1, load average
+1.7 at the end): no saves 783.2 ms, torch_dist 864.9 ms (+10.4 %), --async-save 786.4 ms
+(+0.4 %). The async save's training-side cost is the copy into the writer's shared buffers;
+serialisation, hashing and fsync run in the writer process (nice 19) on the core that
+one-thread training leaves. (With the former writer thread: +27.0 %, GIL and cores shared.)
 """
 import argparse
 import os
