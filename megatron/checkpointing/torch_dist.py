@@ -221,6 +221,7 @@ def _layout(pstate, num_chunks: int) -> dict:
     return {"tensor_model_parallel_size": pstate.tp_size,
             "pipeline_model_parallel_size": pstate.pp_size,
             "data_parallel_size": pstate.dp_size,
+            "expert_model_parallel_size": pstate.ep_size,
             "virtual_pipeline_model_parallel_size": num_chunks}
 
 

@@ -91,9 +91,6 @@ class Config:
         cp = p.context_parallel_size
         require(cp == 1, f"MoE layers (--num-experts) with --context-parallel-size {cp} are not "
                          f"supported yet; use --context-parallel-size 1")
-        require(ep == 1 or self.checkpoint.ckpt_format == "torch",
-                f"--ckpt-format torch_dist does not hold experts split over "
-                f"--expert-model-parallel-size {ep} yet; use --ckpt-format torch")
         require(world_size % (ep * tp * pp) == 0,
                 f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
                 f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")

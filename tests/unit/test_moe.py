@@ -56,8 +56,6 @@ def test_layer_freq_forms():
     (["--moe-router-load-balancing-type", "magic"], 1, ["--moe-router-load-balancing-type"]),
     (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
      ["--moe-router-num-groups (3)"]),
-    (["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"], 2,
-     ["--ckpt-format torch_dist", "--expert-model-parallel-size 2"]),
     (["--context-parallel-size", "2", "--attention-dropout", "0"], 2,
      ["--context-parallel-size 2", "not supported yet"]),
 ])
