@@ -12,9 +12,13 @@ sees them (`elapsed time per iteration`), plus the saves' blocking time: everyth
 model building and loading. Prints the medians in ms per iteration and the overheads
 relative to the run without saves (issue 20 asks < 10 % for --async-save).
 
-Measured on the shared 2-core CPU machine (defaults, --reps 2 --iters 20): no saves 1558 ms,
-torch_dist 1881 ms (+20.7 %), --async-save 1978 ms (+27.0 %): the writing thread (Python-heavy
-torch.save of each chunk, then hashing) competes with training for the cores and the GIL.
+Measured on the shared 2-core CPU machine, three cpu-quiet calls of the defaults with --reps 1
+(ms/iteration: no saves / torch_dist / --async-save): 783.2 / 864.9 / 786.4, 800.0 / 914.8 /
+843.0, 942.6 / 889.6 / 825.6 (the third's first contender ran while the load was still 3);
+medians 800.0 / 889.6 / 825.6: synchronous saves +11.2 %, --async-save +3.2 %. The async
+save's training-side cost is the copy into the writer's shared buffers; serialisation,
+hashing and fsync run in the writer process (nice 19) on the core that one-thread training
+leaves. (With the former writer thread: +27.0 %, GIL and cores shared.)
 """
 import argparse
 import os

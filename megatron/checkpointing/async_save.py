@@ -1,69 +1,311 @@
-"""--async-save: torch_dist checkpoints written in the background while training goes on.
+"""--async-save: torch_dist checkpoints written by a writer process while training goes on.
 
-At a save every rank takes a CPU copy of its chunks and the common state (the only part
-that blocks training), then a thread writes them with torch.distributed.checkpoint. The
-thread's collectives run on a gloo group of their own, so they never interleave with the
-training's. The write is the synchronous one (staging directory, fsync, checksums,
-rename), so the tracker moves only once the new iteration is complete and durable; a
-process killed during the write leaves the previous checkpoint as the one to resume.
+Every training rank starts one writer process at its first save (a fresh interpreter, at
+the lowest scheduling priority) and keeps it for the run. At a save the rank copies its
+chunks into CPU buffers that it shares with its writer (files under /dev/shm, mapped by
+both, allocated at the first save and reused: a save allocates nothing), pickles the
+common state and hands both to the writer: that copy is all that blocks training. The
+writer builds the ShardedTensors over the shared buffers and runs the synchronous write
+(torch_dist.write_iteration: staging directory, DCP files, fsync, checksums, rename,
+tracker), so the tracker moves only once the new iteration is complete and durable. The
+writers of all ranks form a gloo group of their own (rendezvous through the training's
+MASTER_ADDR / MASTER_PORT store), so their collectives never interleave with training's,
+and the serialisation, hashing and fsync run outside the training process and its GIL.
 
-One save is in flight at a time: the next save, the end of training and a stop on a signal
-(--exit-signal-handler) wait for it first (`wait`), and a failed write is raised there.
+A writer dies with its training process (PR_SET_PDEATHSIG), so a SIGKILL during a write
+leaves the previous checkpoint as the one to resume; it ignores SIGINT / SIGTERM, which
+are the training process's to handle (--exit-signal-handler saves, then waits here).
+One save is in flight at a time: the next save, the end of training and a stop on a
+signal wait for it (`wait`). A failed write is raised there as one CheckpointError line
+(the failing writer exits, so the other writers' collectives fail instead of hanging).
+
+    python -m megatron.checkpointing.async_save READ_FD WRITE_FD    (the writer; internal)
 """
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
-from typing import Optional
+import uuid
+import weakref
+from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import torch_dist
+from megatron.checkpointing.io import CheckpointError
+
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+Layout = List[Tuple[str, Tuple[int, ...], str, List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]]]
+"""Per key: (key, global shape, dtype name, [(buffer offset, shard shape, global offsets)])."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 class AsyncSaver:
-    """The background writer of one training run."""
+    """The writer process of one training run, seen from the training rank."""
 
     def __init__(self):
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self._group = None
-        self._own_group = False
+        self._proc: Optional[subprocess.Popen] = None
+        self._to_writer = self._from_writer = None
+        self._buffers: Dict[str, torch.Tensor] = {}
+        self._sender: Optional[threading.Thread] = None
+        self._send_error: Optional[BaseException] = None
+        self._in_flight: Optional[int] = None
+        self._rendezvous_sent = False
+        self._finalizer = None
 
+    # -- training side ------------------------------------------------------------
     def save(self, root: str, iteration: int, models, optimizer, scheduler, config, pstate,
              consumed_train: int, consumed_valid: int) -> None:
-        """Wait for the previous save, copy this one, and start writing it."""
+        """Wait for the previous save, copy this one into the shared buffers, hand it over."""
         self.wait()
-        with self._process_group():
+        rendezvous = self._rendezvous()
+        self._start()
+        with torch_dist.process_group():
             torch_dist.prepare_iteration(root)
-            if dist.is_initialized():
-                dist.barrier()
+            torch_dist._barrier()
             state, common = torch_dist.snapshot(iteration, models, optimizer, scheduler, config,
-                                                pstate, consumed_train, consumed_valid,
-                                                copy=True)
-        self._thread = threading.Thread(target=self._write, args=(root, iteration, state, common),
-                                        name=f"async-save-{iteration}", daemon=True)
-        self._thread.start()
+                                                pstate, consumed_train, consumed_valid)
+            messages = self._stage(state)
+            messages.append(("save", root, iteration, common, rendezvous))
+        payload = b"".join(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages)
+        # the writer may still be starting: a thread waits on the pipe, not training
+        self._sender = threading.Thread(target=self._send, args=(payload,), daemon=True,
+                                        name=f"async-save-send-{iteration}")
+        self._sender.start()
+        self._in_flight = iteration
 
-    def _process_group(self):
-        """In a plain process: the one-rank group DCP's ShardedTensors need, for the copy;
-        the write then runs without one. With several ranks: a gloo group for the writes."""
-        if dist.is_initialized() and self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return torch_dist.process_group()
+    def _start(self) -> None:
+        if self._proc is not None:
+            return
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+            __file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            OMP_NUM_THREADS="1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron.checkpointing.async_save", str(down_r), str(up_w)],
+            pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
+        os.close(down_r)
+        os.close(up_w)
+        self._to_writer = os.fdopen(down_w, "wb")
+        self._from_writer = os.fdopen(up_r, "rb")
+        self._finalizer = weakref.finalize(self, _shut_down, self._proc, self._to_writer,
+                                           self._from_writer, self._buffers)
 
-    def _write(self, root, iteration, state, common) -> None:
+    def _stage(self, state: dict) -> list:
+        """Copy this rank's chunks into the shared buffers (one per dtype, grown when too
+        small); returns the messages for the writer: buffers to map, then the layout."""
+        regions: Dict[str, list] = {}
+        for key, tensor in state.items():
+            for shard in tensor.local_shards():
+                regions.setdefault(_dtype_name(shard.tensor.dtype), []).append((key, shard))
+        messages, layout = [], {}
+        for dtype, shards in regions.items():
+            numel = sum(s.tensor.numel() for _, s in shards)
+            buffer = self._buffers.get(dtype)
+            if buffer is None or buffer.numel() < numel:
+                buffer = self._buffers[dtype] = self._allocate(dtype, numel)
+                messages.append(("map", dtype, self._path(dtype), numel))
+            at = 0
+            for key, shard in shards:
+                n = shard.tensor.numel()
+                buffer[at:at + n].view(shard.tensor.shape).copy_(shard.tensor.detach())
+                size = tuple(state[key].metadata().size)
+                entry = layout.setdefault(key, (key, size, dtype, []))
+                entry[3].append((at, tuple(shard.tensor.shape),
+                                 tuple(shard.metadata.shard_offsets)))
+                at += n
+        messages.append(("layout", list(layout.values())))
+        return messages
+
+    def _path(self, dtype: str) -> str:
+        return os.path.join(_SHM or tempfile.gettempdir(),
+                            f"megatron-async-save-{os.getpid()}-{id(self):x}-{dtype}")
+
+    def _allocate(self, dtype: str, numel: int) -> torch.Tensor:
+        path = self._path(dtype)
+        if os.path.exists(path):
+            os.unlink(path)  # the writer maps the new file; its old mapping stays valid
+        return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
+
+    def _rendezvous(self) -> Optional[tuple]:
+        """Where the writers meet, once: (addr, port, prefix, rank, world); None without
+        torch.distributed. Collective over the training ranks at the first save."""
+        if self._rendezvous_sent or not dist.is_initialized():
+            return None
+        self._rendezvous_sent = True
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise CheckpointError("--async-save with several ranks needs MASTER_ADDR and "
+                                  "MASTER_PORT (env:// rendezvous, as torchrun sets them) for "
+                                  "its writer processes; launch with torchrun or drop "
+                                  "--async-save")
+        prefix = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(prefix, src=0)
+        return addr, int(port), f"megatron-async-save/{prefix[0]}", dist.get_rank(), \
+            dist.get_world_size()
+
+    def _send(self, payload: bytes) -> None:
         try:
-            torch_dist.write_iteration(root, iteration, state, common, group=self._group)
-        except BaseException as err:  # raised in the training thread by wait()
-            self._error = err
+            self._to_writer.write(payload)
+            self._to_writer.flush()
+        except BaseException as err:  # the writer died: wait() reports it
+            self._send_error = err
 
     @property
     def pending(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Whether a save is in flight and not yet durable."""
+        if self._in_flight is None:
+            return False
+        ready, _, _ = select.select([self._from_writer], [], [], 0)
+        return not ready
 
     def wait(self) -> None:
-        """Block until the save in flight is durable; raise its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
+        """Block until the save in flight is durable; a failed write raises CheckpointError."""
+        if self._in_flight is None:
+            return
+        iteration, self._in_flight = self._in_flight, None
+        self._sender.join()
+        try:
+            reply = pickle.load(self._from_writer)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            code = self._proc.wait()
+            self._close()
+            raise CheckpointError(f"the checkpoint writer (--async-save) of iteration "
+                                  f"{iteration} died with exit status {code} before the write "
+                                  f"was complete; the tracker names the previous checkpoint")
+        if reply[0] != "done":
+            self._close()
+            raise CheckpointError(f"writing checkpoint iteration {iteration} in the background "
+                                  f"(--async-save) failed: {reply[1]}")
+
+    def _close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._proc = self._finalizer = None
+        self._rendezvous_sent = False
+        self._buffers = {}
+
+
+def _shut_down(proc, to_writer, from_writer, buffers) -> None:
+    """Tell the writer to exit (at the end of the run or after an error) and reap it."""
+    try:
+        pickle.dump(("exit",), to_writer)
+        to_writer.close()
+    except (OSError, ValueError):
+        pass
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    from_writer.close()
+    buffers.clear()
+
+
+# -- the writer process -------------------------------------------------------------
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux); elsewhere a thread watches."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        def watch():
+            while os.getppid() == parent:
+                threading.Event().wait(0.1)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class _Writer:
+    def __init__(self):
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.layout: Layout = []
+        self.rank, self.world = 0, 1
+
+    def handle(self, message) -> Optional[tuple]:
+        kind = message[0]
+        if kind == "map":
+            _, dtype, path, numel = message
+            self.buffers[dtype] = torch.from_file(path, shared=True, size=numel,
+                                                  dtype=getattr(torch, dtype))
+            os.unlink(path)  # both processes hold the mapping; nothing is left on exit
+            return None
+        if kind == "layout":
+            self.layout = message[1]
+            return None
+        _, root, iteration, common, rendezvous = message
+        if not dist.is_initialized():
+            self._join(rendezvous)
+        from megatron.checkpointing.dist_regions import sharded_tensors
+        regions, shapes = {}, {}
+        for key, size, dtype, pieces in self.layout:
+            buffer = self.buffers[dtype]
+            shapes[key] = size
+            regions[key] = [(buffer[at:at + _numel(shape)].view(shape), offsets)
+                            for at, shape, offsets in pieces]
+        state = sharded_tensors(regions, shapes, self.rank, self.world)
+        torch_dist.write_iteration(root, iteration, state, common)
+        return ("done", iteration)
+
+    def _join(self, rendezvous) -> None:
+        if rendezvous is None:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            return
+        addr, port, prefix, self.rank, self.world = rendezvous
+        store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _writer_main(read_fd: int, write_fd: int) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.nice(19)  # training comes first on shared cores
+    torch.set_num_threads(1)
+    writer = _Writer()
+    with os.fdopen(read_fd, "rb") as down, os.fdopen(write_fd, "wb") as up:
+        while True:
+            try:
+                message = pickle.load(down)
+            except EOFError:
+                return
+            if message[0] == "exit":
+                return
+            try:
+                reply = writer.handle(message)
+            except Exception as err:  # reported to the training rank, then this writer ends
+                text = " ".join(f"{type(err).__name__}: {err}".split())
+                pickle.dump(("error", text), up)
+                up.flush()
+                return
+            if reply is not None:
+                pickle.dump(reply, up)
+                up.flush()
+
+
+if __name__ == "__main__":
+    _writer_main(int(sys.argv[1]), int(sys.argv[2]))

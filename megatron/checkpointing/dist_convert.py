@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.checkpointing import dist_state, reshard, torch_dist
+from megatron.checkpointing import dist_state, experts, reshard, torch_dist
 from megatron.checkpointing.dist_regions import placement
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.layout import CHECKPOINT_VERSION, read_tracker
@@ -104,8 +104,9 @@ def torch_to_torch_dist(load: str, save: str) -> str:
     return write_full_model(save, full, source.states[min(source.states)])
 
 
-def torch_dist_to_torch(load: str, save: str, tp: int, pp: int) -> str:
-    """A torch_dist checkpoint as a torch-format one at TP `tp` x PP `pp` (weights, counters)."""
+def torch_dist_to_torch(load: str, save: str, tp: int, pp: int, ep: int = 1) -> str:
+    """A torch_dist checkpoint as a torch-format one at TP `tp` x PP `pp` x EP `ep` (weights,
+    counters)."""
     full, config = read_full_model(load)
     common = torch_dist.stored_common(load) or {}
     tracked = read_tracker(load)
@@ -118,7 +119,11 @@ def torch_dist_to_torch(load: str, save: str, tp: int, pp: int) -> str:
     num_layers = _model_config(config).num_layers
     reshard.check_target(full, config, num_layers, tp, pp, sharding)
     shards = reshard.split_for_target(full, num_layers, tp, pp, sharding)
-    return reshard.write_checkpoint(save, source, shards, tp, pp)
+    for flat in shards.values():
+        problem = experts.check_split(flat, ep, sharding)
+        if problem:
+            raise CheckpointError(f"{problem} (--target-expert-model-parallel-size)")
+    return reshard.write_checkpoint(save, source, shards, tp, pp, ep)
 
 
 def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int, ep: int = 1) -> str:
@@ -128,14 +133,14 @@ def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int, ep: int = 
     is_dist = torch_dist.stored_common(load) is not None
     if ckpt_format == "torch" and not is_dist:
         return reshard.reshard(load, save, tp, pp, ep)
-    if ep != 1:
+    if ep != 1 and ckpt_format == "torch_dist":
         raise CheckpointError(f"--target-expert-model-parallel-size {ep} applies to the torch "
-                              f"format only (torch_dist does not hold MoE experts yet)")
+                              f"format only (torch_dist re-shards experts at load); drop it")
     if os.path.realpath(load) == os.path.realpath(save):
         raise CheckpointError(f"--save {save} is the --load directory; write the converted "
                               f"checkpoint elsewhere (the input is never modified)")
     if ckpt_format == "torch":
-        return torch_dist_to_torch(load, save, tp, pp)
+        return torch_dist_to_torch(load, save, tp, pp, ep)
     if is_dist:
         raise CheckpointError(f"{load} is already torch_dist, which re-shards at load; there is "
                               f"nothing to convert")

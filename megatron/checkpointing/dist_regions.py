@@ -9,8 +9,12 @@ rows (or columns) that is contiguous in the full tensor too (megatron/mpu/shardi
   heads and its replica of the group's k and v (two blocks; replicas coincide and are
   stored once).
 
-A *region* is a rectangle of a local tensor (the whole shard for the weights, a piece of
-the flattened shard for the distributed optimizer) cut at block boundaries and mapped to
+Expert parameters (sharding metadata "expert_dim", "num_experts") hold this EP rank's
+E / EP consecutive experts along their expert axis, so their global offset there is
+ep_rank x E / EP, and their split dimension is cut by the expert-TP rank and size.
+
+A *region* is a box of a local tensor (the whole shard for the weights, a piece of the
+flattened shard for the distributed optimizer) cut at block boundaries and mapped to
 global offsets; layer tensors get the leading layer axis of Megatron-Core's stacked
 layout. Regions become torch.distributed.checkpoint's ShardedTensor chunks.
 """
@@ -40,6 +44,9 @@ class Placement:
     layer: Optional[int]
     dim: int
     blocks: Tuple[Block, ...]
+    expert: Optional[Tuple[int, int]] = None
+    """(expert axis of the local tensor, global index of its first expert) of expert
+    parameters."""
 
 
 def blocks_of(meta: dict, local_len: int, rank: int, tp: int) -> List[Block]:
@@ -67,15 +74,22 @@ def _qkv_blocks(meta: dict, local_len: int, rank: int, tp: int) -> List[Block]:
 
 
 def placement(key: str, layer: Optional[int], num_layers: int, local_shape: Sequence[int],
-              meta: dict, rank: int, tp: int) -> Placement:
+              meta: dict, rank: int, tp: int, ep_rank: int = 0) -> Placement:
+    """Where a local tensor of `local_shape` sits; `rank`, `tp` are the (expert-)TP rank and
+    size that split it, `ep_rank` the EP rank of an expert parameter."""
     dim = meta.get("dim")
     dim = 0 if dim is None else dim
-    shape = tuple(full_shape(local_shape, meta, tp)) if meta.get("dim") is not None \
-        else tuple(local_shape)
+    shape = list(full_shape(local_shape, meta, tp)) if meta.get("dim") is not None \
+        else list(local_shape)
     blocks = blocks_of(meta, local_shape[dim] if local_shape else 1, rank, tp)
+    expert = None
+    if meta.get("expert_dim") is not None:
+        axis = meta["expert_dim"]
+        shape[axis] = meta["num_experts"]
+        expert = (axis, ep_rank * local_shape[axis])
     if layer is not None:
-        shape = (num_layers,) + shape
-    return Placement(key, shape, layer, dim, tuple(blocks))
+        shape = [num_layers] + shape
+    return Placement(key, tuple(shape), layer, dim, tuple(blocks), expert)
 
 
 def split_regions(place: Placement, view: torch.Tensor,
@@ -93,30 +107,54 @@ def split_regions(place: Placement, view: torch.Tensor,
         piece = view.narrow(dim, a - lo, b - a)
         offsets = list(start)
         offsets[dim] = global_start + (a - block_start)
-        if place.layer is not None:
-            piece, offsets = piece.unsqueeze(0), [place.layer] + offsets
-        pieces.append((piece, tuple(offsets)))
+        if place.expert is not None:
+            offsets[place.expert[0]] += place.expert[1]
+        for part, at in _contiguous(piece, offsets):
+            if place.layer is not None:
+                part, at = part.unsqueeze(0), [place.layer] + at
+            pieces.append((part, tuple(at)))
     return pieces
 
 
+def _contiguous(view: torch.Tensor, offsets: List[int]) -> List[Tuple[torch.Tensor, List[int]]]:
+    """`view` cut along its leading axes into contiguous parts (ShardedTensor chunks must
+    be): a block of a stacked expert tensor's middle axis is one part per expert."""
+    if view.is_contiguous():
+        return [(view, offsets)]
+    parts = []
+    for i in range(view.shape[0]):
+        for part, at in _contiguous(view[i], offsets[1:]):
+            parts.append((part.unsqueeze(0), [offsets[0] + i] + at))
+    return parts
+
+
 def flat_rectangles(shape: Sequence[int], start: int, end: int) -> List[Tuple[int, Tuple, Tuple]]:
-    """[start, end) of a flattened tensor of `shape` as rectangles:
-    (offset in the flat range, local offsets, sizes), in flat order (at most three)."""
+    """[start, end) of a flattened tensor of `shape` as boxes: (offset in the flat range,
+    local offsets, sizes), in flat order (at most 2 x dims - 1): a partial slice of the
+    first axis, whole slices, a partial slice, each partial one cut the same way."""
     if len(shape) <= 1:
         return [(0, (start,) if shape else (), (end - start,) if shape else ())]
-    if len(shape) != 2:
-        raise ValueError(f"a {len(shape)}-D parameter cannot be cut into rectangles")
-    cols, out, at = shape[1], [], start
-    if at % cols:
-        k = min(cols - at % cols, end - at)
-        out.append((at - start, (at // cols, at % cols), (1, k)))
-        at += k
-    rows = (end - at) // cols
-    if rows:
-        out.append((at - start, (at // cols, 0), (rows, cols)))
-        at += rows * cols
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    out, at = [], start
+
+    def partial(index: int, lo: int, hi: int) -> None:
+        for flat, offsets, sizes in flat_rectangles(shape[1:], lo, hi):
+            out.append((index * inner + lo + flat - start, (index,) + offsets, (1,) + sizes))
+
+    if at % inner:
+        index, lo = divmod(at, inner)
+        hi = min(inner, end - index * inner)
+        partial(index, lo, hi)
+        at = index * inner + hi
+    whole = (end - at) // inner
+    if whole:
+        out.append((at - start, (at // inner,) + (0,) * (len(shape) - 1),
+                    (whole,) + tuple(shape[1:])))
+        at += whole * inner
     if at < end:
-        out.append((at - start, (at // cols, 0), (1, end - at)))
+        partial(at // inner, 0, end - at)
     return out
 
 

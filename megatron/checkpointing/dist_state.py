@@ -14,7 +14,7 @@ fresh buffers (`OptimizerBuffers`) that are then handed to the optimizer's
 it is saved once (by the first stage) and loaded from the same key.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,9 +41,19 @@ def model_entries(models, pstate, num_layers: int) -> List[Entry]:
         for name, param in model.named_parameters():
             key, layer = mcore_key(global_name[id(param)])
             place = placement(key, layer, num_layers, tuple(param.shape), meta[name],
-                              pstate.tp_rank, pstate.tp_size)
+                              *split_of(meta[name], pstate))
             entries.append(Entry(param, place, bool(getattr(param, "shared_embedding", False))))
     return entries
+
+
+def split_of(meta: dict, pstate) -> Tuple[int, int, int]:
+    """(TP rank, TP size, EP rank) that split a parameter: for expert parameters the
+    expert-TP rank and size (ParallelDims.etp), which need not be TP's."""
+    if meta.get("expert_dim") is None:
+        return pstate.tp_rank, pstate.tp_size, 0
+    dims = pstate.dims
+    _, _, ep_rank, etp_rank = dims.expert_coordinates(pstate.rank)
+    return etp_rank, dims.etp, ep_rank
 
 
 def _add(regions: dict, shapes: dict, key: str, shape, pieces) -> None:

@@ -16,6 +16,12 @@ Transformer Engine's names:
     language_model.encoder.final_layernorm.X             decoder.final_layernorm.X
     language_model.output_layer.weight                   output_layer.weight
 
+MoE layers: `mlp.router.weight` [L, E, h]; the stacked experts `mlp.experts.linear_fc1.X`
+are Megatron-Core's `decoder.layers.mlp.experts.experts.linear_fc1.X` of shape
+[L, E, ...]: the key and layout that its SequentialMLP, GroupedMLP and TEGroupedMLP share,
+the global expert index being the offset along the axis after the layer axis;
+`shared_experts` keep their names.
+
 The fused QKV rows (query groups of [q heads, k, v]) and the gated MLP's [gate; up] rows
 are the same in both. A name Megatron-Core lacks (e.g. BLOOM's embedding layer norm) keeps
 its place under the same prefix (`embedding.word_embeddings.norm.weight`). The optimizer
@@ -30,7 +36,8 @@ _IN_LAYER = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
              ("self_attention.dense.", "self_attention.linear_proj."),
              ("post_attention_layernorm.", "mlp.linear_fc1.layer_norm_"),
              ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
-             ("mlp.dense_4h_to_h.", "mlp.linear_fc2."))
+             ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+             ("mlp.experts.", "mlp.experts.experts."))
 _TOP = (("language_model.embedding.", "embedding."),
         ("language_model.encoder.final_layernorm.", "decoder.final_layernorm."),
         ("language_model.output_layer.", "output_layer."),

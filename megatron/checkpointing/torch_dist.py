@@ -21,7 +21,6 @@ is a pickle: it is read with an unpickler that admits DCP's metadata classes onl
 tensors are read with torch.load(weights_only=True).
 """
 import contextlib
-import copy as copy_module
 import hashlib
 import json
 import os
@@ -222,6 +221,7 @@ def _layout(pstate, num_chunks: int) -> dict:
     return {"tensor_model_parallel_size": pstate.tp_size,
             "pipeline_model_parallel_size": pstate.pp_size,
             "data_parallel_size": pstate.dp_size,
+            "expert_model_parallel_size": pstate.ep_size,
             "virtual_pipeline_model_parallel_size": num_chunks}
 
 
@@ -259,25 +259,21 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         prepare_iteration(root)
         _barrier()
         state, common = snapshot(iteration, models, optimizer, scheduler, config, pstate,
-                                 consumed_train, consumed_valid, copy=False)
+                                 consumed_train, consumed_valid)
         write_iteration(root, iteration, state, common)
 
 
 def snapshot(iteration: int, models, optimizer, scheduler, config, pstate, consumed_train: int,
-             consumed_valid: int, copy: bool):
-    """(sharded state, common state) of this rank; with `copy` the tensors are CPU copies
-    (for a write while training goes on). Collective (the RNG states go to rank 0)."""
+             consumed_valid: int):
+    """(sharded state: views of the live tensors, common state) of this rank. Collective
+    (the RNG states go to rank 0)."""
     ckpt = config.checkpoint
     with_optimizer = not ckpt.no_save_optim
     state, _ = sharded_state(models, optimizer, config, pstate, True, with_optimizer)
-    if copy:
-        for tensor in state.values():
-            for shard in tensor.local_shards():
-                shard.tensor = shard.tensor.detach().to("cpu", copy=True)
     rng = None if ckpt.no_save_rng else _rng_states(pstate)
     common = common_state(iteration, models, optimizer, scheduler, config, pstate,
                           consumed_train, consumed_valid, with_optimizer, rng)
-    return state, (copy_module.deepcopy(common) if copy else common)
+    return state, common
 
 
 def staging_dir(root: str, final: str) -> str:

@@ -88,9 +88,6 @@ class Config:
             return
         require(moe is not None and moe.enabled,
                 f"--expert-model-parallel-size {ep} needs --num-experts")
-        require(ep == 1 or self.checkpoint.ckpt_format == "torch",
-                f"--ckpt-format torch_dist does not hold experts split over "
-                f"--expert-model-parallel-size {ep} yet; use --ckpt-format torch")
         require(world_size % (ep * tp * pp) == 0,
                 f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
                 f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")

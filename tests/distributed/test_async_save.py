@@ -133,3 +133,25 @@ def test_exit_signal_handler_waits_for_the_pending_save(corpus):
     folder = os.path.join(save, f"iter_{stopped:07d}")
     assert {"common.pt", ".metadata", "metadata.json"} <= set(os.listdir(folder))
     assert not _staging(save)
+
+
+def test_failed_background_write_exits_2_with_one_line(corpus):
+    """A write that fails in the writer process (here: a file where iteration 2's staging
+    directory goes) stops training at the next save with one line and exit status 2."""
+    prefix, workdir = corpus
+    save = os.path.join(workdir, "blocked")
+    os.makedirs(save)
+    with open(os.path.join(save, ".iter_0000002.torch_dist.tmp"), "w") as f:
+        f.write("in the way")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(str(ROOT), "pretrain_gpt.py"),
+                           *_argv(prefix, workdir, *ASYNC, "--save", save)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert "writing checkpoint iteration 2 in the background (--async-save) failed" in errors[0]
+    assert "FileExistsError" in errors[0]
+    assert _tracker(save) == 1
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("megatron-async-save-")
+                and n.split("-")[3] == str(proc.pid)] if os.path.isdir("/dev/shm") else True

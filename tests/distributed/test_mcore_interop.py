@@ -4,7 +4,9 @@ In one spawn of 2 gloo ranks, at TP 1 and TP 2: a Megatron-Core GPTModel (local 
 layers, hidden 64, 4 heads, tied embeddings, tanh GeLU as our default) is saved with
 Megatron-Core's `dist_checkpointing.save`; our GPTModel loads it and gives Megatron-Core's
 logits on the same tokens (atol 1e-6). Our model, saved in torch_dist, loads into a freshly
-initialised Megatron-Core model with `dist_checkpointing.load` and gives our logits.
+initialised Megatron-Core model with `dist_checkpointing.load` and gives our logits. The same
+both ways for an MoE GPT at EP 2 (4 experts with biases, top 2, Megatron-Core's SequentialMLP:
+expert tensors `decoder.layers.mlp.experts.experts.*` of shape [layers, experts, ...]).
 """
 import os
 
@@ -18,6 +20,7 @@ from tests.mcore_setup import have_mcore
 pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 64, 4, 128, 16
+EXPERTS, EP = 4, 2
 
 
 def _mcore_model(tp: int, seed: int):
@@ -38,6 +41,73 @@ def _our_model(tp: int):
                       hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg, tp_group=pstate.tp_group, parallel_output=False)
     return model.eval(), pstate
+
+
+def _mcore_moe(seed: int):
+    """Megatron-Core's MoE GPT (local spec, SequentialMLP experts with biases) at EP 2."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    moe_utils.te_general_gemm = None  # references.md item 5
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=EP)
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            use_cpu_initialization=True, hidden_dropout=0.0,
+                            attention_dropout=0.0, params_dtype=torch.float32,
+                            activation_func=lambda x: F.gelu(x, approximate="tanh"),
+                            num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=32,
+                            expert_model_parallel_size=EP, moe_token_dispatcher_type="allgather")
+    return GPTModel(cfg, get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
+                    parallel_output=False).eval()
+
+
+def _our_moe():
+    from megatron.config import ModelConfig, MoEConfig
+    from megatron.model import GPTModel
+    from megatron.mpu.parallel_state import initialize_model_parallel
+    pstate = initialize_model_parallel(ep=EP)
+    cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                      seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
+                      hidden_dropout=0.0, attention_dropout=0.0,
+                      moe=MoEConfig(num_experts=EXPERTS, moe_router_topk=2,
+                                    moe_ffn_hidden_size=32))
+    model = GPTModel(cfg, tp_group=pstate.tp_group, expert_groups=pstate.expert_groups(),
+                     parallel_output=False)
+    return model.eval(), pstate
+
+
+def _moe_both_ways(workdir, tokens, positions) -> dict:
+    """An MoE GPT at EP 2: Megatron-Core's checkpoint into ours, ours into Megatron-Core."""
+    from megatron.checkpointing import torch_dist
+    from megatron.core import dist_checkpointing, parallel_state
+    theirs = _mcore_moe(seed=1)
+    mcore_dir = os.path.join(workdir, "mcore-moe-ep2")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(mcore_dir)
+    torch.distributed.barrier()
+    dist_checkpointing.save(theirs.sharded_state_dict(), mcore_dir)
+    with torch.no_grad():
+        their_logits = theirs(tokens, positions, None)
+    ours, pstate = _our_moe()
+    torch_dist.load_model_weights(mcore_dir, [ours], LAYERS, pstate)
+    with torch.no_grad():
+        our_logits = ours(tokens, positions)
+    out = {"mcore->ours moe-ep2": (our_logits - their_logits).abs().max().item()}
+    ours_dir = os.path.join(workdir, "ours-moe-ep2", "iter_0000001")
+    torch_dist.save_model_weights(ours_dir, [ours], LAYERS, pstate)
+    parallel_state.destroy_model_parallel()
+    fresh = _mcore_moe(seed=2)
+    with torch.no_grad():
+        out["fresh differs moe-ep2"] = (fresh(tokens, positions, None)
+                                        - our_logits).abs().max().item()
+    _mcore_load(fresh, ours_dir)
+    with torch.no_grad():
+        out["ours->mcore moe-ep2"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
+    parallel_state.destroy_model_parallel()
+    return out
 
 
 def _tokens():
@@ -83,6 +153,7 @@ def _rank(rank, world_size, workdir):
             out[f"fresh differs tp{tp}"] = (_mcore_model(tp, 2)(tokens, positions, None)
                                              - our_logits).abs().max().item()
         parallel_state.destroy_model_parallel()
+    out.update(_moe_both_ways(workdir, tokens, positions))
     return out
 
 
@@ -91,9 +162,9 @@ def spawn2(tmp_path_factory):
     return run_ranks(_rank, 2, str(tmp_path_factory.mktemp("mcore")), timeout=600)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", ["tp1", "tp2", "moe-ep2"])
 @pytest.mark.parametrize("direction", ["mcore->ours", "ours->mcore"])
-def test_logits_equal_after_loading(direction, tp, spawn2):
+def test_logits_equal_after_loading(direction, case, spawn2):
     for rank, result in enumerate(spawn2):
-        assert result[f"{direction} tp{tp}"] < 1e-6, (rank, result)
-        assert result[f"fresh differs tp{tp}"] > 1e-3  # the load did change the model
+        assert result[f"{direction} {case}"] < 1e-6, (rank, result)
+        assert result[f"fresh differs {case}"] > 1e-3  # the load did change the model

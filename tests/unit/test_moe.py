@@ -56,8 +56,6 @@ def test_layer_freq_forms():
     (["--moe-router-load-balancing-type", "magic"], 1, ["--moe-router-load-balancing-type"]),
     (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
      ["--moe-router-num-groups (3)"]),
-    (["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"], 2,
-     ["--ckpt-format torch_dist", "--expert-model-parallel-size 2"]),
 ])
 def test_bad_moe_settings_exit_2_with_one_line(capsys, extra, world, words):
     with pytest.raises(SystemExit) as exc:

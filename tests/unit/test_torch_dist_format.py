@@ -1,7 +1,8 @@
 """torch_dist pieces without a process group of several ranks (issue 20).
 
 - blocks / flat rectangles: every TP shard layout and every flat range maps back onto the
-  full tensor exactly (checked against megatron.mpu.sharding.shard_tensor);
+  full tensor exactly (checked against megatron.mpu.sharding.shard_tensor), for stacked
+  experts too (EP x expert-TP ranks, whole shards and distributed-optimizer pieces);
 - Megatron-Core's keys for our names;
 - a weights-only save in one process loads back; a hostile `.metadata` pickle is refused by
   name without running; a corrupted chunk file fails its checksum; a format other than
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from megatron.checkpointing import torch_dist
-from megatron.checkpointing.dist_regions import (blocks_of, flat_piece_regions, placement,
-                                                 split_regions)
+from megatron.checkpointing.dist_regions import (blocks_of, flat_piece_regions,
+                                                 flat_rectangles, placement, split_regions)
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.mcore_keys import mcore_key
 from megatron.config import ModelConfig
@@ -63,6 +64,49 @@ def test_regions_of_flat_pieces_cover_their_range(meta, tp, cut):
     assert int(covered.sum()) <= per_rank * tp and int(covered.sum()) > 0
 
 
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (3, 2, 2, 3)])
+def test_flat_rectangles_of_every_range(shape):
+    numbers = torch.arange(torch.Size(shape).numel()).view(shape)
+    for start in range(numbers.numel()):
+        for end in range(start + 1, numbers.numel() + 1):
+            boxes = flat_rectangles(shape, start, end)
+            assert len(boxes) <= 2 * len(shape) - 1
+            at, got = 0, []
+            for flat, offsets, sizes in boxes:
+                assert flat == at
+                got.append(numbers[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+                           .reshape(-1))
+                at += got[-1].numel()
+            assert torch.equal(torch.cat(got), torch.arange(start, end))
+
+
+@pytest.mark.parametrize("meta", [{"dim": 1, "groups": 2}, {"dim": 2, "groups": 1},
+                                  {"dim": None, "groups": 1}])
+@pytest.mark.parametrize("ep,etp", [(2, 2), (4, 1), (1, 2)])
+def test_expert_regions_rebuild_the_stacked_experts(meta, ep, etp):
+    """Each (EP rank, expert-TP rank) holds E / EP experts split over expert TP; its regions
+    (whole shards and flat distributed-optimizer pieces) land at their global offsets."""
+    meta = dict(meta, expert_dim=0, num_experts=4)
+    full = torch.arange(4 * 8 * 6, dtype=torch.float32).view(4, 8, 6) + 1
+    flat_out, whole_out = torch.zeros(3, 4, 8, 6), torch.zeros(3, 4, 8, 6)
+    for ep_rank in range(ep):
+        experts = full[ep_rank * 4 // ep:(ep_rank + 1) * 4 // ep]
+        for rank in range(etp):
+            shard = shard_tensor(experts, meta, rank, etp).clone() if meta["dim"] is not None \
+                else experts.clone()
+            place = placement("k", 1, 3, tuple(shard.shape), meta, rank, etp, ep_rank)
+            assert place.global_shape == (3, 4, 8, 6)
+            half = shard.numel() // 2
+            pieces = [flat_piece_regions(place, tuple(shard.shape),
+                                         shard.reshape(-1)[lo:hi].clone(), lo)
+                      for lo, hi in ((0, half), (half, shard.numel()))]
+            for out, regions in ((whole_out, split_regions(place, shard, (0, 0, 0))),
+                                 (flat_out, pieces[0] + pieces[1])):
+                for view, offsets in regions:
+                    out[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] = view
+    assert torch.equal(whole_out[1], full) and torch.equal(flat_out[1], full)
+
+
 def test_blocks_of_grouped_query_replicas():
     meta = qkv_meta(2, 4, 3)  # 2 groups of [2 q heads, k, v], head_dim 3: 24 rows
     assert blocks_of(meta, 9, 1, 4) == [(0, 3, 3), (3, 6, 6)]  # rank 1: q head 1, group 0's kv
@@ -77,6 +121,10 @@ def test_megatron_core_keys():
     assert mcore_key("language_model.embedding.word_embeddings.weight") == (
         "embedding.word_embeddings.weight", None)
     assert mcore_key("language_model.output_layer.weight") == ("output_layer.weight", None)
+    assert mcore_key("language_model.encoder.layers.2.mlp.experts.linear_fc1.weight") == (
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight", 2)
+    assert mcore_key("language_model.encoder.layers.2.mlp.router.weight") == (
+        "decoder.layers.mlp.router.weight", 2)
 
 
 def _saved(tmp_path):
