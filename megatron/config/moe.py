@@ -10,6 +10,13 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 DISPATCHERS = ("allgather", "alltoall")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = ("fp32", "fp64")
+# The fields that change what an MoE model computes (the rest are training details: losses,
+# capacity, dispatch); an export must express each (checkpointing/hf/families.py).
+ARCHITECTURE_FIELDS = (
+    "num_experts", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate")
 
 
 def parse_layer_freq(value: str) -> Union[int, List[int]]:

@@ -167,20 +167,21 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
 
 def _cpu_kernel_runs(config) -> bool:
     """Whether `--attention-impl auto` runs our CPU attention kernel in training (no mask,
-    no ALiBi, no dropout: CoreAttention._use_cpu_kernel), by the fused package's own
-    decision for q, k, v of this run's shape and dtype (stand-ins of one head's storage)."""
+    no ALiBi: CoreAttention._use_cpu_kernel), by the fused package's own decision for q, k,
+    v of this run's shape and dtype (stand-ins of one head's storage) and its attention
+    dropout (the kernel regenerates its mask in the backward: nothing more is saved)."""
     import torch
 
     from megatron import fused
     m = config.model
-    if not m.masked_softmax_fusion or m.attention_dropout > 0:
+    if not m.masked_softmax_fusion:
         return False
     dtype = (torch.float16 if config.training.fp16 else
              torch.bfloat16 if config.training.bf16 else torch.float32)
     seq = m.seq_length if _a2a(config) else local_seq_length(config)
     d = m.kv_channels
     q = torch.empty(d, dtype=dtype).as_strided((seq, 1, 1, d), (0, d, d, 1))
-    return fused.causal_attention_preferred(q, q, q)
+    return fused.causal_attention_preferred(q, q, q, dropout_p=m.attention_dropout)
 
 
 def _saves_probabilities(config, device_type: str) -> bool:
@@ -265,7 +266,7 @@ def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
     layers = sum(m.is_moe_layer(n) for n in stage_layer_numbers(config, pp_rank))
     if not layers or m.recompute_granularity == "full":
         return 0.0
-    tp, s, b, h = p.tensor_model_parallel_size, m.seq_length, micro_batch, m.hidden_size
+    tp, s, b, h = p.tensor_model_parallel_size, local_seq_length(config), micro_batch, m.hidden_size
     act = 4 if m.gated_mlp else 2
     k, f = moe.moe_router_topk, (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // tp
     shared = (moe.moe_shared_expert_intermediate_size or 0) // tp

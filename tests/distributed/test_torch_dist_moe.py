@@ -110,8 +110,7 @@ def test_merge_and_hf_export_read_an_ep2_torch_dist_checkpoint(spawn4):
         assert set(full[converted]) == set(full["torch-ep1"])
         for name, tensor in full["torch-ep1"].items():
             assert torch.equal(full[converted][name], tensor), (converted, name)
-    # what tools/convert_checkpoint.py --to hf reads (an MoE model trained here has no HF
-    # architecture to be exported as yet: hf_config_for offers the dense rope families only)
+    # what tools/convert_checkpoint.py --to hf reads
     read = [hf_convert.read_full_model(os.path.join(out, s))[0] for s in ("dist", "torch-ep1")]
     assert set(read[0]) == set(read[1])
     for name, tensor in read[1].items():

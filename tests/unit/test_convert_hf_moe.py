@@ -79,3 +79,28 @@ def test_round_trip_gives_identical_tensors(family, tmp_path):
     with open(os.path.join(work, "hf", "config.json")) as a, \
             open(os.path.join(back, "config.json")) as b:
         assert json.load(a) == json.load(b)
+
+
+def test_model_trained_here_is_exported_by_its_own_config(family, ours):
+    """The export of an MoE model that carries no HF entry (trained here from flags) takes
+    its architecture from our config alone: Mixtral's comes back as MixtralForCausalLM with
+    the original's logits; a shared expert or dense layers have no exported architecture
+    and are refused, naming the field (a dense family never takes an MoE model)."""
+    from megatron.checkpointing.hf import ConversionError
+    from megatron.checkpointing.hf.families import hf_config_for
+    from transformers import AutoConfig, AutoModelForCausalLM
+    name, hf_model, _ = family
+    cfg, vocab = ours[2].model, hf_model.config.vocab_size
+    if name != "mixtral":
+        with pytest.raises(ConversionError, match="cannot be expressed in MixtralForCausalLM"):
+            hf_config_for(cfg, vocab)
+        return
+    arch, hf = hf_config_for(cfg, vocab)
+    assert arch == "MixtralForCausalLM"
+    config = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items()
+                                                       if k != "model_type"})
+    exported = AutoModelForCausalLM.from_config(config).eval()
+    exported.load_state_dict(hf_model.state_dict())
+    tokens = prompts(vocab)
+    with torch.no_grad(), one_thread():
+        assert rel_err(exported(tokens).logits, hf_model(tokens).logits) < 1e-5

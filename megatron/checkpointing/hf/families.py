@@ -1,6 +1,7 @@
 """The supported Hugging Face architectures, each with its mapping module."""
 from megatron.config import ConfigError, ModelConfig
 from megatron.config.model import ARCHITECTURE_FIELDS, SCALING_FIELDS
+from megatron.config.moe import ARCHITECTURE_FIELDS as MOE_FIELDS
 from megatron.checkpointing.hf import (ConversionError, bloom, gemma, gpt2, llama, mixtral,
                                        qwen2, qwen3, qwen_moe)
 
@@ -8,7 +9,11 @@ FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma,
             for arch in module.ARCHITECTURES}
 # The HF architectures a model of ours may be exported as, by its position encoding (the
 # first that expresses it exactly).
-BY_POSITIONS = {"learned_absolute": (gpt2,), "rope": (llama, qwen2, qwen3, gemma), "alibi": (bloom,)}
+BY_POSITIONS = {"learned_absolute": (gpt2,), "rope": (llama, qwen2, qwen3, gemma, mixtral),
+                "alibi": (bloom,)}
+# Those of them that hold MoE layers: tried first for an MoE model, so that its error names
+# what an MoE architecture lacks rather than the dense MLP.
+WITH_EXPERTS = (mixtral,)
 def family_of(hf_config: dict):
     """The mapping module of the config's architecture (one-line error if unsupported)."""
     names = hf_config.get("architectures") or []
@@ -26,6 +31,8 @@ def hf_config_for(cfg: ModelConfig, vocab: int):
     if families is None:
         raise ConversionError(f"--position-embedding-type {cfg.position_embedding_type} has no "
                               f"Hugging Face architecture to export to")
+    if cfg.moe is not None and cfg.moe.enabled:
+        families = sorted(families, key=lambda family: family not in WITH_EXPERTS)
     first_error = None
     for family in families:
         try:
@@ -43,9 +50,31 @@ def _described(family, cfg: ModelConfig, vocab: int):
         described = ModelConfig(**family.model_fields(hf, cfg.seq_length))
     except ConfigError as err:
         raise ConversionError(f"the model cannot be exported as {arch}: {err}") from None
-    for name in ARCHITECTURE_FIELDS + SCALING_FIELDS.get(cfg.rope_scaling_type, ()):
-        ours, theirs = getattr(cfg, name), getattr(described, name)
+    fields = [(name, getattr(cfg, name), getattr(described, name))
+              for name in ARCHITECTURE_FIELDS + SCALING_FIELDS.get(cfg.rope_scaling_type, ())]
+    fields += _moe_fields(cfg, described)
+    for name, ours, theirs in fields:
         if ours != theirs:
             raise ConversionError(f"{name}={ours} cannot be expressed in {arch} (it would be "
                                   f"{theirs})")
     return arch, hf
+
+
+def _moe_fields(cfg: ModelConfig, described: ModelConfig):
+    """(name, ours, theirs) of what makes the MLPs of the two configs compute the same: MoE
+    or dense per layer, and for MoE layers the expert width and the routing."""
+    def moe(c):
+        return c.moe if c.moe is not None and c.moe.enabled else None
+
+    def pattern(c):
+        return [int(c.is_moe_layer(n)) for n in range(1, c.num_layers + 1)]
+
+    ours, theirs = moe(cfg), moe(described)
+    fields = [("MoE layers (--num-experts / --moe-layer-freq)", pattern(cfg), pattern(described))]
+    if ours is None or theirs is None:
+        return fields
+    width = [(c.moe_ffn_hidden_size or f) for c, f in ((ours, cfg.ffn_hidden_size),
+                                                       (theirs, described.ffn_hidden_size))]
+    fields.append(("moe_ffn_hidden_size", *width))
+    fields += [(name, getattr(ours, name), getattr(theirs, name)) for name in MOE_FIELDS]
+    return fields
