@@ -150,33 +150,53 @@ def attention_to_hf(flat: c.StateDict, src: str, dst: str, cfg, out: c.StateDict
         out[f"{dst}self_attn.o_proj.{kind}"] = c.take(flat, f"{src}self_attention.dense.{kind}")
 
 
-def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
+def decoder_to_megatron(sd: c.StateDict, hf: dict, cfg, mlp_to_megatron) -> c.StateDict:
+    """The LLaMA-layout checkpoint (embeddings, attention and norms per layer, final norm,
+    head) -> ours, each layer's MLP by `mlp_to_megatron(sd, layer_index, src, dst, cfg,
+    out)` (the dense gated MLP here, experts in mixtral.py / qwen_moe.py)."""
     out = {c.WORD: c.take(sd, "model.embed_tokens.weight")}
     for i in range(cfg.num_layers):
         src, dst = f"{P}{i}.", c.layer(i)
         attention_to_megatron(sd, src, dst, cfg, out)
-        for kind in _kinds(cfg):
-            gate, up = (c.take(sd, f"{src}mlp.{n}_proj.{kind}") for n in ("gate", "up"))
-            out[f"{dst}mlp.dense_h_to_4h.{kind}"] = torch.cat([gate, up])
-            out[f"{dst}mlp.dense_4h_to_h.{kind}"] = c.take(sd, f"{src}mlp.down_proj.{kind}")
+        mlp_to_megatron(sd, i, src, dst, cfg, out)
     c.pair_to_megatron(sd, "model.norm.", c.FINAL_NORM, out, bias=False)
     c.head_to_megatron(sd, hf, out)
     return out
 
 
-def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
+def decoder_to_hf(flat: c.StateDict, hf: dict, cfg, mlp_to_hf) -> c.StateDict:
+    """The inverse of `decoder_to_megatron`, each layer's MLP by `mlp_to_hf`."""
     out = {"model.embed_tokens.weight": c.take(flat, c.WORD)}
     for i in range(cfg.num_layers):
         src, dst = c.layer(i), f"{P}{i}."
         attention_to_hf(flat, src, dst, cfg, out)
-        for kind in _kinds(cfg):
-            gate, up = c.take(flat, f"{src}mlp.dense_h_to_4h.{kind}").chunk(2)
-            out[f"{dst}mlp.gate_proj.{kind}"] = gate.contiguous()
-            out[f"{dst}mlp.up_proj.{kind}"] = up.contiguous()
-            out[f"{dst}mlp.down_proj.{kind}"] = c.take(flat, f"{src}mlp.dense_4h_to_h.{kind}")
+        mlp_to_hf(flat, i, src, dst, cfg, out)
     c.pair_to_hf(flat, c.FINAL_NORM, "model.norm.", out, bias=False)
     c.head_to_hf(flat, hf, out)
     return out
+
+
+def _mlp_to_megatron(sd, i, src, dst, cfg, out) -> None:
+    for kind in _kinds(cfg):
+        gate, up = (c.take(sd, f"{src}mlp.{n}_proj.{kind}") for n in ("gate", "up"))
+        out[f"{dst}mlp.dense_h_to_4h.{kind}"] = torch.cat([gate, up])
+        out[f"{dst}mlp.dense_4h_to_h.{kind}"] = c.take(sd, f"{src}mlp.down_proj.{kind}")
+
+
+def _mlp_to_hf(flat, i, src, dst, cfg, out) -> None:
+    for kind in _kinds(cfg):
+        gate, up = c.take(flat, f"{src}mlp.dense_h_to_4h.{kind}").chunk(2)
+        out[f"{dst}mlp.gate_proj.{kind}"] = gate.contiguous()
+        out[f"{dst}mlp.up_proj.{kind}"] = up.contiguous()
+        out[f"{dst}mlp.down_proj.{kind}"] = c.take(flat, f"{src}mlp.dense_4h_to_h.{kind}")
+
+
+def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
+    return decoder_to_megatron(sd, hf, cfg, _mlp_to_megatron)
+
+
+def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
+    return decoder_to_hf(flat, hf, cfg, _mlp_to_hf)
 
 
 def hf_config(cfg, vocab: int) -> dict:

@@ -14,7 +14,6 @@ from megatron.checkpointing.hf import llama
 from megatron.config import MoEConfig
 
 ARCHITECTURES = ("MixtralForCausalLM",)
-P = "model.layers."
 MIXTRAL_NAMES = ("block_sparse_moe.", "w1", "w3", "w2")
 """(the MoE block's prefix, gate, up and down projection names) of Mixtral's files."""
 
@@ -70,26 +69,20 @@ def dense_mlp_to_hf(flat, src: str, dst: str, prefix: str, out, ours="mlp.") -> 
     out[f"{dst}{prefix}down_proj.weight"] = c.take(flat, f"{src}{ours}{fc2}.weight")
 
 
+def _mlp_to_megatron(sd, i, src, dst, cfg, out) -> None:
+    experts_to_megatron(sd, src, dst, cfg, MIXTRAL_NAMES, out)
+
+
+def _mlp_to_hf(flat, i, src, dst, cfg, out) -> None:
+    experts_to_hf(flat, src, dst, cfg, MIXTRAL_NAMES, out)
+
+
 def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
-    out = {c.WORD: c.take(sd, "model.embed_tokens.weight")}
-    for i in range(cfg.num_layers):
-        src, dst = f"{P}{i}.", c.layer(i)
-        llama.attention_to_megatron(sd, src, dst, cfg, out)
-        experts_to_megatron(sd, src, dst, cfg, MIXTRAL_NAMES, out)
-    c.pair_to_megatron(sd, "model.norm.", c.FINAL_NORM, out, bias=False)
-    c.head_to_megatron(sd, hf, out)
-    return out
+    return llama.decoder_to_megatron(sd, hf, cfg, _mlp_to_megatron)
 
 
 def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
-    out = {"model.embed_tokens.weight": c.take(flat, c.WORD)}
-    for i in range(cfg.num_layers):
-        src, dst = c.layer(i), f"{P}{i}."
-        llama.attention_to_hf(flat, src, dst, cfg, out)
-        experts_to_hf(flat, src, dst, cfg, MIXTRAL_NAMES, out)
-    c.pair_to_hf(flat, c.FINAL_NORM, "model.norm.", out, bias=False)
-    c.head_to_hf(flat, hf, out)
-    return out
+    return llama.decoder_to_hf(flat, hf, cfg, _mlp_to_hf)
 
 
 def hf_config(cfg, vocab: int) -> dict:

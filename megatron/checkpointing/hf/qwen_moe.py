@@ -16,7 +16,6 @@ from megatron.checkpointing.hf import mixtral as moe_map
 from megatron.config import MoEConfig
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-P = "model.layers."
 NAMES = ("mlp.", "gate_proj", "up_proj", "down_proj")
 
 
@@ -59,40 +58,34 @@ def model_fields(hf: dict, seq_length=None) -> dict:
     return fields
 
 
+def _mlp_to_megatron(sd, i, src, dst, cfg, out) -> None:
+    if not cfg.is_moe_layer(i + 1):
+        moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.", out)
+        return
+    moe_map.experts_to_megatron(sd, src, dst, cfg, NAMES, out)
+    if cfg.moe.moe_shared_expert_intermediate_size:
+        moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.shared_expert.", out,
+                                      ours="mlp.shared_experts.")
+        out[f"{dst}mlp.shared_experts.gate_weight"] = c.take(
+            sd, f"{src}mlp.shared_expert_gate.weight")
+
+
+def _mlp_to_hf(flat, i, src, dst, cfg, out) -> None:
+    if not cfg.is_moe_layer(i + 1):
+        moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.", out)
+        return
+    moe_map.experts_to_hf(flat, src, dst, cfg, NAMES, out)
+    if cfg.moe.moe_shared_expert_intermediate_size:
+        moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.shared_expert.", out,
+                                ours="mlp.shared_experts.")
+        out[f"{dst}mlp.shared_expert_gate.weight"] = c.take(
+            flat, f"{src}mlp.shared_experts.gate_weight")
+
+
 def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
-    out = {c.WORD: c.take(sd, "model.embed_tokens.weight")}
-    for i in range(cfg.num_layers):
-        src, dst = f"{P}{i}.", c.layer(i)
-        llama.attention_to_megatron(sd, src, dst, cfg, out)
-        if not cfg.is_moe_layer(i + 1):
-            moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.", out)
-            continue
-        moe_map.experts_to_megatron(sd, src, dst, cfg, NAMES, out)
-        if cfg.moe.moe_shared_expert_intermediate_size:
-            moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.shared_expert.", out,
-                                          ours="mlp.shared_experts.")
-            out[f"{dst}mlp.shared_experts.gate_weight"] = c.take(
-                sd, f"{src}mlp.shared_expert_gate.weight")
-    c.pair_to_megatron(sd, "model.norm.", c.FINAL_NORM, out, bias=False)
-    c.head_to_megatron(sd, hf, out)
-    return out
+    return llama.decoder_to_megatron(sd, hf, cfg, _mlp_to_megatron)
 
 
 def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
-    out = {"model.embed_tokens.weight": c.take(flat, c.WORD)}
-    for i in range(cfg.num_layers):
-        src, dst = c.layer(i), f"{P}{i}."
-        llama.attention_to_hf(flat, src, dst, cfg, out)
-        if not cfg.is_moe_layer(i + 1):
-            moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.", out)
-            continue
-        moe_map.experts_to_hf(flat, src, dst, cfg, NAMES, out)
-        if cfg.moe.moe_shared_expert_intermediate_size:
-            moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.shared_expert.", out,
-                                    ours="mlp.shared_experts.")
-            out[f"{dst}mlp.shared_expert_gate.weight"] = c.take(
-                flat, f"{src}mlp.shared_experts.gate_weight")
-    c.pair_to_hf(flat, c.FINAL_NORM, "model.norm.", out, bias=False)
-    c.head_to_hf(flat, hf, out)
-    return out
+    return llama.decoder_to_hf(flat, hf, cfg, _mlp_to_hf)
 
