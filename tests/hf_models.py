@@ -218,3 +218,17 @@ def save_word_tokenizer(directory: str, size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="0",
                             eos_token="1").save_pretrained(directory)
+
+
+def round_trip(family, back: str):
+    """(the HF files' tensors, those of `--to hf` of the family's TP 1 conversion, written
+    to `back`): what a round trip test compares."""
+    from safetensors.torch import load_file
+    from tools import convert_checkpoint
+    work = family[2]
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
+                                    os.path.join(work, "ckpt_tp1_pp1"), "--save", back]) == 0
+    original = load_file(os.path.join(work, "hf", "model.safetensors"))
+    again = load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(again) == sorted(original)
+    return original, again

@@ -13,13 +13,12 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
 from megatron.text_generation import generate  # noqa: E402
 from tests.gpt_setup import one_thread  # noqa: E402
 from tests.hf_models import (MOE_FAMILIES, NEW_TOKENS, PROMPT_LEN, converted_family,  # noqa: E402
-                             hf_greedy, load_converted, position_ids, prompts, rel_err)
-from tools import convert_checkpoint  # noqa: E402
+                             hf_greedy, load_converted, position_ids, prompts, rel_err,
+                             round_trip)
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
@@ -67,13 +66,9 @@ def test_greedy_generation_equals_transformers(family, ours):
 
 
 def test_round_trip_gives_identical_tensors(family, tmp_path):
-    _, _, work = family
+    work = family[2]
     back = str(tmp_path / "back")
-    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
-                                    os.path.join(work, "ckpt_tp1_pp1"), "--save", back]) == 0
-    original = load_file(os.path.join(work, "hf", "model.safetensors"))
-    again = load_file(os.path.join(back, "model.safetensors"))
-    assert sorted(again) == sorted(original)
+    original, again = round_trip(family, back)
     for key, tensor in original.items():
         assert torch.equal(again[key], tensor), key
     with open(os.path.join(work, "hf", "config.json")) as a, \
