@@ -66,3 +66,15 @@ def tiny_gpt_argv(data_prefix, cache_dir, *extra, layers=4, hidden=64, heads=4, 
 def losses(state):
     """lm losses per iteration from a TrainState (last pipeline stage)."""
     return [h["lm loss"] for h in state.history]
+
+
+def assert_exits_2_with_one_line(capsys, call, words) -> None:
+    """`call()` exits 2 with one line on stderr that holds every one of `words`."""
+    import pytest
+    with pytest.raises(SystemExit) as exc:
+        call()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)

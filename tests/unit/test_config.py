@@ -7,6 +7,7 @@ import pytest
 from megatron.arguments import parse_args
 from megatron.config import Config, ConfigError, ModelConfig
 from tests.conftest import ROOT
+from tests.gpt_setup import assert_exits_2_with_one_line
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--train-iters", "10", "--lr", "1e-3"]
@@ -45,13 +46,7 @@ def test_global_batch_defaults_to_micro_batch_times_dp():
     (["--ddp-bucket-size", "0"], 1, ["--ddp-bucket-size", "got 0"]),
 ])
 def test_inconsistent_flags_exit_2_with_one_line(capsys, extra, world, words):
-    with pytest.raises(SystemExit) as exc:
-        parse(*extra, world_size=world)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for word in words:
-        assert word in err, (word, err)
+    assert_exits_2_with_one_line(capsys, lambda: parse(*extra, world_size=world), words)
 
 
 def test_config_round_trips_through_a_dict():

@@ -13,6 +13,7 @@ from megatron.model.moe import router as R
 from megatron.model.moe.layer import MoELayer
 from megatron.mpu.parallel_state import ExpertGroups
 from megatron.mpu.topology import ParallelDims
+from tests.gpt_setup import assert_exits_2_with_one_line
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--train-iters", "10",
@@ -58,13 +59,7 @@ def test_layer_freq_forms():
      ["--moe-router-num-groups (3)"]),
 ])
 def test_bad_moe_settings_exit_2_with_one_line(capsys, extra, world, words):
-    with pytest.raises(SystemExit) as exc:
-        parse(*extra, world_size=world)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for word in words:
-        assert word in err, (word, err)
+    assert_exits_2_with_one_line(capsys, lambda: parse(*extra, world_size=world), words)
 
 
 def test_expert_groups_are_carved_out_of_data_parallelism():
