@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import fused
+from megatron.mpu.layers import main_grad_of
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 
 
@@ -128,17 +129,6 @@ class LogitsBuffers:
         self._free.setdefault(key, []).append(buf)
 
 
-def _main_grad_of(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """The data-parallel reducer's gradient buffer of `weight` when the weight gradient can
-    be accumulated there directly (same dtype): no weight-sized tensor is made, and the
-    autograd gradient is None. A tied weight's other use (the input embedding) still
-    arrives through autograd and the reducer's hook."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None or not weight.requires_grad or main_grad.dtype != weight.dtype:
-        return None
-    return main_grad
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, group, buffers, vocab_limit, float_loss,
@@ -158,7 +148,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if for_backward:
             ctx.save_for_backward(hidden, weight, buf)
             ctx.state, ctx.buffers = state, buffers
-            ctx.main_grad = _main_grad_of(weight)
+            ctx.main_grad = main_grad_of(weight)
         else:
             buffers.give(buf)
         return loss

@@ -206,3 +206,15 @@ def layer_norm_init_attributes(norm: torch.nn.Module) -> None:
     set_parallel_attributes(norm.weight, False, init_method=_ones)
     if getattr(norm, "bias", None) is not None:
         set_parallel_attributes(norm.bias, False, init_method=_zeros)
+
+
+def main_grad_of(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The data-parallel reducer's gradient buffer of `weight` when a layer's backward can
+    add the weight gradient there directly (same dtype; the GPT head, the grouped expert
+    GEMM): no weight-sized tensor is made, and the autograd gradient is None. A tied
+    weight's other use (the input embedding) still arrives through autograd and the
+    reducer's hook."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not weight.requires_grad or main_grad.dtype != weight.dtype:
+        return None
+    return main_grad

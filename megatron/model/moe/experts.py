@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.model.spec import mlp_activation
-from megatron.mpu.cross_entropy import _main_grad_of
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, divide, init_normal,
-                                 scaled_init_normal, set_parallel_attributes)
+                                 main_grad_of, scaled_init_normal, set_parallel_attributes)
 from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region, group_size,
                                    reduce_from_tensor_model_parallel_region)
 
@@ -122,7 +121,7 @@ class GroupedLinear(torch.autograd.Function):
         for w, x, y in zip(weight, rows.split(counts), out.split(counts)):
             torch.mm(x, w.t(), out=y)
         ctx.save_for_backward(rows, weight)
-        ctx.counts, ctx.main_grad = counts, _main_grad_of(weight)
+        ctx.counts, ctx.main_grad = counts, main_grad_of(weight)
         return out
 
     @staticmethod
