@@ -214,9 +214,7 @@ def main(argv=None) -> Dict:
                          config.training.micro_batch_size)
         results = run_harness(lm, ns)
     except (CheckpointError, GenerationError, ValueError) as err:
-        print(f"{os.path.basename(sys.argv[0])}: error: {str(err).splitlines()[0]}",
-              file=sys.stderr)
-        sys.exit(1)
+        fail(str(err).splitlines()[0])
     if results is None:  # lm_eval answers on global rank 0 only
         return {}
     from lm_eval.utils import make_table

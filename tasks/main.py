@@ -210,8 +210,7 @@ def main(argv=None) -> Dict[str, float]:
         models, _ = load_inference_models(config, pstate, device, parallel_output=False,
                                           vocab_size=tokenizer.vocab_size)
     except (TaskDataError, CheckpointError) as err:
-        print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
-        sys.exit(1)
+        fail(str(err))
     total = evaluate(ns.task, dataset, models, config, pstate, device, tokenizer.eod,
                      log_interval=config.logging.log_interval)
     metrics = metrics_of(ns.task, dataset, total, ns.fairseq_eval_lm)

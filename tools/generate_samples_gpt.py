@@ -145,8 +145,7 @@ def main(argv=None) -> List[Dict]:
         records = sample_all(models[0], tokenizer, prompts or [""] * ns.num_samples, ns, params,
                              config)
     except (CheckpointError, GenerationError) as err:
-        print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
-        sys.exit(1)
+        fail(str(err))
     if not dist.is_initialized() or dist.get_rank() == 0:
         text = format_records(records, unconditional)
         print(text, flush=True)

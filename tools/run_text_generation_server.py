@@ -291,8 +291,7 @@ def main(argv=None) -> None:
     try:
         models, _ = load_inference_models(config, pstate, device, vocab_size=tokenizer.vocab_size)
     except CheckpointError as err:
-        print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr)
-        sys.exit(1)
+        fail(str(err))
     channel = Broadcaster(device)
     if dist.is_initialized() and dist.get_rank() != 0:
         follow(models[0], tokenizer, channel)

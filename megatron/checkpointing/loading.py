@@ -187,6 +187,9 @@ def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[st
         fail(str(err))
     config.parallel.sequence_parallel = False
     config.model.sequence_parallel = False
+    # Inference runs whole sequences on every rank: context-parallel ranks (a training
+    # run's --context-parallel-size, reused) become more data-parallel ranks.
+    config.parallel.context_parallel_size = 1
     return config, ns, stored
 
 

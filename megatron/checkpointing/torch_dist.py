@@ -214,7 +214,10 @@ def _rng_states(pstate) -> Optional[dict]:
 
 
 def _rank_key(pstate) -> str:
-    return f"tp{pstate.tp_rank:03d}_pp{pstate.pp_rank:03d}_dp{pstate.dp_rank:03d}"
+    """This rank's key in the saved RNG states; the CP rank is named when CP > 1 (keys of
+    checkpoints saved without CP stay as they were)."""
+    key = f"tp{pstate.tp_rank:03d}_pp{pstate.pp_rank:03d}_dp{pstate.dp_rank:03d}"
+    return key + (f"_cp{pstate.cp_rank:03d}" if pstate.cp_size > 1 else "")
 
 
 def _layout(pstate, num_chunks: int) -> dict:

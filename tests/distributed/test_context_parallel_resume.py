@@ -65,6 +65,14 @@ def test_cp2_dp2_saves_the_shards_of_dp4(workdir, spawn):
                                           "model_optim_rng.pt"]
 
 
+def test_torch_dist_keeps_one_rng_state_per_cp_rank(workdir, spawn):
+    from megatron.checkpointing.megatron_legacy import safe_load
+    common = safe_load(os.path.join(_save_dir(str(workdir[1]), "torch_dist"),
+                                    f"iter_{L.SAVE_AT:07d}", "common.pt"))
+    assert sorted(common["rng_state"]) == [f"tp000_pp000_dp{d:03d}_cp{c:03d}"
+                                           for d in range(2) for c in range(2)]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_resumes_at_another_cp_size(spawn, target, fmt):

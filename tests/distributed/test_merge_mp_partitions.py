@@ -279,6 +279,8 @@ def _worker(rank, world_size, tmp, data_prefix, vocab, merges, wiki):
                                               "--pipeline-model-parallel-size", "2"]
                                              + wiki_flags + tok_flags)["avg loss"]
     result["loss_dp4"] = tasks_main.main(["--load", m11] + wiki_flags + tok_flags)["avg loss"]
+    result["loss_cp2"] = tasks_main.main(["--load", m11, "--context-parallel-size", "2"]
+                                         + wiki_flags + tok_flags)["avg loss"]
     records = generate_samples_gpt.main(["--load", m21, "--tensor-model-parallel-size", "2",
                                          "--prompt", "The", "--prompt", "In the year", "--greedy",
                                          "--out-seq-length", "8", "--micro-batch-size", "2"]
@@ -317,6 +319,7 @@ def test_merged_checkpoint_computes_like_the_sharded_one(tmp_path, tiny_corpus):
     for r in results:
         assert r["loss_tp2_pp2"] == pytest.approx(loss, rel=1e-5)
         assert r["loss_dp4"] == pytest.approx(loss, rel=1e-5)
+        assert r["loss_cp2"] == pytest.approx(loss, rel=1e-5)  # CP ranks evaluate as DP ranks
         assert r["greedy_tp2"] == greedy
         assert r["interleaved"][0] == pytest.approx(results[0]["interleaved"][1], rel=1e-5)
     assert 0.0 < loss < 9.1  # trained a little: below ln(8000) = 8.99 + noise

@@ -218,6 +218,6 @@ def test_tool_needs_a_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate_samples_gpt.main(["--prompt", "a"])
     assert exit_info.value.code == 2 and "--load is required" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         generate_samples_gpt.main(["--load", str(tmp_path), "--prompt", "a"])
-    assert "no checkpoint" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "no checkpoint" in capsys.readouterr().err

@@ -483,9 +483,10 @@ def test_inference_reshard_refusal_names_inference_and_the_fix(saved, tmp_path, 
     state = safe_load(model_file(root))
     state["parallel"]["tensor_model_parallel_size"] = 2
     checkpoint_io.save_file(state, model_file(root))
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         generate_samples_gpt.main(["--load", str(root), "--prompt", "a", "--out-seq-length", "2",
                                    "--greedy"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "--universal-checkpoint" not in err, err

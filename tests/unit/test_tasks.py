@@ -214,7 +214,7 @@ def test_main_missing_data_file(checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tasks_main.main(["--load", checkpoint[0], "--task", "LAMBADA", "--valid-data",
                          str(tmp_path / "missing.jsonl")])
-    assert exit_info.value.code == 1 and "cannot read --valid-data" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "cannot read --valid-data" in capsys.readouterr().err
 
 
 def test_padding_rows_never_count_in_inference_losses(checkpoint):
