@@ -78,20 +78,14 @@ def test_round_trip_gives_identical_tensors(family, tmp_path):
 
 def test_model_trained_here_is_exported_by_its_own_config(family, ours):
     """The export of an MoE model that carries no HF entry (trained here from flags) takes
-    its architecture from our config alone: Mixtral's comes back as MixtralForCausalLM with
-    the original's logits; a shared expert or dense layers have no exported architecture
-    and are refused, naming the field (a dense family never takes an MoE model)."""
-    from megatron.checkpointing.hf import ConversionError
+    its architecture from our config alone: each family comes back as its own architecture
+    with the original's logits (Qwen2-MoE's dense layer as mlp_only_layers)."""
     from megatron.checkpointing.hf.families import hf_config_for
     from transformers import AutoConfig, AutoModelForCausalLM
-    name, hf_model, _ = family
+    _, hf_model, _ = family
     cfg, vocab = ours[2].model, hf_model.config.vocab_size
-    if name != "mixtral":
-        with pytest.raises(ConversionError, match="cannot be expressed in MixtralForCausalLM"):
-            hf_config_for(cfg, vocab)
-        return
     arch, hf = hf_config_for(cfg, vocab)
-    assert arch == "MixtralForCausalLM"
+    assert arch == hf_model.config.architectures[0]
     config = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items()
                                                        if k != "model_type"})
     exported = AutoModelForCausalLM.from_config(config).eval()
@@ -99,3 +93,43 @@ def test_model_trained_here_is_exported_by_its_own_config(family, ours):
     tokens = prompts(vocab)
     with torch.no_grad(), one_thread():
         assert rel_err(exported(tokens).logits, hf_model(tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(moe_shared_expert_gate=False), "moe_shared_expert_gate=False cannot be expressed in "
+                                         "Qwen2MoeForCausalLM (it would be True)"),
+    (dict(moe_router_score_function="sigmoid"), "moe_router_score_function=sigmoid cannot be "
+                                                "expressed in Qwen2MoeForCausalLM"),
+])
+def test_moe_model_no_architecture_expresses_is_refused(change, words):
+    """A shared expert without Qwen2-MoE's gate, or sigmoid routing, has no HF architecture:
+    one line naming the field (never a dense family's complaint about the MLP)."""
+    import dataclasses
+    from megatron.checkpointing.hf import ConversionError
+    from megatron.checkpointing.hf.families import hf_config_for
+    from megatron.config import ModelConfig, MoEConfig
+    moe = MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                    moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True)
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
+                      max_position_embeddings=16, padded_vocab_size=128, ffn_hidden_size=96,
+                      position_embedding_type="rope", normalization="RMSNorm",
+                      activation="swiglu", add_bias_linear=False, add_qkv_bias=True,
+                      untie_embeddings_and_output_weights=True, moe=moe)
+    hf_config_for(cfg, 128)  # Qwen2-MoE expresses it as it is
+    if "moe_shared_expert_gate" not in change:
+        moe = dataclasses.replace(moe, moe_shared_expert_intermediate_size=None,
+                                  moe_shared_expert_gate=False)
+    with pytest.raises(ConversionError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        hf_config_for(dataclasses.replace(cfg, moe=dataclasses.replace(moe, **change)), 128)
+
+
+def test_dense_model_no_architecture_expresses_is_refused():
+    from megatron.checkpointing.hf import ConversionError
+    from megatron.checkpointing.hf.families import hf_config_for
+    from megatron.config import ModelConfig
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
+                      max_position_embeddings=16, padded_vocab_size=128,
+                      position_embedding_type="rope", normalization="LayerNorm")
+    with pytest.raises(ConversionError, match="normalization=LayerNorm cannot be expressed in "
+                                              "LlamaForCausalLM"):
+        hf_config_for(cfg, 128)

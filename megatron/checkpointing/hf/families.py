@@ -9,11 +9,12 @@ FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma,
             for arch in module.ARCHITECTURES}
 # The HF architectures a model of ours may be exported as, by its position encoding (the
 # first that expresses it exactly).
-BY_POSITIONS = {"learned_absolute": (gpt2,), "rope": (llama, qwen2, qwen3, gemma, mixtral),
+BY_POSITIONS = {"learned_absolute": (gpt2,),
+                "rope": (llama, qwen2, qwen3, gemma, mixtral, qwen_moe),
                 "alibi": (bloom,)}
-# Those of them that hold MoE layers: tried first for an MoE model, so that its error names
-# what an MoE architecture lacks rather than the dense MLP.
-WITH_EXPERTS = (mixtral,)
+# Those of them that hold MoE layers: the only ones tried for an MoE model (so that its error
+# names what an MoE architecture lacks rather than the dense MLP), never for a dense one.
+WITH_EXPERTS = (mixtral, qwen_moe)
 def family_of(hf_config: dict):
     """The mapping module of the config's architecture (one-line error if unsupported)."""
     names = hf_config.get("architectures") or []
@@ -31,15 +32,18 @@ def hf_config_for(cfg: ModelConfig, vocab: int):
     if families is None:
         raise ConversionError(f"--position-embedding-type {cfg.position_embedding_type} has no "
                               f"Hugging Face architecture to export to")
-    if cfg.moe is not None and cfg.moe.enabled:
-        families = sorted(families, key=lambda family: family not in WITH_EXPERTS)
-    first_error = None
+    with_experts = cfg.moe is not None and cfg.moe.enabled
+    families = [family for family in families if (family in WITH_EXPERTS) == with_experts] \
+        or families
+    errors = []
     for family in families:
         try:
             return _described(family, cfg, vocab)
         except ConversionError as err:
-            first_error = first_error or err
-    raise first_error
+            errors.append(str(err))
+    # The MoE families differ in what they lack (Mixtral: a shared expert; Qwen2-MoE: a
+    # shared expert without its gate), so all of theirs are named; a dense model, the first.
+    raise ConversionError("; ".join(errors) if with_experts else errors[0])
 
 
 def _described(family, cfg: ModelConfig, vocab: int):
@@ -50,8 +54,11 @@ def _described(family, cfg: ModelConfig, vocab: int):
         described = ModelConfig(**family.model_fields(hf, cfg.seq_length))
     except ConfigError as err:
         raise ConversionError(f"the model cannot be exported as {arch}: {err}") from None
-    fields = [(name, getattr(cfg, name), getattr(described, name))
-              for name in ARCHITECTURE_FIELDS + SCALING_FIELDS.get(cfg.rope_scaling_type, ())]
+    names = ARCHITECTURE_FIELDS + SCALING_FIELDS.get(cfg.rope_scaling_type, ())
+    if cfg.moe is not None and cfg.moe.enabled and cfg.moe.moe_ffn_hidden_size and \
+            all(cfg.is_moe_layer(n) for n in range(1, cfg.num_layers + 1)):
+        names = tuple(n for n in names if n != "ffn_hidden_size")  # no dense MLP uses it
+    fields = [(name, getattr(cfg, name), getattr(described, name)) for name in names]
     fields += _moe_fields(cfg, described)
     for name, ours, theirs in fields:
         if ours != theirs:

@@ -89,3 +89,24 @@ def to_megatron(sd: c.StateDict, hf: dict, cfg) -> c.StateDict:
 def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
     return llama.decoder_to_hf(flat, hf, cfg, _mlp_to_hf)
 
+
+
+def hf_config(cfg, vocab: int) -> dict:
+    """The Qwen3MoeConfig (with --qk-layernorm) or Qwen2MoeConfig of a model of ours
+    (checked against `model_fields` by the caller): the dense layers are mlp_only_layers."""
+    from megatron.checkpointing.hf import qwen2
+    moe = cfg.moe
+    arch, model_type = (("Qwen3MoeForCausalLM", "qwen3_moe") if cfg.qk_layernorm
+                        else ("Qwen2MoeForCausalLM", "qwen2_moe"))
+    hf = qwen2.decoder_config(cfg, vocab, arch, model_type)
+    hf.update(num_experts=moe.num_experts, num_experts_per_tok=moe.moe_router_topk,
+              moe_intermediate_size=moe.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+              decoder_sparse_step=1, norm_topk_prob=not moe.moe_router_pre_softmax,
+              mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i + 1)],
+              router_aux_loss_coef=moe.moe_aux_loss_coeff)
+    if cfg.qk_layernorm:
+        hf["attention_bias"] = False
+    else:
+        hf.update(qkv_bias=cfg.add_qkv_bias,
+                  shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size or 0)
+    return hf
