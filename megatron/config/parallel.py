@@ -45,9 +45,6 @@ class ParallelConfig:
                 f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
         require(self.cp_comm_type in ("p2p", "a2a"),
                 f"--cp-comm-type {self.cp_comm_type!r} is not p2p or a2a")
-        require(not (self.DDP_impl == "torch" and self.context_parallel_size > 1),
-                "--context-parallel-size > 1 needs --DDP-impl local (its gradient buffer is "
-                "reduced over CP); drop --DDP-impl torch")
         require(self.expert_model_parallel_size >= 1,
                 f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}")
         etp = self.expert_tensor_parallel_size  # None: TP (kept None, so re-sharding TP keeps it)

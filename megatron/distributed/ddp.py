@@ -197,8 +197,20 @@ class GradReducer:
             bucket.reset()
 
 
+def _sum_then_divide_hook(divisor: int, group):
+    """A DDP communication hook: each bucket summed over `group` and divided by `divisor`
+    (DDP's own divides by the group's size)."""
+    def hook(_state, bucket):
+        buffer = bucket.buffer().div_(divisor)
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    return hook
+
+
 class TorchDDPReducer:
-    """--DDP-impl torch: DistributedDataParallel averages `.grad` over DP.
+    """--DDP-impl torch: DistributedDataParallel reduces `.grad` over DP x CP, divided
+    by the DP size (as the local reducer: each CP rank's gradient is its part of the
+    sequence's, summed over CP).
 
     The model itself stays unwrapped for everything else (checkpoint keys,
     `set_input_tensor`); only the forward goes through `module_for_forward()`.
@@ -206,12 +218,14 @@ class TorchDDPReducer:
     the reducer counts forwards and lets only the last micro batch synchronise.
     """
 
-    def __init__(self, module: torch.nn.Module, dp_group):
+    def __init__(self, module: torch.nn.Module, group, divisor: int):
         from torch.nn.parallel import DistributedDataParallel
         self.module = module
         self.ddp: Optional[torch.nn.Module] = None
-        if group_size(dp_group) > 1:
-            self.ddp = DistributedDataParallel(module, process_group=dp_group)
+        if group_size(group) > 1:
+            self.ddp = DistributedDataParallel(module, process_group=group)
+            if divisor != group_size(group):
+                self.ddp.register_comm_hook(None, _sum_then_divide_hook(divisor, group))
         self.num_micro_batches = 1
         self._forwards = 0
 
@@ -248,7 +262,7 @@ def build_grad_reducers(models: List[torch.nn.Module], pstate, parallel_cfg,
     EP), both divided by the DP size. `tied_params`: parameters whose gradients are summed
     with another stage's after backward."""
     if parallel_cfg.DDP_impl == "torch":
-        return [TorchDDPReducer(m, pstate.dp_group) for m in models]
+        return [TorchDDPReducer(m, pstate.dp_cp_group, pstate.dp_size) for m in models]
     sharded = parallel_cfg.use_distributed_optimizer
     common = dict(bucket_size=parallel_cfg.ddp_bucket_size,
                   overlap=parallel_cfg.overlap_grad_reduce, reduce_scatter=sharded,

@@ -118,13 +118,19 @@ def assert_close(got, want, what):
 
 
 def check_losses(name, layout: Layout, results, reference):
-    """The last stage reports the reference losses; the other stages none."""
-    assert len(reference) == ITERS
+    """The last stage reports the reference losses; the other stages none. `reference`: the
+    single-process run (`reference_run`) or its losses; with the run, the last stage's
+    gradient norms must equal its too (Adam's step hardly depends on the gradients' scale,
+    so the losses alone would not show a gradient reduced with the wrong divisor)."""
+    run = reference if isinstance(reference, dict) else {"losses": reference}
+    assert len(run["losses"]) == ITERS
     for rank, result in enumerate(results):
         got = result[name]
         if layout.is_last_stage(rank):
             assert got["iterations"] == list(range(1, ITERS + 1)), f"rank {rank}"
-            assert_close(got["losses"], reference, f"{name} rank {rank}")
+            assert_close(got["losses"], run["losses"], f"{name} rank {rank}")
+            if run.get("grad norms"):
+                assert_close(got["grad norms"], run["grad norms"], f"{name} rank {rank} grad norms")
         else:
             assert got["losses"] == [], f"rank {rank} is not on the last stage but reported losses"
 

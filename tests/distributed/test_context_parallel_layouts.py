@@ -2,8 +2,8 @@
 
 A LLaMA-style model (RoPE, RMSNorm, SwiGLU, GQA with 2 groups, untied head) at seq
 1024 (hidden 32, 2 layers): 10 iterations at CP 2, CP 2 x TP 2 (sequence parallel),
-CP 2 x PP 2, CP 2 x DP 2 with the distributed optimizer, CP 2 with full
-recomputation, CP 4 and --cp-comm-type a2a at CP 2 (and a 4-layer model at CP 2 x
+CP 2 x PP 2, CP 2 x DP 2 with the distributed optimizer and with --DDP-impl torch, CP 2
+with full recomputation, CP 4 and --cp-comm-type a2a at CP 2 (and a 4-layer model at CP 2 x
 interleaved PP 2) reproduce the single-process losses within 1e-5 relative;
 checkpoints saved at iteration 5 resume bit for bit, and CP 2's continues in one process.
 One spawn of 2 ranks and one of 4 (CP_TEST_SEQ / CP_TEST_ONLY pick a shorter sequence
@@ -36,6 +36,7 @@ LAYOUTS = {
                                                                    "full"], resume=True),
     "cp2-tp2": CPLayout(2, 1, 1, mbs=2, extra=MODEL + ["--sequence-parallel"], resume=True),
     "cp2-pp2": CPLayout(1, 2, 1, mbs=2, extra=MODEL, resume=True),
+    "cp2-dp2-torch-ddp": CPLayout(1, 1, 2, mbs=2, extra=MODEL + ["--DDP-impl", "torch"]),
     "cp2-dp2-distributed-optimizer": CPLayout(1, 1, 2, mbs=2, resume=True,
                                               extra=MODEL + ["--use-distributed-optimizer"]),
     "cp4": CPLayout(1, 1, 1, mbs=2, cp=4, extra=MODEL, resume=True),
@@ -61,21 +62,21 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(workdir):
-    """Single-process losses per model: {tuple of extra flags: losses}, computed on use."""
+    """Single-process runs per model: {tuple of extra flags: run}, computed on use."""
     prefix, out = workdir
     cache = {}
 
     def losses_for(name):
         extra = tuple(REFERENCE_EXTRA.get(name, ()))
         if extra not in cache:
-            cache[extra] = L.reference_losses(prefix, out / "cache-ref", *MODEL, *extra)
+            cache[extra] = L.reference_run(prefix, out / "cache-ref", *MODEL, *extra)
         return cache[extra]
     return losses_for
 
 
 @pytest.fixture(scope="module")
 def reference(references):
-    return references("cp2")
+    return references("cp2")["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,9 @@ def spawns(workdir):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cp_layout_losses_equal_one_process(name, references, spawns):
-    layout, reference = LAYOUTS[name], references(name)
-    L.check_losses(name, layout, spawns[layout.world], reference)
+    layout, run = LAYOUTS[name], references(name)
+    L.check_losses(name, layout, spawns[layout.world], run)
+    reference = run["losses"]
     got = spawns[layout.world][-1][name]["losses"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
     print(f"{name}: max relative loss difference {worst:.2e} over {len(got)} iterations")

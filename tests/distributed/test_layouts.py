@@ -13,7 +13,7 @@ the uninterrupted losses bit for bit. Three spawns: 2, 4 and 8 ranks.
 import pytest
 
 from tests.distributed.layouts import (GLOBAL_BATCH, Layout, check_losses, check_resume,
-                                       reference_losses, train_layouts)
+                                       reference_run, train_layouts)
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import have_reference_data, preprocess_wiki
 
@@ -55,7 +55,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(workdir):
     prefix, out = workdir
-    return reference_losses(prefix, out / "cache-ref")
+    return reference_run(prefix, out / "cache-ref")
 
 
 def _spawn(world, workdir):

@@ -97,8 +97,9 @@ def spawns(workdir):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_losses_equal_one_process(name, references, spawns):
     layout = LAYOUTS[name]
-    reference = references.get(name, references["moe"])["losses"]
-    check_losses(name, layout, spawns[layout.world], reference)
+    run = references.get(name, references["moe"])
+    check_losses(name, layout, spawns[layout.world], run)
+    reference = run["losses"]
     got = spawns[layout.world][-1][name]["losses"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
     print(f"{name}: max relative loss difference {worst:.2e} over {len(got)} iterations")

@@ -16,7 +16,7 @@ import pytest
 
 from megatron.checkpointing.megatron_legacy import safe_load
 from tests.distributed.layouts import (Layout, check_losses, check_resume, checkpoint_dir,
-                                       reference_losses, train_layouts)
+                                       reference_run, train_layouts)
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import have_reference_data, preprocess_wiki
 
@@ -63,7 +63,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(workdir):
     prefix, out = workdir
-    return {arch: reference_losses(prefix, out / "cache-ref", *flags)
+    return {arch: reference_run(prefix, out / "cache-ref", *flags)
             for arch, flags in ARCHS.items()}
 
 
