@@ -15,7 +15,8 @@ The TP 2 x ETP 1 x EP 2 checkpoint (cells mp_rank_00_000 and mp_rank_01_001 only
 with tools/merge_mp_partitions.py to one process and to ETP = TP (TP 2 x EP 2), and back
 to ETP 1 tensor for tensor; the logits of one sequence agree within 1e-5 from the
 ETP 1 files, the merged single-process file, the ETP 2 files and --universal-checkpoint
-loading the ETP 1 checkpoint at ETP 2. Two spawns (2 and 4 ranks).
+loading the ETP 1 checkpoint at ETP 2, and its parameter norm (--log-params-norm) is the
+single-process one. Two spawns (2 and 4 ranks).
 """
 import os
 
@@ -26,7 +27,7 @@ import torch
 from tests.distributed.layouts import (LOSS_TOL, SAVE_AT, Layout, assert_close, check_losses,
                                        checkpoint_dir, reference_run, spawn_worlds, train_layouts)
 from tests.distributed.test_moe_layouts import MOE
-from tests.distributed.test_moe_reshard import logits
+from tests.distributed.test_moe_reshard import load_model, logits
 from tests.gpt_setup import have_reference_data, preprocess_wiki
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
@@ -73,6 +74,7 @@ def _reshard_logits(out):
     ETP 1 files, from the merged ETP 2 files and from --universal-checkpoint (ETP 1 -> 2)."""
     import torch.distributed as dist
     from megatron.mpu import initialize_model_parallel
+    from megatron.training.model_stats import params_norm
     source = checkpoint_dir(out, SOURCE)
     if dist.get_rank() == 0:
         _merge(source, os.path.join(out, "one"))
@@ -85,11 +87,12 @@ def _reshard_logits(out):
     dist.barrier()
     etp1 = initialize_model_parallel(2, ep=2, etp=1)
     got = {"etp1 files": logits(source, etp1)}
+    norm = params_norm([load_model(source, etp1)], etp1)
     etp2 = initialize_model_parallel(2, ep=2)
     got["etp2 files"] = logits(os.path.join(out, "etp2"), etp2)
     got["universal etp1 -> etp2"] = logits(source, etp2, universal=True)
     got["universal etp2 -> etp1"] = logits(os.path.join(out, "etp2"), etp1, universal=True)
-    return got
+    return got, norm
 
 
 ODD = 31
@@ -100,7 +103,7 @@ padded with rows that route nowhere."""
 def _rank(rank, world_size, data_prefix, workdir):
     results = train_layouts(LAYOUTS, world_size, data_prefix, workdir)
     if world_size == 4 and SOURCE in LAYOUTS:
-        results["logits"] = _reshard_logits(workdir)
+        results["logits"], results["params norm"] = _reshard_logits(workdir)
     if world_size == 2 and "tp2-etp1" in LAYOUTS:
         from megatron.mpu import initialize_model_parallel
         results["odd logits"] = logits(checkpoint_dir(workdir, "tp2-etp1", final=True),
@@ -200,11 +203,17 @@ def test_etp_checkpoint_reshards_with_equal_logits(workdir, spawns):
     from megatron.mpu.parallel_state import single_process_state
     if SOURCE not in LAYOUTS:
         pytest.skip("MOE_TEST_ONLY left out the source checkpoint")
+    from megatron.training.model_stats import params_norm
     out = workdir[1]
-    want = logits(os.path.join(out, "one"), single_process_state())
+    one = single_process_state()
+    want = logits(os.path.join(out, "one"), one)
+    want_norm = params_norm([load_model(os.path.join(out, "one"), one)], one)
     for rank, result in enumerate(spawns[4]):
         for what, got in result["logits"].items():  # TP 2: this rank's half of the vocabulary
             _close(got, _halves(want, rank), f"{what} rank {rank}")
+        # --log-params-norm counts each expert shard once (ETP x EP), the dense ones per TP
+        assert abs(result["params norm"] - want_norm) <= LOSS_TOL * want_norm, (
+            rank, result["params norm"], want_norm)
     def model(root, cell):
         path = os.path.join(root, f"iter_{SAVE_AT:07d}", cell, "model_optim_rng.pt")
         return from_megatron_layout(read_model_file(path)["model"])
