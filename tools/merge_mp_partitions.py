@@ -3,6 +3,9 @@ between the torch and torch_dist formats (the input's format is detected).
 
     python tools/merge_mp_partitions.py --load CKPT --save OUT \\
         --target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 1
+    python tools/merge_mp_partitions.py --load CKPT --save OUT \\
+        --target-tensor-model-parallel-size 2 --target-expert-model-parallel-size 2 \\
+        --target-expert-tensor-parallel-size 1
     python tools/merge_mp_partitions.py --load CKPT --save OUT --ckpt-format torch_dist
 
 The input is only read; the output is written under a temporary name and renamed.
@@ -34,6 +37,9 @@ def get_args(argv=None):
                              "sizes apply to torch)")
     parser.add_argument("--target-expert-model-parallel-size", type=int, default=1,
                         help="split MoE experts over this many EP ranks (mp_rank_TT[_PPP]_EEE)")
+    parser.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                        help="split each MoE expert over this many ranks, a divisor of the "
+                             "target TP (default: the target TP)")
     parser.add_argument("--model-type", choices=["GPT"], default="GPT",
                         help="accepted for Megatron compatibility (GPT only)")
     args, rest = parser.parse_known_args(argv)
@@ -50,14 +56,15 @@ def get_args(argv=None):
 def main(argv=None) -> int:
     args = get_args(argv)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
-    ep = args.target_expert_model_parallel_size
+    ep, etp = args.target_expert_model_parallel_size, args.target_expert_tensor_parallel_size
     try:
-        path = convert(args.load, args.save, args.ckpt_format, tp, pp, ep)
+        path = convert(args.load, args.save, args.ckpt_format, tp, pp, ep, etp)
     except (ReshardError, CheckpointError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
     layout = ("torch_dist" if args.ckpt_format == "torch_dist"
-              else f"TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''}")
+              else f"TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''}"
+                   f"{f' ETP={etp}' if etp not in (None, tp) else ''}")
     print(f" re-sharded {args.load} to {layout}: {path}", flush=True)
     return 0
 

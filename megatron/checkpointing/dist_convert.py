@@ -104,9 +104,12 @@ def torch_to_torch_dist(load: str, save: str) -> str:
     return write_full_model(save, full, source.states[min(source.states)])
 
 
-def torch_dist_to_torch(load: str, save: str, tp: int, pp: int, ep: int = 1) -> str:
-    """A torch_dist checkpoint as a torch-format one at TP `tp` x PP `pp` x EP `ep` (weights,
-    counters)."""
+def torch_dist_to_torch(load: str, save: str, tp: int, pp: int, ep: int = 1,
+                        etp=None) -> str:
+    """A torch_dist checkpoint as a torch-format one at TP `tp` x PP `pp` x EP `ep`, expert
+    TP `etp` (None: TP) (weights, counters)."""
+    etp = tp if etp is None else etp
+    reshard.check_expert_tp(etp, tp)
     full, config = read_full_model(load)
     common = torch_dist.stored_common(load) or {}
     tracked = read_tracker(load)
@@ -123,24 +126,28 @@ def torch_dist_to_torch(load: str, save: str, tp: int, pp: int, ep: int = 1) -> 
         problem = experts.check_split(flat, ep, sharding)
         if problem:
             raise CheckpointError(f"{problem} (--target-expert-model-parallel-size)")
-    return reshard.write_checkpoint(save, source, shards, tp, pp, ep)
+    shards = experts.recut_expert_tp(shards, tp, tp, etp, sharding)
+    return reshard.write_checkpoint(save, source, shards, tp, pp, ep, etp)
 
 
-def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int, ep: int = 1) -> str:
+def convert(load: str, save: str, ckpt_format: str, tp: int, pp: int, ep: int = 1,
+            etp=None) -> str:
     """tools/merge_mp_partitions.py: re-shard or convert the latest checkpoint under `load`
-    to `ckpt_format` under `save` (torch at TP `tp` x PP `pp` x EP `ep`; torch_dist has no
-    layout)."""
+    to `ckpt_format` under `save` (torch at TP `tp` x PP `pp` x EP `ep`, expert TP `etp`
+    (None: TP); torch_dist has no layout)."""
     is_dist = torch_dist.stored_common(load) is not None
     if ckpt_format == "torch" and not is_dist:
-        return reshard.reshard(load, save, tp, pp, ep)
-    if ep != 1 and ckpt_format == "torch_dist":
-        raise CheckpointError(f"--target-expert-model-parallel-size {ep} applies to the torch "
-                              f"format only (torch_dist re-shards experts at load); drop it")
+        return reshard.reshard(load, save, tp, pp, ep, etp)
+    if (ep != 1 or etp is not None) and ckpt_format == "torch_dist":
+        flag = ("--target-expert-model-parallel-size" if ep != 1
+                else "--target-expert-tensor-parallel-size")
+        raise CheckpointError(f"{flag} applies to the torch format only (torch_dist re-shards "
+                              f"experts at load); drop it")
     if os.path.realpath(load) == os.path.realpath(save):
         raise CheckpointError(f"--save {save} is the --load directory; write the converted "
                               f"checkpoint elsewhere (the input is never modified)")
     if ckpt_format == "torch":
-        return torch_dist_to_torch(load, save, tp, pp, ep)
+        return torch_dist_to_torch(load, save, tp, pp, ep, etp)
     if is_dist:
         raise CheckpointError(f"{load} is already torch_dist, which re-shards at load; there is "
                               f"nothing to convert")

@@ -6,11 +6,18 @@ its E / EP experts: the parameters whose sharding metadata has "expert_dim" (the
 stacked expert axis, megatron/mpu/sharding.py). Merging concatenates those along the
 expert axis in EP-rank order and keeps EP rank 0's dense parameters; splitting cuts
 them back into EP equal blocks.
+
+With expert TP (ETP) below TP each file mp_rank_TT[_PPP]_EEE holds TP rank TT's dense
+shard and EP rank EEE's experts cut at expert-TP rank TT mod ETP; only the (TP, EP) cells
+that some rank holds are saved (the TP and EP ranks are tied). `recut_expert_tp` moves the
+experts of a set of TP shards between TP and ETP cuts.
 """
 import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from megatron.mpu.sharding import merge_shards, shard_tensor
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
@@ -96,4 +103,23 @@ def stack_megatron_experts(params: Dict[str, torch.Tensor]) -> Dict[str, torch.T
         if sorted(by_expert) != list(range(len(by_expert))):
             raise ValueError(f"{key}: experts {sorted(by_expert)} are not 0 .. {len(by_expert) - 1}")
         out[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def recut_expert_tp(shards: Dict[Tuple[int, int], Flat], tp: int, etp_from: int, etp_to: int,
+                    sharding) -> Dict[Tuple[int, int], Flat]:
+    """{(tp rank, pp rank): flat} whose expert tensors are cut for expert TP `etp_from`
+    (TP rank t holding expert-TP rank t mod etp_from) re-cut for `etp_to`; other tensors
+    are kept. Both sizes divide `tp`."""
+    if etp_from == etp_to:
+        return shards
+    out = {key: dict(flat) for key, flat in shards.items()}
+    for p in sorted({p for _, p in shards}):
+        for name, tensor in shards[(0, p)].items():
+            meta = sharding(name)
+            if meta.get("expert_dim") is None or meta.get("dim") is None:
+                continue
+            full = merge_shards([shards[(k, p)][name] for k in range(etp_from)], meta)
+            for t in range(tp):
+                out[(t, p)][name] = shard_tensor(full, meta, t % etp_to, etp_to).clone()
     return out

@@ -138,6 +138,17 @@ def _ep_rank(pstate) -> Optional[int]:
     return pstate.ep_rank if getattr(pstate, "ep_size", 1) > 1 else None
 
 
+def _etp(pstate) -> int:
+    """Expert TP size of a ParallelState (TP for one built by hand without dims)."""
+    return getattr(getattr(pstate, "dims", None), "etp", pstate.tp_size)
+
+
+def _writes_model_file(pstate) -> bool:
+    if _etp(pstate) == pstate.tp_size:
+        return getattr(pstate, "edp_rank", pstate.dp_rank) == 0
+    return pstate.dims.first_of_cell(pstate.rank)
+
+
 def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
@@ -168,6 +179,8 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
                           "virtual_pipeline_model_parallel_size": len(models)}}
     if getattr(pstate, "ep_size", 1) > 1:
         state["parallel"]["expert_model_parallel_size"] = pstate.ep_size
+    if _etp(pstate) != pstate.tp_size:
+        state["parallel"]["expert_tensor_parallel_size"] = _etp(pstate)
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
     state["sharding"] = sharding_of(models)
@@ -188,10 +201,12 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
         checkpoint_io.remove_stale_temp_files(root)
     if dist.is_initialized():
         dist.barrier()
-    # One model file per TP x PP x EP: expert-DP rank 0 (expert-DP spans DP x CP); the
-    # distributed optimizer's shards are per DP x CP rank (what it shards over).
+    # One model file per (TP, PP, EP) rank that some rank holds, written by the lowest
+    # such rank (expert-DP rank 0 when expert TP is TP; expert-DP spans DP x CP). Each
+    # holds the TP rank's dense shard and the EP rank's experts at expert-TP rank
+    # TP rank mod ETP. The distributed optimizer's shards are per DP x CP rank.
     shard_rank, shard_size = _shard_rank_size(pstate)
-    if getattr(pstate, "edp_rank", pstate.dp_rank) == 0:
+    if _writes_model_file(pstate):
         checkpoint_io.save_file(state, path)
         shard_dir = os.path.dirname(distributed_optimizer_path(
             root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, 0))
@@ -439,6 +454,9 @@ def check_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
                 "pipeline_model_parallel_size": pstate.pp_size,
                 "virtual_pipeline_model_parallel_size": num_chunks,
                 "expert_model_parallel_size": getattr(pstate, "ep_size", 1)}
+    if "tensor_model_parallel_size" in saved:  # absent: expert TP was TP
+        expected["expert_tensor_parallel_size"] = _etp(pstate)
+        saved = {"expert_tensor_parallel_size": saved["tensor_model_parallel_size"], **saved}
     for key, value in expected.items():
         if key in saved and saved[key] != value:
             raise CheckpointError(

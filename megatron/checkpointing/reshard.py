@@ -105,8 +105,11 @@ class Source:
     tp: int
     pp: int
     states: Dict[Tuple[int, int], dict]
-    """With expert parallelism, each state holds the experts of all EP ranks (experts.py)."""
+    """With expert parallelism, each state holds the experts of all EP ranks (experts.py),
+    cut over TP like the dense tensors (whatever the saved expert TP)."""
     ep: int = 1
+    etp: Optional[int] = None
+    """The expert TP the checkpoint was saved with (None: TP)."""
 
     @cached_property
     def sharding(self) -> Sharding:
@@ -147,22 +150,56 @@ def _expert_files(directory: str) -> Tuple[int, Dict[Tuple[int, int, int], str]]
     return ep, {rank: path for rank, path in ranks.items() if rank is not None}
 
 
-def _merge_expert_states(files: Dict[Tuple[int, int, int], str], ep: int, directory: str):
-    """{(tp, pp): state} with every EP rank's experts (ep rank 0's file otherwise)."""
-    states = {}
+def _expert_cell(files, t: int, p: int, e: int, etp: int, tp: int):
+    """The file holding EP rank e's experts at expert-TP rank t mod ETP (TP rank t's own
+    when it was saved; with ETP < TP any TP rank of the same expert-TP rank)."""
+    for u in [t] + list(range(t % etp, tp, etp)):
+        if (u, p, e) in files:
+            return files[(u, p, e)]
+    return None
+
+
+def _merge_expert_states(files: Dict[Tuple[int, int, int], str], ep: int, directory: str,
+                         etp: int, tp: int):
+    """{(tp, pp): state} with every EP rank's experts (cut at expert-TP rank tp mod ETP)
+    and the dense shard of its TP rank."""
+    states, read = {}, {}
+
+    def load(path):
+        if path not in read:
+            read[path] = read_model_file(path, mmap=True)
+        return read[path]
+
     for t, p in sorted({(t, p) for t, p, _ in files}):
-        missing = [e for e in range(ep) if (t, p, e) not in files]
+        paths = [_expert_cell(files, t, p, e, etp, tp) for e in range(ep)]
+        missing = [e for e, path in enumerate(paths) if path is None]
         if missing:
             raise ReshardError(f"{directory} lacks the files of EP ranks {missing} of TP rank {t}, "
                                f"PP rank {p} (EP={ep}); the checkpoint is incomplete")
-        parts = [read_model_file(files[(t, p, e)], mmap=True) for e in range(ep)]
-        sharding = Sharding(parts[0].get("sharding") or {})
-        state = dict(parts[0])
+        parts = [load(path) for path in paths]
+        own = load(files[min((k for k in files if k[:2] == (t, p)), key=lambda k: k[2])])
+        sharding = Sharding(own.get("sharding") or {})
+        state = dict(own)
         for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
-            flats = [from_megatron_layout(part[key]) for part in parts]
-            state[key] = to_megatron_layout(ep_files.merge_experts(flats, sharding))
+            experts = ep_files.merge_experts([from_megatron_layout(part[key]) for part in parts],
+                                             sharding)
+            dense = from_megatron_layout(own[key])
+            state[key] = to_megatron_layout(
+                {name: experts[name] if sharding(name).get("expert_dim") is not None else tensor
+                 for name, tensor in dense.items()})
         states[(t, p)] = state
     return states
+
+
+def _recut_states(states: Dict[Tuple[int, int], dict], tp: int, etp: int) -> None:
+    """Re-cut the experts of every state from expert TP `etp` to TP (in place)."""
+    sharding = Sharding({k: v for state in states.values()
+                         for k, v in (state.get("sharding") or {}).items()})
+    keys = [k for k in states[min(states)] if k == "model" or re.fullmatch(r"model\d+", k)]
+    for key in keys:
+        flats = {tp_pp: from_megatron_layout(state[key]) for tp_pp, state in states.items()}
+        for tp_pp, flat in ep_files.recut_expert_tp(flats, tp, etp, tp, sharding).items():
+            states[tp_pp] = dict(states[tp_pp], **{key: to_megatron_layout(flat)})
 
 
 def read_source(root: str) -> Source:
@@ -175,8 +212,13 @@ def read_source(root: str) -> Source:
     files = find_rank_dirs(directory) if os.path.isdir(directory) and ep == 1 else {}
     if not files and not expert_files:
         raise ReshardError(f"no mp_rank_*/model_optim_rng.pt under {directory}")
-    if ep > 1:
-        states = _merge_expert_states(expert_files, ep, directory)
+    first = read_model_file(expert_files[min(expert_files)] if ep > 1 else files[min(files)],
+                            mmap=True).get("parallel", {})
+    etp = first.get("expert_tensor_parallel_size", first.get("tensor_model_parallel_size", 1))
+    if ep > 1 or etp != first.get("tensor_model_parallel_size", 1):
+        cells = expert_files or {(t, p, 0): path for (t, p), path in files.items()}
+        states = _merge_expert_states(cells, ep, directory, etp,
+                                      first.get("tensor_model_parallel_size", 1))
         files = dict.fromkeys(states)
     else:
         states = {key: read_model_file(path, mmap=True)
@@ -188,7 +230,9 @@ def read_source(root: str) -> Source:
     if missing:
         raise ReshardError(f"{directory} lacks the files of (tp rank, pp rank) {missing} of its "
                            f"TP={tp} x PP={pp} layout; the checkpoint is incomplete")
-    return Source(iteration, release, tp, pp, states, ep)
+    if etp != tp:
+        _recut_states(states, tp, etp)
+    return Source(iteration, release, tp, pp, states, ep, etp)
 
 
 def model_chunks(state: dict) -> List[dict]:
@@ -322,7 +366,9 @@ def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
 
 
 def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sharding,
-                 ep: int = 1) -> dict:
+                 ep: int = 1, etp: Optional[int] = None) -> dict:
+    """`etp`: the expert TP the experts of `flat` are cut for (None: TP)."""
+    etp = None if etp == tp else etp
     config = dict(source_state.get("config") or {})
     if config:
         parallel = dict(config.get("parallel", {}))
@@ -330,6 +376,8 @@ def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sha
                         num_layers_per_virtual_pipeline_stage=None)
         if ep > 1 or "expert_model_parallel_size" in parallel:
             parallel["expert_model_parallel_size"] = ep
+        if etp is not None or "expert_tensor_parallel_size" in parallel:
+            parallel["expert_tensor_parallel_size"] = etp
         if tp == 1:
             parallel["sequence_parallel"] = False
         config["parallel"] = parallel
@@ -337,6 +385,8 @@ def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sha
               "virtual_pipeline_model_parallel_size": 1}
     if ep > 1:
         layout["expert_model_parallel_size"] = ep
+    if etp is not None:
+        layout["expert_tensor_parallel_size"] = etp
     return {"model": to_megatron_layout(flat), "sharding": sharding.to_dict(flat),
             "iteration": source_state.get("iteration", 0),
             "checkpoint_version": source_state.get("checkpoint_version", CHECKPOINT_VERSION),
@@ -347,8 +397,10 @@ def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sha
 
 
 def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Flat],
-                     tp: int, pp: int, ep: int = 1) -> str:
-    """Write every rank file under a temporary directory, rename it, then the tracker."""
+                     tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> str:
+    """Write every rank file under a temporary directory, rename it, then the tracker.
+    `etp`: the expert TP the experts of `shards` are cut for (None: TP); every (TP, EP)
+    cell is written, so any world size of the layout finds its files."""
     final = iteration_dir(save, source.iteration, source.release)
     if os.path.exists(final):
         raise ReshardError(f"{final} already exists; choose another --save directory or "
@@ -361,7 +413,7 @@ def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Fl
             for e, part in enumerate(ep_files.split_experts(flat, ep, source.sharding)):
                 rank_dir = ep_files.rank_dir_name(t, p, pp, e if ep > 1 else None)
                 os.makedirs(os.path.join(tmp, rank_dir))
-                save_file(target_state(first, part, tp, pp, source.sharding, ep),
+                save_file(target_state(first, part, tp, pp, source.sharding, ep, etp),
                           os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
         os.replace(tmp, final)
     except BaseException:
@@ -371,21 +423,31 @@ def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Fl
     return final
 
 
-def reshard(load: str, save: str, tp: int, pp: int, ep: int = 1) -> str:
-    """Re-shard the latest checkpoint under `load` to TP `tp` x PP `pp` (x EP `ep`) under
-    `save`."""
+def check_expert_tp(etp: int, tp: int) -> None:
+    if etp < 1 or tp % etp:
+        raise ReshardError(f"--target-expert-tensor-parallel-size {etp} must divide "
+                           f"--target-tensor-model-parallel-size {tp}; use a divisor of {tp}")
+
+
+def reshard(load: str, save: str, tp: int, pp: int, ep: int = 1,
+            etp: Optional[int] = None) -> str:
+    """Re-shard the latest checkpoint under `load` to TP `tp` x PP `pp` (x EP `ep`, expert
+    TP `etp`, None: TP) under `save`."""
     if os.path.realpath(load) == os.path.realpath(save):
         raise ReshardError(f"--save {save} is the --load directory; write the re-sharded "
                            f"checkpoint elsewhere (the input is never modified)")
     if ep < 1:
         raise ReshardError(f"--target-expert-model-parallel-size must be >= 1, got {ep}")
+    etp = tp if etp is None else etp
+    check_expert_tp(etp, tp)
     source = read_source(load)
     shards = resplit(source, tp, pp)
     for flat in shards.values():
         problem = ep_files.check_split(flat, ep, source.sharding)
         if problem:
             raise ReshardError(problem)
-    return write_checkpoint(save, source, shards, tp, pp, ep)
+    shards = ep_files.recut_expert_tp(shards, tp, tp, etp, source.sharding)
+    return write_checkpoint(save, source, shards, tp, pp, ep, etp)
 
 
 def resplit(source: Source, tp: int, pp: int) -> Dict[Tuple[int, int], Flat]:

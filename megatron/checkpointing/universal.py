@@ -9,7 +9,8 @@ its shards follow the saved layout. A change of the data-parallel size alone nee
 from typing import Optional
 
 from megatron.checkpointing import reshard
-from megatron.checkpointing.experts import check_split as split_problem, split_experts
+from megatron.checkpointing.experts import (check_split as split_problem, recut_expert_tp,
+                                            split_experts)
 from megatron.checkpointing.layout import CheckpointError, read_tracker
 
 
@@ -34,13 +35,16 @@ def resharded_state(root: str, pstate, num_chunks: int,
         source = reshard.read_source(root)
         first = source.states[min(source.states)]
         ep = getattr(pstate, "ep_size", 1)
+        etp = getattr(getattr(pstate, "dims", None), "etp", pstate.tp_size)
         saved = (source.tp, source.pp, len(reshard.model_chunks(first)))
-        if saved == (pstate.tp_size, pstate.pp_size, num_chunks) and source.ep == ep:
+        if saved == (pstate.tp_size, pstate.pp_size, num_chunks) and source.ep == ep and \
+                (source.etp or source.tp) == etp:
             return None
         if num_chunks > 1:
             raise reshard.ReshardError("re-sharding makes one model chunk per stage; drop "
                                        "--num-layers-per-virtual-pipeline-stage")
-        flat = reshard.resplit(source, pstate.tp_size, pstate.pp_size)
+        flat = recut_expert_tp(reshard.resplit(source, pstate.tp_size, pstate.pp_size),
+                               pstate.tp_size, pstate.tp_size, etp, source.sharding)
     except reshard.ReshardError as err:
         raise _refusal(root, str(err), pstate, inference) from None
     mine = flat[(pstate.tp_rank, pstate.pp_rank)]
@@ -48,7 +52,8 @@ def resharded_state(root: str, pstate, num_chunks: int,
     if problem:
         raise _refusal(root, problem, pstate, inference)
     mine = split_experts(mine, ep, source.sharding)[getattr(pstate, "ep_rank", 0)]
-    state = reshard.target_state(first, mine, pstate.tp_size, pstate.pp_size, source.sharding, ep)
+    state = reshard.target_state(first, mine, pstate.tp_size, pstate.pp_size, source.sharding, ep,
+                                 etp)
     if "opt_param_scheduler" in first:
         state["opt_param_scheduler"] = first["opt_param_scheduler"]
     state["_release"] = source.release

@@ -83,21 +83,31 @@ class Config:
 
     def _check_experts(self, world_size: int) -> None:
         ep, p, moe = self.parallel.expert_model_parallel_size, self.parallel, self.model.moe
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if ep == 1 and (moe is None or not moe.enabled):
+        tp, pp, etp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_tp
+        if ep == 1 and etp == tp and (moe is None or not moe.enabled):
             return
         require(moe is not None and moe.enabled,
-                f"--expert-model-parallel-size {ep} needs --num-experts")
-        require(world_size % (ep * tp * pp) == 0,
-                f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
+                f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} "
+                f"needs --num-experts")
+        if etp == tp:
+            require(world_size % (ep * tp * pp) == 0,
+                    f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
+                    f"--pipeline-model-parallel-size ({pp}) must divide the world size "
+                    f"({world_size})")
+        require(world_size % (ep * etp * pp) == 0,
+                f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) x "
                 f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
         require(moe.num_experts % ep == 0,
                 f"--num-experts ({moe.num_experts}) must be divisible by "
                 f"--expert-model-parallel-size ({ep})")
         require(p.DDP_impl == "local", "MoE needs --DDP-impl local (expert gradients are "
                                        "reduced over their own group); drop --DDP-impl torch")
+        mixed = len(set(moe.layer_pattern(self.model.num_layers))) > 1
+        require(self.checkpoint.ckpt_format != "torch_dist" or not mixed,
+                f"--ckpt-format torch_dist cannot hold a model that mixes MoE and dense MLP "
+                f"layers (--moe-layer-freq {moe.moe_layer_freq}): each MLP key spans every "
+                f"layer; use --ckpt-format torch")
         ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
-        etp = p.expert_tensor_parallel_size or tp
         require(ffn % etp == 0, f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
                                 f"--expert-tensor-parallel-size ({etp})")
 

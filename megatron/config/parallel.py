@@ -23,7 +23,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """Ranks that split the experts of each MoE layer, carved out of data parallelism."""
     expert_tensor_parallel_size: Optional[int] = None
-    """Ranks that split each expert (default: --tensor-model-parallel-size)."""
+    """Ranks that split each expert (default: --tensor-model-parallel-size); a divisor of TP.
+    Below TP the experts spread over ETP x EP ranks and the TP ranks split their tokens."""
     distributed_backend: Optional[str] = None
     """nccl | gloo; None picks nccl when CUDA is available, else gloo."""
     DDP_impl: str = "local"
@@ -47,10 +48,15 @@ class ParallelConfig:
                 f"--cp-comm-type {self.cp_comm_type!r} is not p2p or a2a")
         require(self.expert_model_parallel_size >= 1,
                 f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}")
-        etp = self.expert_tensor_parallel_size  # None: TP (kept None, so re-sharding TP keeps it)
-        require(etp is None or etp == self.tensor_model_parallel_size,
-                f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
-                f"--tensor-model-parallel-size ({self.tensor_model_parallel_size}) here; omit it")
+        etp, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
+        # None: TP (kept None, so re-sharding TP keeps it)
+        require(etp is None or etp >= 1, f"--expert-tensor-parallel-size must be >= 1, got {etp}")
+        require(etp is None or etp <= tp,
+                f"--expert-tensor-parallel-size ({etp}) larger than --tensor-model-parallel-size "
+                f"({tp}) is not supported; use a divisor of {tp}")
+        require(etp is None or tp % etp == 0,
+                f"--expert-tensor-parallel-size ({etp}) must divide --tensor-model-parallel-size "
+                f"({tp}); use a divisor of {tp}")
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")
@@ -71,6 +77,11 @@ class ParallelConfig:
         require(not (self.DDP_impl == "torch" and self.use_distributed_optimizer),
                 "--use-distributed-optimizer needs --DDP-impl local (its gradient buffer is what "
                 "the optimizer shards); drop --DDP-impl torch")
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert TP size (--expert-tensor-parallel-size, default TP)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def model_parallel_size(self) -> int:

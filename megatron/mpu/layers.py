@@ -84,8 +84,9 @@ def init_parameters(named_params: Dict[str, torch.nn.Parameter], seed: int, tp_g
     directly with the model-parallel seed (seed + 2718 + tp_rank), which needs no
     full weight in memory.
     """
-    rank, size = group_rank(tp_group), group_size(tp_group)
     for name, param in named_params.items():
+        group = getattr(param, "tensor_parallel_group", tp_group)  # experts: expert TP
+        rank, size = group_rank(group), group_size(group)
         init = getattr(param, "init_method", _zeros)
         sharded = getattr(param, "tensor_model_parallel", False) and size > 1
         meta = parameter_meta(param)

@@ -45,6 +45,15 @@ class ParallelState:
     dp_cp_group: Optional[object] = None
     """DP x CP: the ranks whose dense weight gradients are reduced together (and over which
     the distributed optimizer shards them); the DP group when CP is 1."""
+    etp_rank: int = 0
+    etp_group: Optional[object] = None
+    """Expert TP (only set when it differs from TP: ETP < TP)."""
+    token_group: Optional[object] = None
+    """With ETP < TP: the TP / ETP ranks of this TP group that split its tokens for the
+    experts (topology.expert_token_groups); None when ETP = TP."""
+    expert_mp_group: Optional[object] = None
+    """ETP x EP x PP, where the gradient norm's expert terms are summed; None when that is
+    TP x PP (EP 1 and ETP = TP)."""
 
     def __post_init__(self):
         if self.dp_cp_group is None and self.dims.cp == 1:
@@ -70,7 +79,8 @@ class ParallelState:
     def expert_groups(self) -> "ExpertGroups":
         """What MoE layers need to know of the layout."""
         return ExpertGroups(ep_group=self.ep_group, ep_rank=self.ep_rank, ep_size=self.ep_size,
-                            tp_group=self.tp_group)
+                            tp_group=self.tp_group, token_group=self.token_group,
+                            etp_group=self.etp_group, etp_rank=self.etp_rank)
 
     @property
     def tp_size(self) -> int:
@@ -114,12 +124,20 @@ class ParallelState:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """Expert parallelism as seen by an MoE layer (expert TP is the layer's TP group)."""
+    """Expert parallelism as seen by an MoE layer: expert TP is the layer's TP group unless
+    `token_group` is set (ETP < TP), then it is `etp_group`."""
 
     ep_group: Optional[object] = None
     ep_rank: int = 0
     ep_size: int = 1
     tp_group: Optional[object] = None
+    token_group: Optional[object] = None
+    etp_group: Optional[object] = None
+    etp_rank: int = 0
+
+    @property
+    def expert_tp_group(self):
+        return self.tp_group if self.token_group is None else self.etp_group
 
 
 _STATE: Optional[ParallelState] = None
@@ -142,9 +160,10 @@ def _my_group(groups, rank, backend, timeout=None):
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int] = None,
                               backend: Optional[str] = None, timeout=None,
-                              cp: int = 1, ep: int = 1) -> ParallelState:
+                              cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> ParallelState:
     """Build the TP, CP, DP, PP, model-parallel, embedding and expert (EP, expert-DP) groups
-    of this rank.
+    of this rank (`etp`: expert TP, None for TP; ETP < TP adds the ETP, token-split and
+    expert model-parallel groups).
 
     `timeout` (a timedelta) bounds every operation on them (torch's default otherwise)."""
     global _STATE
@@ -157,7 +176,7 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
         return _STATE
     rank = dist.get_rank()
     dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp,
-                        cp=cp, ep=ep)
+                        cp=cp, ep=ep, etp=etp)
     pp_rank, dp_rank, tp_rank = dims.coordinates(rank)
     tp_group, _ = _my_group(dims.tensor_parallel_groups(), rank, backend, timeout)
     dp_group, dp_ranks = _my_group(dims.data_parallel_groups(), rank, backend, timeout)
@@ -168,18 +187,26 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
     dp_cp_group = dp_group
     if cp > 1:
         dp_cp_group, _ = _my_group(dims.data_context_parallel_groups(), rank, backend, timeout)
-    _, edp_rank, ep_rank, _ = dims.expert_coordinates(rank)
-    ep_group, edp_group = None, dp_cp_group  # EP of one rank: expert DP is DP x CP
+    _, edp_rank, ep_rank, etp_rank = dims.expert_coordinates(rank)
+    ep_group, edp_group = None, dp_cp_group  # EP of one rank, ETP = TP: expert DP is DP x CP
+    etp_group = token_group = expert_mp_group = None
     if ep > 1:
         ep_group, _ = _my_group(dims.expert_parallel_groups(), rank, backend, timeout)
+    if ep > 1 or dims.etp != tp:
         edp_group, _ = _my_group(dims.expert_data_parallel_groups(), rank, backend, timeout)
+        expert_mp_group, _ = _my_group(dims.expert_model_parallel_groups(), rank, backend,
+                                       timeout)
+    if dims.etp != tp:
+        etp_group, _ = _my_group(dims.expert_tensor_parallel_groups(), rank, backend, timeout)
+        token_group, _ = _my_group(dims.expert_token_groups(), rank, backend, timeout)
     _STATE = ParallelState(
         dims=dims, rank=rank, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,
         embedding_group=emb_group, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
         embedding_ranks=emb_ranks or [], cp_rank=dims.cp_rank_of(rank), cp_group=cp_group,
         ep_rank=ep_rank, edp_rank=edp_rank, ep_group=ep_group, edp_group=edp_group,
-        dp_cp_group=dp_cp_group)
+        dp_cp_group=dp_cp_group, etp_rank=etp_rank, etp_group=etp_group,
+        token_group=token_group, expert_mp_group=expert_mp_group)
     return _STATE
 
 

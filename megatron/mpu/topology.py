@@ -12,6 +12,11 @@ into expert-TP (fastest), EP, then expert-DP: with ETP = TP and CP = 1 an EP gro
 consecutive DP ranks; with CP > 1 the EP groups run over CP first, and expert-DP spans
 DP x CP. Dense weight gradients are reduced over DP x CP (`data_context_parallel_groups`),
 expert gradients over the expert-DP ranks only, each once.
+
+ETP may be smaller than TP (it must divide it): then each ETP group is a block of ETP
+consecutive ranks inside a TP group, and the TP / ETP blocks of one TP group split the
+tokens that the TP ranks share (`expert_token_groups`: the ranks of one TP group with the
+same rank in their block), so each token reaches its experts once.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -41,6 +46,10 @@ class ParallelDims:
                 f"world size ({self.world_size}) is not divisible by tensor-model-parallel-size "
                 f"({self.tp}) x context-parallel-size ({self.cp}) x pipeline-model-parallel-size "
                 f"({self.pp}); choose sizes whose product divides the number of processes")
+        if self.tp % self.etp != 0:
+            raise ValueError(
+                f"expert-tensor-parallel-size ({self.etp}) must divide tensor-model-parallel-size "
+                f"({self.tp}); choose a divisor of {self.tp}")
         if self.stage_size % (self.etp * self.ep) != 0:
             raise ValueError(
                 f"the {self.stage_size} ranks of a pipeline stage are not divisible by "
@@ -161,3 +170,30 @@ class ParallelDims:
     def expert_data_parallel_groups(self) -> List[List[int]]:
         """Ranks holding the same expert shard: expert gradients are reduced over them."""
         return self._expert_groups("edp")
+
+    def expert_token_groups(self) -> List[List[int]]:
+        """With ETP < TP: the TP / ETP ranks of one TP group that have the same rank in
+        their ETP block; the tokens the TP group shares are split over them (one block of
+        tokens per ETP block). Groups of one rank when ETP = TP."""
+        groups: dict = {}
+        for rank in range(self.world_size):
+            key = (rank // self.tp, rank % self.etp)
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
+
+    def expert_model_parallel_groups(self) -> List[List[int]]:
+        """ETP x EP x PP: the ranks that together hold one copy of every expert shard (one
+        per expert-DP rank), over which the gradient norm's expert terms are summed."""
+        groups: dict = {}
+        for rank in range(self.world_size):
+            groups.setdefault(self.expert_coordinates(rank)[1], []).append(rank)
+        return list(groups.values())
+
+    def first_of_cell(self, rank: int) -> bool:
+        """Whether `rank` is the lowest rank of its stage holding its (TP rank, EP rank):
+        the rank that writes that cell's checkpoint file. With ETP = TP that is expert-DP
+        rank 0; with ETP < TP the TP and EP ranks are tied and only some cells exist."""
+        def cell(r):
+            return self.coordinates(r)[2], self.expert_coordinates(r)[2]
+        first = rank // self.stage_size * self.stage_size
+        return all(cell(other) != cell(rank) for other in range(first, rank))

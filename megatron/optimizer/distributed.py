@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.distributed.grads import clip_grads, norm_and_nonfinite
+from megatron.distributed.grads import clip_grads, expert_norm_groups, norm_and_nonfinite
 from megatron.mpu.mappings import group_rank, group_size
 from megatron.optimizer.optimizer import OptimizerBase, torch_optimizer
 
@@ -108,7 +108,7 @@ class DistributedOptimizer(OptimizerBase):
             norm, found_inf = norm_and_nonfinite([p.param for p in self.pieces], grads,
                                                  self.pstate.tp_group, self.pstate.mp_group,
                                                  dp_group=self.dp_group, device=self._device(),
-                                                 ep_group=getattr(self.pstate, "ep_group", None),
+                                                 **expert_norm_groups(self.pstate),
                                                  edp_group=self._expert_dp_group(),
                                                  starts=[p.start for p in self.pieces])
             if self.grad_scaler is not None:

@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.grads import clip_coefficient, norm_and_nonfinite
+from megatron.distributed.grads import clip_coefficient, expert_norm_groups, norm_and_nonfinite
 from megatron.optimizer.flat_adam import FlatAdamW, fused_adamw_available
 
 
@@ -110,7 +110,7 @@ class MegatronOptimizer(OptimizerBase):
                 self._scale_grads(grads, 1.0 / self.grad_scaler.scale.item())
             norm, found_inf = norm_and_nonfinite(self.model_params, grads, self.pstate.tp_group,
                                                  self.pstate.mp_group,
-                                                 ep_group=getattr(self.pstate, "ep_group", None))
+                                                 **expert_norm_groups(self.pstate))
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:

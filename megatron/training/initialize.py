@@ -40,7 +40,8 @@ def initialize_distributed(config):
                                        config.parallel.pipeline_model_parallel_size,
                                        config.virtual_pipeline_size, timeout=timeout,
                                        cp=config.parallel.context_parallel_size,
-                                       ep=config.parallel.expert_model_parallel_size)
+                                       ep=config.parallel.expert_model_parallel_size,
+                                       etp=config.parallel.expert_tp)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     set_seeds(config.training.seed, pstate)
     return pstate, device

@@ -7,20 +7,24 @@ from typing import List
 
 import torch
 
-from megatron.distributed.grads import counted_parts, counts_for_norm, grad_of, norm_and_nonfinite
+from megatron.distributed.grads import (counted_parts, counts_for_norm, expert_norm_groups, grad_of,
+                                       norm_and_nonfinite)
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 
 
 def _counted(models, pstate) -> List[torch.nn.Parameter]:
-    tp_rank = group_rank(pstate.tp_group)
-    return [p for m in models for p in m.parameters() if counts_for_norm(p, tp_rank)]
+    tp_rank, etp_rank = group_rank(pstate.tp_group), getattr(pstate, "etp_rank", 0)
+    own = getattr(pstate, "expert_mp_group", None) is not None  # experts split by expert TP
+    return [p for m in models for p in m.parameters()
+            if counts_for_norm(p, etp_rank if own and getattr(p, "expert_parallel", False)
+                               else tp_rank)]
 
 
 def params_norm(models, pstate) -> float:
     """L2 norm of all model parameters (Megatron's ` params norm:`)."""
     params = _counted(models, pstate)
     norm, _ = norm_and_nonfinite(params, [p.detach() for p in params], pstate.tp_group,
-                                 pstate.mp_group, ep_group=getattr(pstate, "ep_group", None))
+                                 pstate.mp_group, **expert_norm_groups(pstate))
     return norm
 
 

@@ -111,6 +111,15 @@ def train_layouts(layouts: Dict[str, Layout], world_size, data_prefix, workdir):
     return results
 
 
+def spawn_worlds(rank_fn, layouts: Dict[str, Layout], data_prefix, workdir,
+                 timeout: int = 1800) -> Dict[int, list]:
+    """{world size: per-rank results of `rank_fn(rank, world, data_prefix, workdir)`}, one
+    spawn per world size the layouts need."""
+    from tests.distributed.run_ranks import run_ranks
+    return {world: run_ranks(rank_fn, world, data_prefix, str(workdir), timeout=timeout)
+            for world in sorted({layout.world for layout in layouts.values()})}
+
+
 def assert_close(got, want, what):
     assert len(got) == len(want), f"{what}: {len(got)} losses, expected {len(want)}"
     rel = [abs(a - b) / abs(b) for a, b in zip(got, want)]

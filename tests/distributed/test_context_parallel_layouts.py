@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import pytest
 
 from tests.distributed import layouts as L
-from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import have_reference_data, preprocess_wiki
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
@@ -81,11 +80,7 @@ def reference(references):
 
 @pytest.fixture(scope="module")
 def spawns(workdir):
-    prefix, out = workdir
-    results = {}
-    for world in sorted({layout.world for layout in LAYOUTS.values()}):
-        results[world] = run_ranks(_rank, world, prefix, str(out), timeout=1800)
-    return results
+    return L.spawn_worlds(_rank, LAYOUTS, *workdir)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

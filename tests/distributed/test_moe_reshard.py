@@ -29,8 +29,8 @@ def _merge(load, save, *target):
     assert merge_mp_partitions.main(["--load", load, "--save", save, *target]) == 0
 
 
-def logits(root, pstate, universal=False):
-    """Logits of a fixed sequence from the checkpoint at `root`, on this rank's layout."""
+def load_model(root, pstate, universal=False):
+    """This rank's model from the checkpoint at `root` (re-sharded in memory: `universal`)."""
     from megatron.checkpointing.layout import from_megatron_layout, load_checkpoint_file
     from megatron.checkpointing.universal import resharded_state
     from megatron.config import Config
@@ -39,10 +39,16 @@ def logits(root, pstate, universal=False):
     cfg = Config.from_dict(state["config"]).model
     model = GPTModel(cfg, tp_group=pstate.tp_group, expert_groups=pstate.expert_groups())
     model.load_state_dict(from_megatron_layout(state["model"]), strict=True)
-    model.eval()
-    tokens = (torch.arange(32) * 37 % 1000).view(1, 32)
+    return model.eval()
+
+
+def logits(root, pstate, universal=False, length=32):
+    """Logits of a fixed sequence of `length` tokens from the checkpoint at `root`, on this
+    rank's layout."""
+    model = load_model(root, pstate, universal)
+    tokens = (torch.arange(length) * 37 % 1000).view(1, length)
     with torch.no_grad():
-        return model(tokens, torch.arange(32).view(1, 32)).numpy()
+        return model(tokens, torch.arange(length).view(1, length)).numpy()
 
 
 def _world2(rank, world_size, prefix, out):

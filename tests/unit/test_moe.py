@@ -54,6 +54,8 @@ def test_layer_freq_forms():
     (["--moe-expert-capacity-factor", "0"], 1, ["--moe-expert-capacity-factor", "got 0.0"]),
     (["--moe-router-score-function", "relu"], 1, ["--moe-router-score-function", "'relu'"]),
     (["--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type", "'flex'"]),
+    (["--moe-layer-freq", "2", "--ckpt-format", "torch_dist"], 1,
+     ["--ckpt-format torch_dist", "--moe-layer-freq 2", "--ckpt-format torch"]),
     (["--moe-router-load-balancing-type", "magic"], 1, ["--moe-router-load-balancing-type"]),
     (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
      ["--moe-router-num-groups (3)"]),

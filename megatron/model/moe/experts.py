@@ -1,9 +1,9 @@
 """The experts of one MoE layer held by this rank, and the shared expert.
 
-`Experts` holds this EP rank's E / EP experts as stacked weights, each split over TP
-like a dense MLP: linear_fc1.weight [E_local, gates x ffn / TP, h] (gated: this rank's
-[gate_r; up_r] rows), linear_fc2.weight [E_local, h, ffn / TP]. Its input is tokens
-sorted by local expert and the count per expert; `--moe-grouped-gemm` runs each
+`Experts` holds this EP rank's E / EP experts as stacked weights, each split over expert
+TP (ETP, by default TP) like a dense MLP: linear_fc1.weight [E_local, gates x ffn / ETP, h]
+(gated: this rank's [gate_r; up_r] rows), linear_fc2.weight [E_local, h, ffn / ETP]. Its
+input is tokens sorted by local expert and the count per expert; `--moe-grouped-gemm` runs each
 projection of all experts as one grouped matmul (`GroupedLinear`: no padding, weight
 gradients added straight into the data-parallel gradient buffer), otherwise a loop of
 autograd linears over experts (the reference).
@@ -36,11 +36,12 @@ def _zeros(tensor, generator=None):
     return tensor.zero_()
 
 
-def _expert_param(shape, device, dtype, dim, groups, num_experts, init):
+def _expert_param(shape, device, dtype, dim, groups, num_experts, init, tp_group):
     param = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     set_parallel_attributes(param, dim is not None, dim if dim is not None else -1, groups, init)
     param.sharding = {"dim": dim, "groups": groups, "expert_dim": 0, "num_experts": num_experts}
     param.expert_parallel = True
+    param.tensor_parallel_group = tp_group  # split over expert TP (init_parameters)
     return param
 
 
@@ -57,16 +58,16 @@ class Experts(torch.nn.Module):
     def __init__(self, cfg, groups, device, dtype):
         super().__init__()
         moe = cfg.moe
-        self.cfg, self.tp_group = cfg, groups.tp_group
+        self.cfg, self.tp_group = cfg, groups.expert_tp_group  # ETP, which may be < TP
         self.grouped = moe.moe_grouped_gemm
-        tp = group_size(groups.tp_group)
+        tp = group_size(self.tp_group)
         self.num_local = divide(moe.num_experts, groups.ep_size)
         ffn = divide(moe.moe_ffn_hidden_size or cfg.ffn_hidden_size, tp)
         gates = 2 if cfg.gated_mlp else 1
         e, h, rank = moe.num_experts, cfg.hidden_size, groups.ep_rank
         fc1_init = expert_init(init_normal(cfg.init_method_std), e, rank)
         fc2_init = expert_init(scaled_init_normal(cfg.init_method_std, cfg.num_layers), e, rank)
-        common = dict(device=device, dtype=dtype, num_experts=e)
+        common = dict(device=device, dtype=dtype, num_experts=e, tp_group=self.tp_group)
         bias1 = bias2 = None
         if cfg.add_bias_linear:
             bias1 = _expert_param((self.num_local, gates * ffn), dim=1, groups=gates,

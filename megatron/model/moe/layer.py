@@ -2,8 +2,13 @@
 plus the optional shared expert; and the per-step MoE metrics of a model.
 
 TP: every TP rank routes the same tokens (a sequence-parallel input is gathered first
-and the output split again); each expert is TP-split and its output all-reduced over
-TP before the tokens are combined, so router, losses and combine see full values.
+and the output split again); each expert is split over expert TP (ETP) and its output
+all-reduced over ETP before the tokens are combined, so router, losses and combine see
+full values. With ETP < TP the TP group holds TP / ETP blocks of ETP ranks: the routed
+tokens are cut into TP / ETP equal parts (zero rows that route nowhere pad them), block b
+dispatches part b over EP (its EP group then meets each token once, as Megatron-Core's
+expert-tensor-and-expert-parallel group does), and the parts are gathered back over the
+token group; the cut's backward gathers the parts' gradients, the gather's splits them.
 """
 from typing import Dict, List
 
@@ -12,8 +17,8 @@ import torch
 from megatron.model.moe.dispatcher import DISPATCHERS
 from megatron.model.moe.experts import Experts, SharedExpert
 from megatron.model.moe.router import TopKRouter
-from megatron.mpu.mappings import (all_reduce, gather_from_sequence_parallel_region, group_size,
-                                   scatter_to_sequence_parallel_region)
+from megatron.mpu.mappings import (all_reduce, gather_from_sequence_parallel_region, group_rank,
+                                   group_size, scatter_to_sequence_parallel_region)
 
 
 class MoELayer(torch.nn.Module):
@@ -37,13 +42,29 @@ class MoELayer(torch.nn.Module):
         s, b, h = hidden.shape
         x = hidden.reshape(s * b, h)
         probs, routing_map = self.router(x, (s, b))
-        out = self.dispatch(x, probs, routing_map, self.experts, self.groups)
+        out = self._dispatch(x, probs, routing_map)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = out.view(s, b, h)
         if sp:
             out = scatter_to_sequence_parallel_region(out, self.tp_group)
         return out, None
+
+    def _dispatch(self, x, probs, routing_map):
+        group = self.groups.token_group
+        parts = group_size(group)
+        if parts == 1:
+            return self.dispatch(x, probs, routing_map, self.experts, self.groups)
+        tokens = x.shape[0]
+        pad = -tokens % parts
+        if pad:
+            x, probs, routing_map = (torch.cat([t, t.new_zeros((pad, t.shape[1]))])
+                                     for t in (x, probs, routing_map))
+        mine = routing_map.chunk(parts)[group_rank(group)]
+        out = self.dispatch(scatter_to_sequence_parallel_region(x, group),
+                            scatter_to_sequence_parallel_region(probs, group), mine,
+                            self.experts, self.groups)
+        return gather_from_sequence_parallel_region(out, group, False)[:tokens]
 
 
 def moe_layers(models) -> List[MoELayer]:
