@@ -237,7 +237,9 @@ def main(argv=None):
     print(f"{E} experts, top {K}, {LAYERS} layers, hidden {H}, expert width {FFN}, seq {SEQ}, "
           f"micro batch {BATCH}, vocab {VOCAB}, fp32, threads {torch.get_num_threads()}, "
           f"median of {args.reps} x {args.steps} steps; load {os.getloadavg()[0]:.2f}")
-    steps = {"ours": bts.build_ours(bench_args("--moe-grouped-gemm"), text)[1]}
+    ours = bench_args("--moe-grouped-gemm")
+    print("ours: pretrain_gpt.py " + " ".join(bts.our_flags(ours)))
+    steps = {"ours": bts.build_ours(ours, text)[1]}
     if args.loop:
         steps["ours, expert loop"] = bts.build_ours(bench_args(), text)[1]
     for name, make in (("transformers", mixtral), ("minimal", minimal)):
