@@ -4,16 +4,16 @@
 // and the backward, which adds the weight gradients into given buffers (the data-parallel
 // reducer's main_grad) and returns the input gradient.
 //
-// Each expert's whole chain runs on one thread, with single-threaded matmuls, while the
-// other threads run other experts: at these sizes (an expert sees ~100-500 rows) a matmul
-// split over threads synchronises per call and streams its weights through every core's
-// cache, and the activation and its gradient then cost one more pass over memory each.
-// Here an expert's activation rows stay in the cache of the thread that made them.
-// Experts are taken largest first, each thread taking the next one when it is free; with
-// fewer than two non-empty experts per thread (expert parallelism leaves few per rank) the
-// experts run one after another, each matmul on all threads.
+// The rows are split over threads in equal contiguous shares, and each thread runs the
+// whole chain of every expert block in its share with single-threaded matmuls: at these
+// sizes (an expert sees ~100-500 rows) a matmul split over threads synchronises per call
+// and streams its weights through every core's cache, and the activation and its gradient
+// then cost one more pass over memory each; here an expert's activation rows stay in the
+// cache of the thread that made them. An expert whose rows straddle two shares has its
+// weight gradient summed from the two parts (the later one through scratch, added after).
+// Large experts (over 4M weights: that scratch would be large, and their matmuls thread
+// well) run one after another, each matmul on all threads.
 #include <algorithm>
-#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -72,28 +72,41 @@ void rows_loop(int64_t rows, int64_t cols, Fn&& fn) {
   });
 }
 
-// Calls fn(e, start, rows) for every expert with rows: largest first over threads, or in
-// order with each call's matmuls threaded (see the top of the file).
+// Rows [start, start + rows) of the input, all of expert e's or a part of them.
+struct Piece {
+  int64_t e, start, rows;
+};
+
+// Experts of at most this many weights (w1 and w2) are split over threads by rows: a thread
+// that takes up an expert's rows after another one needs scratch of that size for its part
+// of the weight gradients.
+constexpr int64_t kSplitWeights = int64_t{1} << 22;
+
+// Calls fn(piece, slot) for the rows of every expert. With T >= 2 threads and experts of
+// at most kSplitWeights weights, thread t takes rows [N t / T, N (t + 1) / T), expert by
+// expert: slot t for its first piece when that does not start the expert's rows (its weight
+// gradients go to scratch slot t, which the caller adds afterwards), -1 for every other
+// piece. Otherwise the experts run one after another, each call's matmuls threaded, slot -1.
 template <typename Fn>
-void for_each_expert(const std::vector<int64_t>& counts, Fn&& fn) {
+void for_each_piece(const std::vector<int64_t>& counts, int64_t expert_weights, Fn&& fn) {
   const int64_t experts = static_cast<int64_t>(counts.size());
   std::vector<int64_t> start(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) start[e + 1] = start[e] + counts[e];
-  std::vector<int64_t> order;
-  for (int64_t e = 0; e < experts; ++e)
-    if (counts[e] > 0) order.push_back(e);
-  const int64_t threads = at::get_num_threads();
-  if (threads < 2 || static_cast<int64_t>(order.size()) < 2 * threads) {
-    for (int64_t e : order) fn(e, start[e], counts[e]);
+  const int64_t n = start[experts], threads = at::get_num_threads();
+  if (threads < 2 || expert_weights > kSplitWeights || n < threads) {
+    for (int64_t e = 0; e < experts; ++e)
+      if (counts[e] > 0) fn(Piece{e, start[e], counts[e]}, -1);
     return;
   }
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     at::AutoGradMode no_grad(false);  // grad mode is per thread: the caller's is off
-    for (int64_t i = next++; i < static_cast<int64_t>(order.size()); i = next++)
-      fn(order[i], start[order[i]], counts[order[i]]);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+      for (int64_t e = 0; e < experts; ++e) {
+        const int64_t first = std::max(lo, start[e]), last = std::min(hi, start[e + 1]);
+        if (last > first) fn(Piece{e, first, last - first}, first == start[e] ? -1 : t);
+      }
+    }
   });
 }
 
@@ -130,7 +143,9 @@ std::tuple<at::Tensor, at::Tensor> swiglu_experts_forward(const at::Tensor& x,
   const int64_t n = x.size(0), h = x.size(1), f = w2.size(2);
   at::Tensor pre = at::empty({n, 2 * f}, x.options());
   at::Tensor y = at::empty({n, h}, x.options());
-  for_each_expert(counts, [&](int64_t e, int64_t start, int64_t rows) {
+  const int64_t weights = w1[0].numel() + w2[0].numel();
+  for_each_piece(counts, weights, [&](const Piece& piece, int64_t) {
+    const int64_t e = piece.e, start = piece.start, rows = piece.rows;
     at::Tensor pre_e = pre.narrow(0, start, rows);
     at::mm_out(pre_e, x.narrow(0, start, rows), w1[e].t());
     at::Tensor a = at::empty({rows, f}, x.options());
@@ -162,7 +177,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_experts_backward(
                 "swiglu experts backward: gradient buffers must be float32 of the weights' "
                 "shapes");
   }
-  for_each_expert(counts, [&](int64_t e, int64_t start, int64_t rows) {
+  // Scratch weight gradients of the pieces that continue an expert another thread started.
+  const int64_t threads = at::get_num_threads();
+  std::vector<at::Tensor> part1(threads), part2(threads);
+  std::vector<int64_t> part_expert(threads, -1);
+  const int64_t weights = w1[0].numel() + w2[0].numel();
+  for_each_piece(counts, weights, [&](const Piece& piece, int64_t slot) {
+    const int64_t e = piece.e, start = piece.start, rows = piece.rows;
     const at::Tensor dy_e = dy.narrow(0, start, rows), x_e = x.narrow(0, start, rows);
     const float* pp = pre.data_ptr<float>() + start * 2 * f;
     at::Tensor da = at::mm(dy_e, w2[e]);  // [rows, f]
@@ -177,11 +198,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_experts_backward(
       at::Tensor dx_e = dx.narrow(0, start, rows);
       at::mm_out(dx_e, dpre, w1[e]);
     }
-    if (need_dw) {
+    if (need_dw && slot >= 0) {
+      part_expert[slot] = e;
+      part2[slot] = at::mm(dy_e.t(), a);
+      part1[slot] = at::mm(dpre.t(), x_e);
+    } else if (need_dw) {
       dw2[e].addmm_(dy_e.t(), a);
       dw1[e].addmm_(dpre.t(), x_e);
     }
   });
+  for (int64_t t = 0; t < threads; ++t) {  // in thread order: the same sums every run
+    if (part_expert[t] < 0) continue;
+    dw1[part_expert[t]].add_(part1[t]);
+    dw2[part_expert[t]].add_(part2[t]);
+  }
   return {dx, ret1, ret2};
 }
 

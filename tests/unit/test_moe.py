@@ -332,13 +332,14 @@ def test_megatron_lm_moe_key_names_load(naming):
     assert all(torch.equal(loaded[k], ours[k]) for k in ours)
 
 
-@pytest.mark.parametrize("counts", [[5, 0, 9, 4, 7, 3], [40, 0]])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("counts", [[5, 0, 10, 4, 6, 3], [40, 0]])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_swiglu_kernel_against_float64(counts, threads):
-    """The SwiGLU experts kernel, experts over threads ([5, 0, 9, 4, 7, 3] on 2 threads) or
-    one after another: output, input and weight gradients equal a float64 loop's to float32
-    rounding; weight gradients are added into given buffers, an empty expert's untouched;
-    without buffers they are returned; a frozen input gets no gradient."""
+    """The SwiGLU experts kernel, rows split over 2 or 3 threads (experts 2 and 0 straddle
+    two threads' shares: their weight gradients are summed from two parts) or on one:
+    output, input and weight gradients equal a float64 loop's to float32 rounding; weight
+    gradients are added into given buffers, an empty expert's untouched; without buffers
+    they are returned; a frozen input gets no gradient."""
     from megatron.model.moe.experts import SwiGLUExperts, swiglu_kernel
     if swiglu_kernel(torch.zeros(1)) is None:
         pytest.skip("fused CPU kernels unavailable")
