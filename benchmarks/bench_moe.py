@@ -18,9 +18,12 @@ contender does the same step: forward, backward, clipping to 1.0 and AdamW (weig
   a Python loop over experts with index_add), and torch's foreach AdamW.
 Prints the median ms per step over `--reps` interleaved repetitions of `--steps` steps and
 the ratios peer / ours (> 1: ours is faster). `--gemm` times, interleaved, the forward and
-backward of one layer's experts (the rows a random router sends them) by the reference loop,
-one `torch.bmm` over rows padded to the largest expert, `torch._grouped_mm` and ours
-(`GroupedLinear`), which is what `--moe-grouped-gemm` uses.
+backward of one layer's SwiGLU experts (the rows a random router sends them) by the
+reference loop, one `torch.bmm` over rows padded to the largest expert, `torch._grouped_mm`,
+our `GroupedLinear` around the activation (what `--moe-grouped-gemm` runs with biases or
+other activations) and our SwiGLU experts kernel (csrc/fused/moe_cpu.cpp: each expert's
+whole chain on one thread, experts over threads), which is what `--moe-grouped-gemm` runs
+here.
 """
 import argparse
 import os
@@ -145,7 +148,7 @@ def minimal(args):
 # -- the experts' matmuls alone ------------------------------------------------------
 def gemm_paths():
     """f(rows, w1, w2, counts) of the ways to run the experts' two projections."""
-    from megatron.model.moe.experts import GroupedLinear
+    from megatron.model.moe.experts import GroupedLinear, SwiGLUExperts, swiglu_kernel
 
     def act(h):
         gate, up = h.chunk(2, -1)
@@ -169,9 +172,12 @@ def gemm_paths():
         return torch.cat([F.linear(act(F.linear(r, w1[e])), w2[e])
                           for e, r in enumerate(x.split(counts))])
     paths = {"expert loop": loop, "padded torch.bmm": padded_bmm,
-             "GroupedLinear (ours)": grouped_linear}
+             "GroupedLinear": grouped_linear}
     if hasattr(torch, "_grouped_mm"):
         paths["torch._grouped_mm"] = grouped_mm
+    if swiglu_kernel(torch.zeros(1)) is not None:
+        paths["SwiGLU kernel (ours)"] = lambda x, w1, w2, counts: SwiGLUExperts.apply(
+            x, w1, w2, counts)
     return paths
 
 
@@ -231,7 +237,9 @@ def main(argv=None):
     print(f"{E} experts, top {K}, {LAYERS} layers, hidden {H}, expert width {FFN}, seq {SEQ}, "
           f"micro batch {BATCH}, vocab {VOCAB}, fp32, threads {torch.get_num_threads()}, "
           f"median of {args.reps} x {args.steps} steps; load {os.getloadavg()[0]:.2f}")
-    steps = {"ours": bts.build_ours(bench_args("--moe-grouped-gemm"), text)[1]}
+    ours = bench_args("--moe-grouped-gemm")
+    print("ours: pretrain_gpt.py " + " ".join(bts.our_flags(ours)))
+    steps = {"ours": bts.build_ours(ours, text)[1]}
     if args.loop:
         steps["ours, expert loop"] = bts.build_ours(bench_args(), text)[1]
     for name, make in (("transformers", mixtral), ("minimal", minimal)):

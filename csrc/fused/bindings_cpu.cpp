@@ -9,6 +9,16 @@
 #include "cpu_lanes.h"
 
 namespace megatron_fused {
+namespace cpu {  // moe_cpu.cpp: the SwiGLU experts of an MoE layer
+std::tuple<at::Tensor, at::Tensor> swiglu_experts_forward(const at::Tensor& x,
+                                                          const at::Tensor& w1,
+                                                          const at::Tensor& w2,
+                                                          const std::vector<int64_t>& counts);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_experts_backward(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& pre, const at::Tensor& w1,
+    const at::Tensor& w2, const std::vector<int64_t>& counts, bool need_dx, bool need_dw,
+    const c10::optional<at::Tensor>& dw1_into, const c10::optional<at::Tensor>& dw2_into);
+}  // namespace cpu
 namespace {
 
 constexpr auto kCPU = c10::DeviceType::CPU;
@@ -329,6 +339,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
   m.def("attention_dropout_keep", &mf::attention_dropout_keep,
         "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
+  m.def("swiglu_experts_forward", &mf::cpu::swiglu_experts_forward,
+        "SwiGLU experts of rows x [N, h] sorted by expert: w1 [E, 2F, h], w2 [E, h, F], "
+        "counts [E] -> (y [N, h], pre-activation [N, 2F])");
+  m.def("swiglu_experts_backward", &mf::cpu::swiglu_experts_backward,
+        "gradients of swiglu_experts_forward -> (dx or None, dw1, dw2: None where added into "
+        "the given buffers)");
   m.def("set_poison_outputs", [](bool on) { mf::poison_outputs_flag() = on; },
         "fill outputs with NaN before kernels run (tests)");
   m.def("poison_outputs", []() { return mf::poison_outputs_flag(); });

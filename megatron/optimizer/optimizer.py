@@ -73,12 +73,18 @@ class MegatronOptimizer(OptimizerBase):
         self.optimizer = torch_optimizer(cfg, groups)
         # Adam over flat buffers where torch's fused kernel runs (fp32 main params on
         # one CPU or GPU): the parameters become views of the flat buffer.
-        self.flat = (FlatAdamW(self.optimizer)
-                     if cfg.optimizer == "adam" and fused_adamw_available(self.main_params) else None)
+        # The update reads the reducers' gradient buffers in place where it can.
+        self.flat = None
+        if cfg.optimizer == "adam" and fused_adamw_available(self.main_params):
+            grad_of = {id(main): getattr(mp, "main_grad", None)
+                       for mp, main in zip(self.model_params, self.main_params)}
+            self.flat = FlatAdamW(self.optimizer, [
+                grad_of[id(p)] for group in self.optimizer.param_groups for p in group["params"]])
 
     def _main_grads(self) -> List[torch.Tensor]:
         """fp32 gradients of the main params: the reducer's `main_grad` views (or `.grad`),
-        copied into the flat buffer when the update is flat, else set as `.grad`."""
+        those the flat update reads (the same views, or copies in its buffer) when it is
+        flat, else set as `.grad`."""
         grads = []
         for model_param in self.model_params:
             grad = getattr(model_param, "main_grad", None)
@@ -95,7 +101,7 @@ class MegatronOptimizer(OptimizerBase):
 
     def _scale_grads(self, grads, factor: float) -> None:
         if self.flat is not None:
-            self.flat.flat_grads.mul_(factor)
+            self.flat.scale_grads(factor)
             return
         for g in grads:
             if g is not None:

@@ -141,9 +141,10 @@ def stage_params(config, pp_rank: int) -> int:
 
 
 def flat_adam(config, layout: Layout) -> bool:
-    """Whether MegatronOptimizer updates over flat buffers (and keeps a gradient copy)."""
+    """Whether MegatronOptimizer updates over flat buffers and keeps a gradient copy (it
+    reads our reducer's buffers in place: only --DDP-impl torch's gradients are copied)."""
     return (config.optimizer.optimizer == "adam" and not config.parallel.use_distributed_optimizer
-            and layout.device_type in ("cpu", "cuda"))
+            and layout.device_type in ("cpu", "cuda") and config.parallel.DDP_impl == "torch")
 
 
 def state_bytes(config, layout: Layout) -> Dict[str, int]:

@@ -74,7 +74,7 @@ def measured_state(config, pstate):
     held = [t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     held += [p for g in opt.optimizer.param_groups for p in g["params"]]
     flat = getattr(opt, "flat", None)
-    if flat is not None:
+    if flat is not None and flat.flat_grads is not None:
         held.append(flat.flat_grads)
     optimizer = {k: v for k, v in _storages(held).items() if k not in params and k not in grads}
     return {"parameters": sum(params.values()), "gradients": sum(grads.values()),

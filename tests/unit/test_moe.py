@@ -165,14 +165,26 @@ def _run(layer, x):
     return out.detach(), x.grad, grads
 
 
-def test_grouped_gemm_equals_the_expert_loop():
+def _close(ours, reference, what=""):
+    """Equal to float32 rounding: within 2e-6 of the reference's largest magnitude (the
+    grouped paths and the loop each err by ~3e-7 of it against float64; a swapped gate
+    or a missing expert errs by O(1))."""
+    torch.testing.assert_close(ours, reference, rtol=0,
+                               atol=2e-6 * float(reference.abs().max()), msg=what or None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_equals_the_expert_loop(bias):
+    """Without biases --moe-grouped-gemm runs the SwiGLU kernel (csrc/fused/moe_cpu.cpp),
+    with them GroupedLinear around the activation; both equal the loop."""
     x = torch.randn(6, 3, 32)
-    loop, grouped = _layer(), _layer(moe_grouped_gemm=True)
+    loop, grouped = _layer(add_bias=bias), _layer(add_bias=bias, moe_grouped_gemm=True)
     grouped.load_state_dict(loop.state_dict())
     (a, ga, wa), (b, gb, wb) = _run(loop, x), _run(grouped, x)
-    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ga, gb, atol=1e-6)
+    _close(b, a)
+    _close(gb, ga)
     for name in wa:
-        assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+        _close(wb[name], wa[name], name)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -189,13 +201,14 @@ def test_grouped_gemm_adds_weight_gradients_to_the_gradient_buffer(bias):
     for name, w in experts.items():
         w.main_grad = held[name].clone()
     (a, ga, wa), (b, gb, _) = _run(loop, x), _run_buffered(grouped, x)
-    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ga, gb, atol=1e-6)
+    _close(b, a)
+    _close(gb, ga)
     for name, p in grouped.named_parameters():
         if name in experts:
             assert p.grad is None
-            assert torch.allclose(p.main_grad - held[name], wa[name], atol=1e-5), name
+            _close(p.main_grad - held[name], wa[name], name)
         else:
-            assert torch.allclose(p.grad, wa[name], atol=1e-5), name
+            _close(p.grad, wa[name], name)
 
 
 def _run_buffered(layer, x):
@@ -319,3 +332,53 @@ def test_megatron_lm_moe_key_names_load(naming):
     loaded = from_megatron_layout(to_ours(state)["model"])
     model.load_state_dict(loaded, strict=True)
     assert all(torch.equal(loaded[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 10, 4, 6, 3], [40, 0]])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_swiglu_kernel_against_float64(counts, threads):
+    """The SwiGLU experts kernel, rows split over 2 or 3 threads (experts 2 and 0 straddle
+    two threads' shares: their weight gradients are summed from two parts) or on one:
+    output, input and weight gradients equal a float64 loop's to float32 rounding; weight
+    gradients are added into given buffers, an empty expert's untouched; without buffers
+    they are returned; a frozen input gets no gradient."""
+    from megatron.model.moe.experts import SwiGLUExperts, swiglu_kernel
+    if swiglu_kernel(torch.zeros(1)) is None:
+        pytest.skip("fused CPU kernels unavailable")
+    e, h, f, n = len(counts), 32, 24, sum(counts)
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2, dy = (torch.randn(*shape, generator=gen) for shape in
+                     ((n, h), (e, 2 * f, h), (e, h, f), (n, h)))
+
+    def reference(x, w1, w2):
+        out = []
+        for i, rows in enumerate(x.split(counts)):
+            gate, up = (rows @ w1[i].t()).chunk(2, -1)
+            out.append(torch.nn.functional.silu(gate) * up @ w2[i].t())
+        return torch.cat(out)
+
+    ref = [t.double().requires_grad_() for t in (x, w1, w2)]
+    reference(*ref).backward(dy.double())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for buffered in (False, True):
+            ours = [t.clone().requires_grad_() for t in (x, w1, w2)]
+            if buffered:
+                for w in ours[1:]:
+                    w.main_grad = torch.ones_like(w)
+            y = SwiGLUExperts.apply(*ours, counts)
+            _close(y.double(), reference(*ref).detach())
+            y.backward(dy)
+            _close(ours[0].grad.double(), ref[0].grad)
+            for w, r in zip(ours[1:], ref[1:]):
+                got = w.main_grad - 1 if buffered else w.grad
+                assert (w.grad is None) == buffered
+                _close(got.double(), r.grad)
+                assert not got[1].any()  # expert 1 has no rows
+        frozen = x.clone()
+        weights = [t.clone().requires_grad_() for t in (w1, w2)]
+        SwiGLUExperts.apply(frozen, *weights, counts).backward(dy)
+        assert frozen.grad is None and weights[0].grad is not None
+    finally:
+        torch.set_num_threads(previous)

@@ -58,7 +58,7 @@ def measured(config, pstate):
     opt = trainer.optimizer
     held = [t for st in opt.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
     held += [p for g in opt.optimizer.param_groups for p in g["params"]]
-    if getattr(opt, "flat", None) is not None:
+    if getattr(opt, "flat", None) is not None and opt.flat.flat_grads is not None:
         held.append(opt.flat.flat_grads)
     optimizer = {k: v for k, v in _storages(held).items() if k not in params and k not in grads}
     acts = saved_activation_bytes(models[0], b, s, config.model.hidden_size)

@@ -50,6 +50,40 @@ def test_flat_adam_matches_torch_adamw_and_loads_its_state(monkeypatch):
     assert len({id(s["step"]) for s in saved.values()}) == len(saved)  # torch's AdamW advances each
 
 
+def test_flat_adam_reads_the_reducers_buffers_in_place(monkeypatch):
+    """Behind our reducer (two buffers: dense and expert-like parameters, norms and
+    matrices interleaved) the flat Adam lays the parameters out in the buffers' order and
+    reads the gradients there, without a copy; updates equal torch's AdamW, with clipping
+    and with a gradient that stays zero (a parameter that got none)."""
+    from megatron.distributed.ddp import GradReducer
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+    flat_model, torch_model = _model(), _model()
+    reducers = []
+    for model in (flat_model, torch_model):
+        params = list(model.parameters())
+        reducers.append([GradReducer(params[:3], None, torch.float32),
+                         GradReducer(params[3:], None, torch.float32)])
+    flat = MegatronOptimizer(cfg, [flat_model], single_process_state())
+    monkeypatch.setattr(optimizer_module, "fused_adamw_available", lambda params: False)
+    plain = MegatronOptimizer(cfg, [torch_model], single_process_state())
+    assert flat.flat.reads_in_place and flat.flat.flat_grads is None
+    assert len(flat.flat.runs) < len(list(flat_model.parameters()))  # runs, not tensors
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        for pair in zip(reducers[0], reducers[1]):
+            for r in pair:
+                r.zero_grad()
+        for a, b in zip(flat_model.parameters(), torch_model.parameters()):
+            if a.ndim == 2 and a.shape[0] == 4:
+                continue  # the last layer's weight gets no gradient
+            grad = torch.randn_like(a)
+            a.main_grad.copy_(grad)
+            b.main_grad.copy_(grad)
+        assert flat.step()[0] and plain.step()[0]
+        for a, b in zip(flat_model.parameters(), torch_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_norm_and_nonfinite():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
     grads = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])]

@@ -102,6 +102,9 @@ class Experts(torch.nn.Module):
 
     def _batched(self, x, counts):
         b1 = self.linear_fc1.bias
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if b1 is None and self.cfg.activation == "swiglu" and swiglu_kernel(x, w1, w2):
+            return SwiGLUExperts.apply(x, w1, w2, counts)
         h = GroupedLinear.apply(x, self.linear_fc1.weight, counts)
         if b1 is not None:
             b1 = torch.repeat_interleave(b1, torch.tensor(counts), dim=0)
@@ -143,6 +146,43 @@ class GroupedLinear(torch.autograd.Function):
                 if x.shape[0]:
                     t.addmm_(g.t(), x)
         return grad_rows, grad_weight, None
+
+
+def swiglu_kernel(*tensors):
+    """The CPU kernel of the SwiGLU experts (csrc/fused/moe_cpu.cpp) when it runs on these
+    tensors (float32 on the CPU, the fused library built), else None."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return None
+    from megatron.fused import kernels
+    module = kernels.get_extension("cpu")
+    return module if module is not None and hasattr(module, "swiglu_experts_forward") else None
+
+
+class SwiGLUExperts(torch.autograd.Function):
+    """rows [N, h] sorted by expert, w1 [E, 2F, h] ([gate; up]), w2 [E, h, F], counts ->
+    sum over the block of expert e of (silu(gate) * up) w2[e]^T, [gate | up] = rows w1[e]^T.
+
+    What GroupedLinear, the activation and GroupedLinear again compute, in one kernel that
+    runs each expert's chain on one thread while the other threads run other experts (see
+    csrc/fused/moe_cpu.cpp); weight gradients go into the gradient buffers as there."""
+
+    @staticmethod
+    def forward(ctx, rows, w1, w2, counts):
+        rows = rows.contiguous()
+        y, pre = swiglu_kernel(rows).swiglu_experts_forward(rows, w1, w2, counts)
+        ctx.save_for_backward(rows, pre, w1, w2)
+        ctx.counts, ctx.main_grads = counts, (main_grad_of(w1), main_grad_of(w2))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, pre, w1, w2 = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        into = ctx.main_grads if all(g is not None for g in ctx.main_grads) else (None, None)
+        dx, dw1, dw2 = swiglu_kernel(rows).swiglu_experts_backward(
+            grad.contiguous(), rows, pre, w1, w2, ctx.counts, ctx.needs_input_grad[0], need_dw,
+            *into)
+        return dx, dw1, dw2, None
 
 
 class SharedExpert(torch.nn.Module):
