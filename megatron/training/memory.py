@@ -70,11 +70,16 @@ def layer_params(m, tp: int) -> int:
     return params
 
 
-def moe_mlp_params(m, tp: int, ep: int):
+def expert_tp(p) -> int:
+    """The expert tensor-parallel size (--expert-tensor-parallel-size, default TP)."""
+    return p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+
+
+def moe_mlp_params(m, tp: int, ep: int, etp: int):
     """(dense, expert) parameters of an MoE layer's MLP on one rank: the router and shared
-    expert (replicated / TP-split), and the E / EP local experts (TP-split)."""
+    expert (replicated / TP-split), and the E / EP local experts (split over expert TP)."""
     moe, h, gates = m.moe, m.hidden_size, 2 if m.gated_mlp else 1
-    f = (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // tp
+    f = (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // etp
     experts = moe.num_experts // ep * ((gates * f + f) * h + ((gates * f + h) if m.add_bias_linear else 0))
     dense = moe.num_experts * (h + (1 if m.add_bias_linear else 0))
     shared = moe.moe_shared_expert_intermediate_size
@@ -104,7 +109,8 @@ def stage_layer_numbers(config, pp_rank: int):
 def stage_expert_params(config, pp_rank: int) -> int:
     """Expert parameters of the rank (sharded over expert-DP by the distributed optimizer)."""
     m, p = config.model, config.parallel
-    return sum(moe_mlp_params(m, p.tensor_model_parallel_size, p.expert_model_parallel_size)[1]
+    return sum(moe_mlp_params(m, p.tensor_model_parallel_size, p.expert_model_parallel_size,
+                              expert_tp(p))[1]
                for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n))
 
 
@@ -113,7 +119,8 @@ def _moe_layers_correction(config, pp_rank: int) -> int:
     m, p = config.model, config.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
     moe = [n for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n)]
-    return len(moe) * (sum(moe_mlp_params(m, tp, ep)) - _dense_mlp_params(m, tp)) if moe else 0
+    dense_and_experts = sum(moe_mlp_params(m, tp, ep, expert_tp(p)))
+    return len(moe) * (dense_and_experts - _dense_mlp_params(m, tp)) if moe else 0
 
 
 def stage_layers(config) -> int:
@@ -159,7 +166,9 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
         experts = stage_expert_params(config, layout.pp_rank)
         per_param = 4 + (8 if config.optimizer.optimizer == "adam" else 4)
         shards = dp * p.context_parallel_size
-        edp = max(1, shards // p.expert_model_parallel_size)
+        # the expert grid ETP x EP x expert-DP covers the ranks of TP x CP x DP
+        edp = max(1, shards * p.tensor_model_parallel_size
+                  // (expert_tp(p) * p.expert_model_parallel_size))
         optimizer = per_param * (n - experts) // shards + per_param * experts // edp
     else:
         optimizer = (4 * n if mixed else 0) + moments + (4 * n if flat_adam(config, layout) else 0)
@@ -261,7 +270,8 @@ def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
     probabilities (3 s b E), the rows its local experts take (top-k s b h on average
     under either dispatcher: allgather's gathered tokens are only indexed, not saved)
     and their weighted outputs (top-k s b h), each expert row's activation input and
-    output, and the shared expert's (tests/unit/test_moe_estimate.py measures them)."""
+    output, and the shared expert's (tests/unit/test_moe_estimate.py measures them). With
+    expert TP below TP, a rank's experts take its TP / ETP part of the routed rows."""
     m, p = config.model, config.parallel
     moe = m.moe
     layers = sum(m.is_moe_layer(n) for n in stage_layer_numbers(config, pp_rank))
@@ -269,10 +279,12 @@ def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
         return 0.0
     tp, s, b, h = p.tensor_model_parallel_size, local_seq_length(config), micro_batch, m.hidden_size
     act = 4 if m.gated_mlp else 2
-    k, f = moe.moe_router_topk, (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // tp
+    etp = expert_tp(p)
+    k, f = moe.moe_router_topk, (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // etp
+    rows = k * s * b / (tp // etp)  # routed rows this rank's experts take
     shared = (moe.moe_shared_expert_intermediate_size or 0) // tp
-    elements = 3 * s * b * moe.num_experts + 2 * k * s * b * h
-    elements += k * s * b * f * act + s * b * shared * act + (2 * s * b * h if shared else 0)
+    elements = 3 * s * b * moe.num_experts + 2 * rows * h
+    elements += rows * f * act + s * b * shared * act + (2 * s * b * h if shared else 0)
     return layers * (elements - s * b * m.ffn_hidden_size // tp * act)
 
 

@@ -1,5 +1,5 @@
 """tools/estimate.py's MoE memory plan against a real training step, within 10%, at EP 1
-(one process) and EP 2 (two ranks, each dispatcher): parameters, gradient buffers and
+(one process), EP 2 (two ranks, each dispatcher) and expert TP 1 under TP 2: parameters, gradient buffers and
 optimizer state of the rank (expert parameters divided by EP), what autograd saves in one
 forward (router, dispatched token copies, expert activations, shared expert), and the
 peak of a whole training step: what is held before it plus the most the step allocates
@@ -81,20 +81,32 @@ def test_moe_memory_one_process():
         _compare(config, 1, measured(config, single_process_state()), "EP 1")
 
 
-def _ep2(rank, world_size, dispatcher, extra):
+def _two_ranks(rank, world_size, flags, tp, ep, etp):
     from megatron.mpu import destroy_model_parallel, initialize_model_parallel
-    config = config_for(*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                        dispatcher, *extra, world_size=2)
-    out = measured(config, initialize_model_parallel(1, 1, ep=2))
+    config = config_for(*MOE, *flags, world_size=2)
+    out = measured(config, initialize_model_parallel(tp, 1, ep=ep, etp=etp))
     destroy_model_parallel()
     return out
+
+
+def _compare_two_ranks(flags, tp=1, ep=2, etp=None):
+    results = run_ranks(_two_ranks, 2, flags, tp, ep, etp)
+    config = config_for(*MOE, *flags, world_size=2)
+    for rank, result in enumerate(results):
+        _compare(config, 2, result, f"{' '.join(flags)} rank {rank}")
 
 
 @pytest.mark.parametrize("dispatcher, extra", [("alltoall", ()), ("allgather", ()),
                                                ("alltoall", ("--use-distributed-optimizer",))])
 def test_moe_memory_at_ep2(dispatcher, extra):
-    results = run_ranks(_ep2, 2, dispatcher, extra)
-    config = config_for(*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                        dispatcher, *extra, world_size=2)
-    for rank, result in enumerate(results):
-        _compare(config, 2, result, f"EP 2 {dispatcher} {' '.join(extra)} rank {rank}")
+    _compare_two_ranks(["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                        dispatcher, *extra])
+
+
+@pytest.mark.parametrize("ep, extra", [(1, ()), (2, ()), (1, ("--use-distributed-optimizer",))])
+def test_moe_memory_at_tp2_etp1(ep, extra):
+    """Experts whole on each rank (ETP 1 under TP 2): expert parameters and rows not split
+    by TP, the routed rows cut in two."""
+    _compare_two_ranks(["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                        "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type",
+                        "alltoall", *extra], tp=2, ep=ep, etp=1)
