@@ -3,6 +3,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "bindings_common.h"
 #include "cpu_kernels.h"
@@ -104,6 +105,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
                                 dw.data_ptr<T>(), db.data_ptr<T>(), x.size(0), x.size(1));
   });
   return {dx, dw, db};
+}
+
+// The layer norm as one autograd node in C++: x [..., hidden] -> y of x's shape, saving x,
+// the weight and the per-row mean and rstd. A torch.autograd.Function in Python around the two
+// kernels above cost ~30 us per forward+backward more than F.layer_norm's node (a [64, 64]
+// step took 70 us against 39 us), 10% of a [2048, 256] step.
+struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& b, double eps) {
+    TORCH_CHECK(x.dim() >= 1, "layer norm takes x [..., hidden], got a scalar");
+    at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    auto [y, mean, rstd] = layer_norm_forward(x2, w.contiguous(), b.contiguous(), eps);
+    ctx->save_for_backward({x2, w, mean, rstd});
+    ctx->saved_data["shape"] = x.sizes().vec();
+    return y.view(x.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "the fused layer norm has no double backward");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x2 = saved[0];
+    at::Tensor dy = grads[0].reshape(x2.sizes()).contiguous();
+    auto [dx, dw, db] = layer_norm_backward(dy, x2, saved[2], saved[3], saved[1].contiguous());
+    return {dx.view(ctx->saved_data["shape"].toIntVector()),
+            ctx->needs_input_grad(1) ? dw : at::Tensor(),
+            ctx->needs_input_grad(2) ? db : at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor layer_norm_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                               double eps) {
+  return LayerNormFunction::apply(x, w, b, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& w,
@@ -311,6 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &mf::layer_norm_forward,
         "layer norm of [rows, cols] -> (y, mean, rstd)");
   m.def("layer_norm_backward", &mf::layer_norm_backward, "layer norm gradients -> (dx, dw, db)");
+  m.def("layer_norm", &mf::layer_norm_autograd,
+        "layer norm of x [..., hidden] with weight and bias, differentiable (one autograd node)");
   m.def("rms_norm_forward", &mf::rms_norm_forward, "RMSNorm of [rows, cols] -> (y, rstd)");
   m.def("rms_norm_backward", &mf::rms_norm_backward, "RMSNorm gradients -> (dx, dw)");
   m.def("bias_gelu_forward", &mf::bias_gelu_forward,
