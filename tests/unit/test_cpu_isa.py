@@ -73,6 +73,20 @@ CHECK = textwrap.dedent("""
             [t.float() for t in (x, w, b)], g.float())
         errs = [rel_err(out, ref)] + [rel_err(a, r) for a, r in zip(grads, ref_grads)]
         assert out.dtype == dtype and max(errs) < tol, ("layer_norm", rows, cols, dtype, errs)
+    # attention: (batch, head) tasks claimed dynamically by the threads; the results are
+    # bit-identical whatever the thread count (each task writes only its own rows)
+    qkv, grad = torch.randn(48, 5, 7, 96), torch.randn(48, 5, 7 * 32)
+    split = lambda x: x.split(32, dim=-1)
+    first = {{}}
+    for threads in (1, 2, 3, 8):
+        torch.set_num_threads(threads)
+        for p in (0.0, 0.2):
+            out, grads = outputs_and_grads(
+                lambda x: fused.causal_attention(*split(x), 32 ** -0.5, p, 3), [qkv], grad)
+            ref, ref_grads = first.setdefault(p, (out, grads))
+            assert torch.equal(out, ref) and torch.equal(grads[0], ref_grads[0]), (threads, p)
+    torch.set_num_threads(2)
+    assert rel_err(first[0.0][0], sdpa(*split(qkv))) < 5e-6
     for cols in (96, 1000, 13):
         check(f"rms_norm {{cols}}", lambda x, w: fused.rms_norm(x, w, 1e-5),
               lambda x, w: fused.rms_norm(x, w, 1e-5, fusion=False),

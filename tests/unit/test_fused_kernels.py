@@ -637,29 +637,33 @@ THREAD_CASES = {  # kernel, input shapes, output-gradient shape
     "rms_norm": (rms_norm_kernel, [(300, 96), (96,)], (300, 96)),
     "bias_gelu": (fused.FusedBiasGeLU.apply, [(300, 96), (96,)], (300, 96)),
     "causal_attention": (lambda q, k, v: fused.FusedCausalAttention.apply(q, k, v, 0.2),
-                         [(40, 2, 3, 32)] * 3, (40, 2, 3, 32)),
+                         [(40, 3, 5, 32)] * 3, (40, 3, 5, 32)),
+    "causal_attention_dropout": (
+        lambda q, k, v: fused.FusedCausalAttention.apply(q, k, v, 0.2, 0.1, 7),
+        [(40, 3, 5, 32)] * 3, (40, 3, 5, 32)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(THREAD_CASES))
 def test_results_independent_of_thread_count(case):
-    """Parameter gradients summed over rows (and attention's per-head work) come out
-    bit-identical on 1 and 2 threads."""
+    """Parameter gradients summed over rows (and attention's per-head tasks, claimed by
+    whichever thread is free) come out bit-identical on 1, 2 and 3 threads."""
     fn, shapes, grad_shape = THREAD_CASES[case]
     torch.manual_seed(0)
     tensors, grad = [torch.randn(shape) for shape in shapes], torch.randn(grad_shape)
     threads = torch.get_num_threads()
     results = []
     try:
-        for n in (1, 2):
+        for n in (1, 2, 3):
             torch.set_num_threads(n)
             results.append(outputs_and_grads(fn, tensors, grad))
     finally:
         torch.set_num_threads(threads)
-    (out1, grads1), (out2, grads2) = results
-    assert torch.equal(out1, out2)
-    for a, b_ in zip(grads1, grads2):
-        assert torch.equal(a, b_)
+    out1, grads1 = results[0]
+    for out, grads in results[1:]:
+        assert torch.equal(out1, out)
+        for a, b_ in zip(grads1, grads):
+            assert torch.equal(a, b_)
 
 
 # -------------------------------------------------------- element-wise (plain)
