@@ -510,10 +510,11 @@ def attention_dropout_seed() -> int:
 
 # Longest sequence at which our attention kernel beats SDPA's CPU kernel, per instruction
 # set of the kernels (forward+backward, `benchmarks/bench_fused.py --only attention`, two
-# threads, quiet machine: AVX-512 1.4-1.7x at seq 256-4096; AVX2 1.5x at 256 and 512,
-# 0.97-1.07x at 1024, 0.7-0.9x at 2048 and 4096). None: no limit; the baseline build was not
+# threads: AVX-512 1.3-1.7x at seq 256-4096; AVX2 1.4-1.6x at 256 and 512, at 1024 1.04-1.14x
+# in six runs since the threads claim tasks dynamically (quiet and with 1 or 3 competing
+# processes), 0.7-0.9x at 2048 and 4096). None: no limit; the baseline build was not
 # measured, so SDPA there.
-KERNEL_MAX_SEQ = {"avx512": None, "avx2": 512, "baseline": 0}
+KERNEL_MAX_SEQ = {"avx512": None, "avx2": 1024, "baseline": 0}
 # With attention dropout our kernel runs at every length on these ISAs: its alternative is
 # the explicit path (SDPA with dropout on a CPU is unfused math with Bernoulli sampling), 5-9x
 # slower at seq 256-4096 (`bench_fused.py --only attention_dropout`).

@@ -162,7 +162,7 @@ def test_auto_attention_rule_per_isa(monkeypatch):
     explicit path with it; otherwise that path."""
     import torch
     from megatron import fused
-    short, long_ = torch.randn(512, 1, 2, 16), torch.randn(520, 1, 2, 16)
+    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1030, 1, 2, 16)
     monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
     expected = {"avx512": (True, True, True), "avx2": (True, False, True),
                 "baseline": (False, False, False), "not built": (False, False, False)}
