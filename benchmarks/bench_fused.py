@@ -7,8 +7,9 @@
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
     scale + masked_fill + softmax (target: >= 1.5x);
-  - layer norm forward+backward on [8192, 1024], float32 and bfloat16: our kernel vs
-    F.layer_norm (target: >= 1x; where it misses, the default must take F.layer_norm);
+  - layer norm forward+backward on [8192, 1024], [4096, 512] and [2048, 256], float32 and
+    bfloat16: our kernel vs F.layer_norm (target: >= 1x; where it misses, the default must
+    take F.layer_norm);
   - RMSNorm forward+backward on [8192, 1024], float32 and bfloat16: fused vs the
     plain path (float32 arithmetic, as Hugging Face's LlamaRMSNorm; target: >= 1x);
   - bias_gelu forward+backward on [2048, 4096]: plain vs our kernel (target: >= 1.5x),
@@ -80,7 +81,7 @@ def layer_norm_step(x, w, b, grad, fusion):
     def run():
         xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
         if fusion == "kernel":
-            y = fused.FusedLayerNormAffine.apply(xr, wr, br, 1e-5)
+            y = fused.fused_layer_norm(xr, wr, br, 1e-5)
         else:
             y = fused.layer_norm(xr, wr, br, 1e-5, fusion=fusion)
         y.backward(grad)
@@ -94,6 +95,10 @@ def rms_norm_step(x, w, grad, fusion: bool):
         y.backward(grad)
     return run
 
+
+# [tokens, hidden] of the layer norm lines: the benchmark's own shape, hidden 512 at 4096 tokens,
+# and bench_train_step's default (seq 256 x batch 8 tokens, hidden 256).
+LAYER_NORM_SHAPES = ((8192, 1024), (4096, 512), (2048, 256))
 
 # Two paths within this factor of each other are a tie: runs on this shared machine drift more.
 TIE = 1.10
@@ -125,15 +130,19 @@ def bench_cpu(repeat: int, only: str | None) -> None:
         report("CPU causal softmax fwd+bwd [32,512,512] f32",
                compare([softmax_step(x, g, False), softmax_step(x, g, True)], repeat), 1.5,
                fused.softmax_kernel_for(x, True) is not None)
-    x = torch.randn(8192, 1024)
-    w, b, g = torch.randn(1024), torch.randn(1024), torch.randn(8192, 1024)
-    for dtype in (torch.float32, torch.bfloat16):
-        xs, ws, bs, gs = (t.to(dtype) for t in (x, w, b, g))
-        if only in (None, "layer_norm"):  # the kernel itself against F.layer_norm
-            report(f"CPU layer norm fwd+bwd [8192,1024] {str(dtype)[6:]}",
+    for rows, cols in LAYER_NORM_SHAPES if only in (None, "layer_norm") else ():
+        x, w, b, g = torch.randn(rows, cols), torch.randn(cols), torch.randn(cols), torch.randn(
+            rows, cols)
+        for dtype in (torch.float32, torch.bfloat16):  # the kernel itself against F.layer_norm
+            xs, ws, bs, gs = (t.to(dtype) for t in (x, w, b, g))
+            report(f"CPU layer norm fwd+bwd [{rows},{cols}] {str(dtype)[6:]}",
                    compare([layer_norm_step(xs, ws, bs, gs, False),
                             layer_norm_step(xs, ws, bs, gs, "kernel")], repeat), 1.0,
                    fused.layer_norm_preferred(xs, ws, bs))
+    x = torch.randn(8192, 1024)
+    w, g = torch.randn(1024), torch.randn(8192, 1024)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ws, gs = (t.to(dtype) for t in (x, w, g))
         if only in (None, "rms_norm"):
             report(f"CPU RMSNorm fwd+bwd [8192,1024] {str(dtype)[6:]}",
                    compare([rms_norm_step(xs, ws, gs, False), rms_norm_step(xs, ws, gs, True)],

@@ -265,29 +265,60 @@ void add_inplace(float* acc, const float* x, int64_t n) {
 
 // bfloat16 is the top half of a float: widen by shifting; narrow with round to
 // nearest even, NaN kept as a quiet NaN (the same results as c10::BFloat16).
+namespace {
+
+inline LaneVec load_bf16(const c10::BFloat16* src) {
+  LaneU16 h;
+  std::memcpy(&h, src, sizeof(h));
+  const LaneU32 bits = __builtin_convertvector(h, LaneU32) << 16;
+  LaneVec f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline void store_bf16(c10::BFloat16* dst, const LaneVec& f) {
+  LaneU32 bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const LaneU32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
+  const LaneU32 out = (f != f) ? LaneU32{} + 0x7fc0u : rounded;
+  const LaneU16 h = __builtin_convertvector(out, LaneU16);
+  std::memcpy(dst, &h, sizeof(h));
+}
+
+}  // namespace
+
 void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    LaneU16 h;
-    std::memcpy(&h, src + i, sizeof(h));
-    const LaneU32 bits = __builtin_convertvector(h, LaneU32) << 16;
-    std::memcpy(dst + i, &bits, sizeof(bits));
-  }
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_bf16(src + i));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+float to_float_sum(float* dst, const c10::BFloat16* src, int64_t n) {
+  LaneVec acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const LaneVec f = load_bf16(src + i);
+    store(dst + i, f);
+    acc += f;
+  }
+  for (int64_t j = i; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+  if (i < n) acc += load_part(dst + i, n - i, 0.0f);
+  return hsum(acc);
 }
 
 void from_float(c10::BFloat16* dst, const float* src, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const LaneVec f = load(src + i);
-    LaneU32 bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    const LaneU32 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
-    const LaneU32 out = (f != f) ? LaneU32{} + 0x7fc0u : rounded;
-    const LaneU16 h = __builtin_convertvector(out, LaneU16);
-    std::memcpy(dst + i, &h, sizeof(h));
-  }
+  for (; i + kLanes <= n; i += kLanes) store_bf16(dst + i, load(src + i));
   for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+}
+
+void layer_norm_affine(c10::BFloat16* y, const float* x, const float* w, const float* b,
+                       int64_t n, float mean, float rstd) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    store_bf16(y + i, (load(x + i) - mean) * rstd * load(w + i) + load(b + i));
+  for (; i < n; ++i)
+    y[i] = static_cast<c10::BFloat16>((x[i] - mean) * rstd * w[i] + b[i]);
 }
 
 void to_float(float* dst, const c10::Half* src, int64_t n) {

@@ -70,6 +70,11 @@ void to_float(float* dst, const c10::BFloat16* src, int64_t n);
 void to_float(float* dst, const c10::Half* src, int64_t n);
 void from_float(c10::BFloat16* dst, const float* src, int64_t n);
 void from_float(c10::Half* dst, const float* src, int64_t n);
+// to_float that also returns sum_j dst[j] (the layer norm's first pass over a bf16 row).
+float to_float_sum(float* dst, const c10::BFloat16* src, int64_t n);
+// layer_norm_affine with y rounded to bfloat16 as it is stored.
+void layer_norm_affine(c10::BFloat16* y, const float* x, const float* w, const float* b,
+                       int64_t n, float mean, float rstd);
 
 }  // namespace cpu
 }  // namespace megatron_fused

@@ -1,7 +1,7 @@
 // CPU kernels for the fused layer norm (see cpu_kernels.h).
 //
-// Forward: per row, mean and variance in two passes over the cached row, then the
-// affine output. Backward: per row, dx in two passes; the weight and bias
+// Forward: per row, mean and variance in two passes over the cached row (a bf16 row is
+// converted to float in the first), then the affine output, rounded to bf16 as it is stored. Backward: per row, dx in two passes; the weight and bias
 // gradients are summed by sum_rows_by_blocks (cpu_rows.h), independent of the
 // number of threads.
 #include <cmath>
@@ -29,13 +29,23 @@ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, float* mean, f
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<float> buf = scratch<T>(cols);
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = load_row(x + r * cols, buf.data(), cols);
-      const float mu = sum(xr, cols) * inv_n;
+      const float* xr;
+      float mu;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // bf16: converted and summed at once
+        mu = to_float_sum(buf.data(), x + r * cols, cols) * inv_n;
+        xr = buf.data();
+      } else {
+        xr = load_row(x + r * cols, buf.data(), cols);
+        mu = sum(xr, cols) * inv_n;
+      }
       const float var = sum_sq_dev(xr, cols, mu) * inv_n;
       const float rs = 1.0f / std::sqrt(var + eps);
-      float* yr = result_row(y + r * cols, buf.data());
-      layer_norm_affine(yr, xr, wf, bf, cols, mu, rs);
-      store_row(y + r * cols, yr, cols);
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        layer_norm_affine(buf.data(), xr, wf, bf, cols, mu, rs);
+        from_float(y + r * cols, buf.data(), cols);
+      } else {  // float and bf16 rows are stored as they are computed
+        layer_norm_affine(y + r * cols, xr, wf, bf, cols, mu, rs);
+      }
       mean[r] = mu;
       rstd[r] = rs;
     }

@@ -17,8 +17,8 @@ attention_softmax, scores [b, np, sq, sk]:
     broadcastable to [b, 1, sq, sk] (no per-head masks); it is expanded to
     [b or 1, 1, sq, sk] and combined with the causal mask when `causal`.
 layer_norm, rms_norm:
-  - layer_norm on a CPU: 16-bit with the AVX-512 build only (`layer_norm_preferred`:
-    torch's kernel is faster elsewhere; `FusedLayerNormAffine` runs ours always);
+  - layer_norm on a CPU: one autograd node in C++ (`fused_layer_norm`), taken by default
+    (`layer_norm_preferred`: bench_fused measured it at least as fast as F.layer_norm);
   - normalises the last dim only, weight (and for layer_norm bias) given, [hidden]
     of the input's dtype (float32, bfloat16 or float16);
   - CUDA: hidden <= 8192.
@@ -266,24 +266,30 @@ def layer_norm_fusable(x, weight, bias) -> bool:
 
 
 def layer_norm_preferred(x, weight, bias) -> bool:
-    """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: it applies
-    (`layer_norm_fusable`), and on a CPU only for 16-bit inputs with the AVX-512 build.
-    torch's own CPU layer norm is a fused, vectorised kernel too; `benchmarks/bench_fused.py`
-    ([8192, 1024], ours / plain, three quiet runs) measured it faster in float32 (AVX2
-    0.92-0.99x, AVX-512 0.90-0.94x) and in bfloat16 on AVX2 (0.80-0.95x), ours faster in
-    bfloat16 on AVX-512 (0.99x, 1.07x, 1.12x)."""
-    if not layer_norm_fusable(x, weight, bias):
-        return False
-    if x.device.type == "cpu" and (x.dtype == torch.float32 or cpu_kernels_isa() != "avx512"):
-        return False
-    return fused_kernels.get_extension(x.device.type) is not None
+    """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: wherever it
+    applies (`layer_norm_fusable`) and is built. On CPUs `benchmarks/bench_fused.py` (forward+
+    backward, [8192, 1024], [4096, 512] and [2048, 256], float32 and bfloat16) measured it at
+    least as fast as F.layer_norm on AVX2 and on AVX-512: its outputs of 2 MiB and more reuse
+    freed buffers instead of faulting in fresh pages (3-4x at [8192, 1024] float32), its
+    backward is faster, and the autograd node is C++ (a Python Function cost ~30 us a step)."""
+    return (layer_norm_fusable(x, weight, bias)
+            and fused_kernels.get_extension(x.device.type) is not None)
+
+
+def fused_layer_norm(x, weight, bias, eps):
+    """Our layer-norm kernel, differentiable (check `layer_norm_fusable` first): on CPUs one
+    autograd node in C++ (the extension's `layer_norm`), elsewhere `FusedLayerNormAffine`."""
+    module = _ext(x)
+    if hasattr(module, "layer_norm"):
+        return module.layer_norm(x, weight, bias, float(eps))
+    return FusedLayerNormAffine.apply(x, weight, bias, eps)
 
 
 def layer_norm(x, weight, bias, eps, fusion=True):
     """Layer norm of x over its last dim with `weight` and `bias`: our kernel where it is
     the faster path (`layer_norm_preferred`), else F.layer_norm."""
     if fusion and layer_norm_preferred(x, weight, bias):
-        return FusedLayerNormAffine.apply(x, weight, bias, eps)
+        return fused_layer_norm(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
@@ -504,10 +510,11 @@ def attention_dropout_seed() -> int:
 
 # Longest sequence at which our attention kernel beats SDPA's CPU kernel, per instruction
 # set of the kernels (forward+backward, `benchmarks/bench_fused.py --only attention`, two
-# threads, quiet machine: AVX-512 1.4-1.7x at seq 256-4096; AVX2 1.5x at 256 and 512,
-# 0.97-1.07x at 1024, 0.7-0.9x at 2048 and 4096). None: no limit; the baseline build was not
+# threads: AVX-512 1.3-1.7x at seq 256-4096; AVX2 1.4-1.6x at 256 and 512, at 1024 1.04-1.14x
+# in six runs since the threads claim tasks dynamically (quiet and with 1 or 3 competing
+# processes), 0.7-0.9x at 2048 and 4096). None: no limit; the baseline build was not
 # measured, so SDPA there.
-KERNEL_MAX_SEQ = {"avx512": None, "avx2": 512, "baseline": 0}
+KERNEL_MAX_SEQ = {"avx512": None, "avx2": 1024, "baseline": 0}
 # With attention dropout our kernel runs at every length on these ISAs: its alternative is
 # the explicit path (SDPA with dropout on a CPU is unfused math with Bernoulli sampling), 5-9x
 # slower at seq 256-4096 (`bench_fused.py --only attention_dropout`).

@@ -59,11 +59,35 @@ CHECK = textwrap.dedent("""
         bwd = [cp.block_backward(q, k, v, *fwd[1], dout, 0.2, False, f) for f in (True, False)]
         errs = [rel_err(a, b) for a, b in zip(fwd[0] + tuple(bwd[0]), fwd[1] + tuple(bwd[1]))]
         assert max(errs) < 5e-6, ("full block", s, errs)
+    # layer norm: the C++ autograd node; bf16 against float32 arithmetic on the same bf16
+    # values; [700, 1024] float32 outputs come from the huge-page output cache (>= 2 MiB)
+    for rows, cols, dtype, tol in ((70, 96, torch.float32, 1e-5), (70, 1000, torch.float32, 1e-5),
+                                   (70, 13, torch.float32, 1e-5), (700, 1024, torch.float32, 1e-5),
+                                   (70, 1000, torch.bfloat16, 1e-2), (33, 13, torch.bfloat16, 1e-2)):
+        x, w, b = torch.randn(rows, cols) * 2 + 0.5, torch.rand(cols) + 0.5, torch.randn(cols)
+        g = torch.randn(rows, cols)
+        x, w, b, g = (t.to(dtype) for t in (x, w, b, g))
+        out, grads = outputs_and_grads(lambda *t: fused.fused_layer_norm(*t, 1e-5), [x, w, b], g)
+        ref, ref_grads = outputs_and_grads(
+            lambda *t: F.layer_norm(t[0], (cols,), t[1], t[2], 1e-5),
+            [t.float() for t in (x, w, b)], g.float())
+        errs = [rel_err(out, ref)] + [rel_err(a, r) for a, r in zip(grads, ref_grads)]
+        assert out.dtype == dtype and max(errs) < tol, ("layer_norm", rows, cols, dtype, errs)
+    # attention: (batch, head) tasks claimed dynamically by the threads; the results are
+    # bit-identical whatever the thread count (each task writes only its own rows)
+    qkv, grad = torch.randn(48, 5, 7, 96), torch.randn(48, 5, 7 * 32)
+    split = lambda x: x.split(32, dim=-1)
+    first = {{}}
+    for threads in (1, 2, 3, 8):
+        torch.set_num_threads(threads)
+        for p in (0.0, 0.2):
+            out, grads = outputs_and_grads(
+                lambda x: fused.causal_attention(*split(x), 32 ** -0.5, p, 3), [qkv], grad)
+            ref, ref_grads = first.setdefault(p, (out, grads))
+            assert torch.equal(out, ref) and torch.equal(grads[0], ref_grads[0]), (threads, p)
+    torch.set_num_threads(2)
+    assert rel_err(first[0.0][0], sdpa(*split(qkv))) < 5e-6
     for cols in (96, 1000, 13):
-        check(f"layer_norm {{cols}}",
-              lambda x, w, b: fused.FusedLayerNormAffine.apply(x, w, b, 1e-5),
-              lambda x, w, b: fused.layer_norm(x, w, b, 1e-5, fusion=False),
-              [(70, cols), (cols,), (cols,)], (70, cols), 1e-5)
         check(f"rms_norm {{cols}}", lambda x, w: fused.rms_norm(x, w, 1e-5),
               lambda x, w: fused.rms_norm(x, w, 1e-5, fusion=False),
               [(70, cols), (cols,)], (70, cols), 1e-5)
@@ -138,7 +162,7 @@ def test_auto_attention_rule_per_isa(monkeypatch):
     explicit path with it; otherwise that path."""
     import torch
     from megatron import fused
-    short, long_ = torch.randn(512, 1, 2, 16), torch.randn(520, 1, 2, 16)
+    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1030, 1, 2, 16)
     monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
     expected = {"avx512": (True, True, True), "avx2": (True, False, True),
                 "baseline": (False, False, False), "not built": (False, False, False)}
