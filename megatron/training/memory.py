@@ -119,8 +119,9 @@ def _moe_layers_correction(config, pp_rank: int) -> int:
     m, p = config.model, config.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
     moe = [n for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n)]
-    dense_and_experts = sum(moe_mlp_params(m, tp, ep, expert_tp(p)))
-    return len(moe) * (dense_and_experts - _dense_mlp_params(m, tp)) if moe else 0
+    if not moe:
+        return 0
+    return len(moe) * (sum(moe_mlp_params(m, tp, ep, expert_tp(p))) - _dense_mlp_params(m, tp))
 
 
 def stage_layers(config) -> int:
