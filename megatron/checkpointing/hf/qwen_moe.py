@@ -11,7 +11,7 @@ Qwen3-MoE: explicit head_dim and q/k RMSNorm per head (ours --qk-layernorm).
 Expert tensors as in mixtral.py, named gate_proj / up_proj / down_proj.
 """
 from megatron.checkpointing.hf import common as c
-from megatron.checkpointing.hf import llama
+from megatron.checkpointing.hf import llama, qwen2
 from megatron.checkpointing.hf import mixtral as moe_map
 from megatron.config import MoEConfig
 
@@ -94,7 +94,6 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
 def hf_config(cfg, vocab: int) -> dict:
     """The Qwen3MoeConfig (with --qk-layernorm) or Qwen2MoeConfig of a model of ours
     (checked against `model_fields` by the caller): the dense layers are mlp_only_layers."""
-    from megatron.checkpointing.hf import qwen2
     moe = cfg.moe
     arch, model_type = (("Qwen3MoeForCausalLM", "qwen3_moe") if cfg.qk_layernorm
                         else ("Qwen2MoeForCausalLM", "qwen2_moe"))

@@ -105,10 +105,10 @@ class Experts(torch.nn.Module):
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if b1 is None and self.cfg.activation == "swiglu" and swiglu_kernel(x, w1, w2):
             return SwiGLUExperts.apply(x, w1, w2, counts)
-        h = GroupedLinear.apply(x, self.linear_fc1.weight, counts)
+        h = GroupedLinear.apply(x, w1, counts)
         if b1 is not None:
             b1 = torch.repeat_interleave(b1, torch.tensor(counts), dim=0)
-        return GroupedLinear.apply(self._act(h, b1), self.linear_fc2.weight, counts)
+        return GroupedLinear.apply(self._act(h, b1), w2, counts)
 
 
 class GroupedLinear(torch.autograd.Function):
