@@ -24,11 +24,13 @@ Every CPU line ends with the path the default takes for those inputs (`auto: fus
 when the two are within 10% of each other, as close as repeated runs here agree).
 CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
 with the achieved bandwidth against a device-to-device copy.
-Timings interleave the two sides and take medians, so both see the same load.
+Timings interleave the two sides and take medians, so both see the same load; each sample
+repeats a short step until it lasts 5 ms.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -46,25 +48,36 @@ from megatron.mpu import model_parallel_seed  # noqa: E402
 
 
 def timeit(fn, repeat: int, warmup: int = 2, sync=None) -> float:
-    """Median seconds of fn() over `repeat` runs."""
+    """Median seconds per call of fn() over `repeat` samples."""
     return compare([fn], repeat, warmup, sync)[0]
 
 
+# Each sample runs a step often enough to take at least this long: a single 0.3 ms step
+# varied by 20% from one call to the next here, more than the gap between two paths.
+MIN_SAMPLE_S = 0.005
+
+
 def compare(fns, repeat: int, warmup: int = 2, sync=None) -> list[float]:
-    """Median seconds of each fn, running them in turn so that both see the same load."""
-    for _ in range(warmup):
+    """Median seconds per call of each fn over `repeat` samples, running them in turn so that
+    both see the same load; a sample is as many calls as fill MIN_SAMPLE_S."""
+    def sample(fn, calls):
+        if sync:
+            sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if sync:
+            sync()
+        return (time.perf_counter() - start) / calls
+
+    for _ in range(warmup - 1):
         for fn in fns:
             fn()
+    calls = max(1, math.ceil(MIN_SAMPLE_S / min(sample(fn, 1) for fn in fns)))
     times = [[] for _ in fns]
     for _ in range(repeat):
         for fn, bucket in zip(fns, times):
-            if sync:
-                sync()
-            start = time.perf_counter()
-            fn()
-            if sync:
-                sync()
-            bucket.append(time.perf_counter() - start)
+            bucket.append(sample(fn, calls))
     return [statistics.median(t) for t in times]
 
 

@@ -96,11 +96,11 @@ void fill_zero(float* y, int64_t n) {
 }
 
 float dot(const float* a, const float* b, int64_t n) {
-  LaneVec acc = splat(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  if (i < n) acc += load_part(a + i, n - i, 0.0f) * load_part(b + i, n - i, 0.0f);
-  return hsum(acc);
+  LaneVec acc[1];
+  int64_t i;
+  sum_parts<kParts>(n, i, acc, [&](int64_t j, LaneVec* s) { s[0] += load(a + j) * load(b + j); });
+  if (i < n) acc[0] += load_part(a + i, n - i, 0.0f) * load_part(b + i, n - i, 0.0f);
+  return hsum(acc[0]);
 }
 
 void softmax_grad(float* dx, const float* g, const float* y, int64_t n, float gy,
@@ -121,25 +121,25 @@ void masked_softmax_grad(float* dx, const float* g, const float* y,
 }
 
 float sum(const float* x, int64_t n) {
-  LaneVec acc = splat(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(x + i);
-  if (i < n) acc += load_part(x + i, n - i, 0.0f);
-  return hsum(acc);
+  LaneVec acc[1];
+  int64_t i;
+  sum_parts<kParts>(n, i, acc, [&](int64_t j, LaneVec* s) { s[0] += load(x + j); });
+  if (i < n) acc[0] += load_part(x + i, n - i, 0.0f);
+  return hsum(acc[0]);
 }
 
 float sum_sq_dev(const float* x, int64_t n, float mean) {
-  LaneVec acc = splat(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const LaneVec d = load(x + i) - mean;
-    acc += d * d;
-  }
+  LaneVec acc[1];
+  int64_t i;
+  sum_parts<kParts>(n, i, acc, [&](int64_t j, LaneVec* s) {
+    const LaneVec d = load(x + j) - mean;
+    s[0] += d * d;
+  });
   if (i < n) {
     const LaneVec d = load_part(x + i, n - i, mean) - mean;  // padding contributes 0
-    acc += d * d;
+    acc[0] += d * d;
   }
-  return hsum(acc);
+  return hsum(acc[0]);
 }
 
 void layer_norm_affine(float* y, const float* x, const float* w, const float* b,
@@ -153,20 +153,19 @@ void layer_norm_affine(float* y, const float* x, const float* w, const float* b,
 void layer_norm_grad_row(float* dx, float* dgamma, float* dbeta, const float* dy,
                                    const float* x, const float* w, int64_t n, float mean,
                                    float rstd) {
-  LaneVec acc1 = splat(0.0f);
-  LaneVec acc2 = splat(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const LaneVec d = load(dy + i);
-    const LaneVec xhat = (load(x + i) - mean) * rstd;
-    const LaneVec g = d * load(w + i);
-    acc1 += g;
-    acc2 += g * xhat;
-    store(dgamma + i, load(dgamma + i) + d * xhat);
-    store(dbeta + i, load(dbeta + i) + d);
-  }
-  float s1 = hsum(acc1);
-  float s2 = hsum(acc2);
+  LaneVec acc[2];
+  int64_t i;
+  sum_parts<2>(n, i, acc, [&](int64_t j, LaneVec* s) {
+    const LaneVec d = load(dy + j);
+    const LaneVec xhat = (load(x + j) - mean) * rstd;
+    const LaneVec g = d * load(w + j);
+    s[0] += g;
+    s[1] += g * xhat;
+    store(dgamma + j, load(dgamma + j) + d * xhat);
+    store(dbeta + j, load(dbeta + j) + d);
+  });
+  float s1 = hsum(acc[0]);
+  float s2 = hsum(acc[1]);
   for (int64_t j = i; j < n; ++j) {
     const float xhat = (x[j] - mean) * rstd;
     const float g = dy[j] * w[j];
@@ -193,15 +192,15 @@ void scaled_product(float* y, const float* x, const float* w, int64_t n, float s
 
 void rms_norm_grad_row(float* dx, float* dgamma, const float* dy, const float* x,
                                  const float* w, int64_t n, float rstd) {
-  LaneVec acc = splat(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const LaneVec d = load(dy + i);
-    const LaneVec xhat = load(x + i) * rstd;
-    acc += d * load(w + i) * xhat;
-    store(dgamma + i, load(dgamma + i) + d * xhat);
-  }
-  float s = hsum(acc);
+  LaneVec acc[1];
+  int64_t i;
+  sum_parts<kParts>(n, i, acc, [&](int64_t j, LaneVec* s) {
+    const LaneVec d = load(dy + j);
+    const LaneVec xhat = load(x + j) * rstd;
+    s[0] += d * load(w + j) * xhat;
+    store(dgamma + j, load(dgamma + j) + d * xhat);
+  });
+  float s = hsum(acc[0]);
   for (int64_t j = i; j < n; ++j) {
     const float xhat = x[j] * rstd;
     s += dy[j] * w[j] * xhat;
@@ -294,16 +293,16 @@ void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
 }
 
 float to_float_sum(float* dst, const c10::BFloat16* src, int64_t n) {
-  LaneVec acc = splat(0.0f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const LaneVec f = load_bf16(src + i);
-    store(dst + i, f);
-    acc += f;
-  }
+  LaneVec acc[1];
+  int64_t i;
+  sum_parts<kParts>(n, i, acc, [&](int64_t j, LaneVec* s) {
+    const LaneVec f = load_bf16(src + j);
+    store(dst + j, f);
+    s[0] += f;
+  });
   for (int64_t j = i; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-  if (i < n) acc += load_part(dst + i, n - i, 0.0f);
-  return hsum(acc);
+  if (i < n) acc[0] += load_part(dst + i, n - i, 0.0f);
+  return hsum(acc[0]);
 }
 
 void from_float(c10::BFloat16* dst, const float* src, int64_t n) {

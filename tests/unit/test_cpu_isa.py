@@ -16,7 +16,8 @@ from megatron.fused import kernels as fused_kernels
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Every CPU kernel, outputs and input gradients, against fusion=False / SDPA; poisoned
-# outputs catch unwritten elements. Shapes include row tails shorter than one vector.
+# outputs catch unwritten elements. Shapes include row tails shorter than one vector, and rows
+# whose vectors leave 3 over the 4 partial sums of the reductions (120, 59 columns).
 CHECK = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from megatron import fused
@@ -62,7 +63,8 @@ CHECK = textwrap.dedent("""
     # layer norm: the C++ autograd node; bf16 against float32 arithmetic on the same bf16
     # values; [700, 1024] float32 outputs come from the huge-page output cache (>= 2 MiB)
     for rows, cols, dtype, tol in ((70, 96, torch.float32, 1e-5), (70, 1000, torch.float32, 1e-5),
-                                   (70, 13, torch.float32, 1e-5), (700, 1024, torch.float32, 1e-5),
+                                   (70, 13, torch.float32, 1e-5), (70, 120, torch.float32, 1e-5),
+                                   (700, 1024, torch.float32, 1e-5), (70, 59, torch.bfloat16, 1e-2),
                                    (70, 1000, torch.bfloat16, 1e-2), (33, 13, torch.bfloat16, 1e-2)):
         x, w, b = torch.randn(rows, cols) * 2 + 0.5, torch.rand(cols) + 0.5, torch.randn(cols)
         g = torch.randn(rows, cols)
@@ -87,7 +89,7 @@ CHECK = textwrap.dedent("""
             assert torch.equal(out, ref) and torch.equal(grads[0], ref_grads[0]), (threads, p)
     torch.set_num_threads(2)
     assert rel_err(first[0.0][0], sdpa(*split(qkv))) < 5e-6
-    for cols in (96, 1000, 13):
+    for cols in (96, 1000, 13, 120):
         check(f"rms_norm {{cols}}", lambda x, w: fused.rms_norm(x, w, 1e-5),
               lambda x, w: fused.rms_norm(x, w, 1e-5, fusion=False),
               [(70, cols), (cols,)], (70, cols), 1e-5)

@@ -156,7 +156,8 @@ LAYER_NORM_KERNELS = {  # the CPU's C++ autograd node; the Python Function (CUDA
 
 @pytest.mark.parametrize("kernel", sorted(LAYER_NORM_KERNELS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17), (600, 1024)])
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17), (600, 1024),
+                                   (4, 5, 120), (6, 59)])
 def test_layer_norm(kernel, dtype, shape):
     """Against float32 F.layer_norm of the same values; [600, 1024] outputs are >= 2 MiB
     in float32 (the huge-page output cache)."""
@@ -221,7 +222,7 @@ def rms_norm_plain(x, w):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17)])
+@pytest.mark.parametrize("shape", [(5, 3), (3, 7, 130), (64, 1024), (2, 3, 17), (4, 5, 120)])
 def test_rms_norm(dtype, shape):
     """Outputs and grads against the plain path in float32; for 16-bit inputs the
     output also equals the plain path's in that dtype (same two roundings)."""
