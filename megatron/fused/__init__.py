@@ -57,6 +57,35 @@ MAX_ROW_LENGTH = {"cpu": None, "cuda": 8192}
 UPPER_TRIANG = "scaled_upper_triang_masked_softmax"
 MASKED = "scaled_masked_softmax"
 
+_ANNOUNCED: set = set()
+
+
+def announce(op: str, path: str) -> None:
+    """Prints the path `op` (attention, layer norm, RMSNorm) takes, once per path and
+    process, on rank 0; nothing while torch.compile traces (no graph break)."""
+    if (op, path) in _ANNOUNCED or torch.compiler.is_compiling():
+        return
+    _ANNOUNCED.add((op, path))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f" {op}: {path}", flush=True)
+
+
+def _announce_norm(op: str, x: torch.Tensor, kernel: bool, fusion: bool, plain: str) -> None:
+    """announce() for a norm: our kernel (with the CPU's instruction set), or the plain path
+    and why. The key is checked before any string is built: this runs on every call."""
+    if (op, x.device.type, kernel, fusion) in _ANNOUNCED:
+        return
+    _ANNOUNCED.add((op, x.device.type, kernel, fusion))
+    if kernel:
+        isa = f", {cpu_kernels_isa()}" if x.device.type == "cpu" else ""
+        path = f"our {x.device.type.upper()} kernel{isa}"
+    else:
+        why = ("fusion off" if not fusion else
+               "kernels not built" if fused_kernels.get_extension(x.device.type) is None else
+               f"{str(x.dtype)[6:]} [..., {x.shape[-1]}] outside the kernel's constraints")
+        path = f"{plain} ({why})"
+    announce(op, path)
+
 
 def _ext(tensor: torch.Tensor):
     module = fused_kernels.get_extension(tensor.device.type)
@@ -288,7 +317,9 @@ def fused_layer_norm(x, weight, bias, eps):
 def layer_norm(x, weight, bias, eps, fusion=True):
     """Layer norm of x over its last dim with `weight` and `bias`: our kernel where it is
     the faster path (`layer_norm_preferred`), else F.layer_norm."""
-    if fusion and layer_norm_preferred(x, weight, bias):
+    kernel = fusion and layer_norm_preferred(x, weight, bias)
+    _announce_norm("layer norm", x, kernel, fusion, "F.layer_norm")
+    if kernel:
         return fused_layer_norm(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
@@ -332,8 +363,10 @@ def rms_norm(x, weight, eps, fusion=True):
     Normalised in float32 and cast back to x's dtype before the weight is
     applied, as Hugging Face's LlamaRMSNorm does.
     """
-    if (fusion and rms_norm_fusable(x, weight)
-            and fused_kernels.get_extension(x.device.type) is not None):
+    kernel = (fusion and rms_norm_fusable(x, weight)
+              and fused_kernels.get_extension(x.device.type) is not None)
+    _announce_norm("RMSNorm", x, kernel, fusion, "float32 PyTorch ops")
+    if kernel:
         return FusedRMSNormAffine.apply(x, weight, eps)
     return _plain_rms_norm(x, weight, eps)
 

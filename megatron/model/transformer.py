@@ -52,16 +52,9 @@ def windowed_mask(mask, sq: int, sk: int, window, device):
     return hidden if mask is None else mask.bool() | hidden
 
 
-_ANNOUNCED: set = set()
-
-
 def announce_attention(path: str) -> None:
     """Prints the attention path taken, once per path and process (rank 0)."""
-    if path in _ANNOUNCED:
-        return
-    _ANNOUNCED.add(path)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(f" attention: {path}", flush=True)
+    fused.announce("attention", path)
 
 
 class CoreAttention(torch.nn.Module):

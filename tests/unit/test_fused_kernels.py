@@ -693,3 +693,22 @@ def test_fast_cpu_dropout_statistics_gradient_and_reproducibility():
     assert torch.equal(fused.dropout(x, 0.25, training=True, fusion=True), y)
     assert torch.equal(fused.dropout(x, 0.25, training=False, fusion=True), x)
     assert torch.count_nonzero(fused.dropout(x, 1.0, training=True, fusion=True)) == 0
+
+
+def test_norm_paths_are_announced_once(capsys, monkeypatch):
+    """The log names the path each norm takes, once per path: our kernel with the CPU's
+    instruction set, or the plain path and why."""
+    monkeypatch.setattr(fused, "_ANNOUNCED", set())
+    x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    for _ in range(2):
+        fused.layer_norm(x, w, b, 1e-5)
+        fused.layer_norm(x, w, b, 1e-5, fusion=False)
+        fused.layer_norm(x.double(), w.double(), b.double(), 1e-5)
+        fused.rms_norm(x, w, 1e-5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f" layer norm: our CPU kernel, {fused.cpu_kernels_isa()}",
+        " layer norm: F.layer_norm (fusion off)",
+        " layer norm: F.layer_norm (float64 [..., 8] outside the kernel's constraints)",
+        f" RMSNorm: our CPU kernel, {fused.cpu_kernels_isa()}",
+    ], lines
