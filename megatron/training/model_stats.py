@@ -29,16 +29,25 @@ def params_norm(models, pstate) -> float:
 
 
 def num_zeros_in_grad(models, pstate) -> int:
-    """Gradient entries equal to zero after the last step's reduction (` num zeros:`)."""
+    """Gradient entries equal to zero after the last step's reduction (` num zeros:`): the
+    dense ones summed over TP x PP, the experts' over their own group (ETP x EP x PP) when
+    they have one, each shard once, as the gradient norm."""
     tp_rank, tp = group_rank(pstate.tp_group), group_size(pstate.tp_group)
-    grads = [part for p in _counted(models, pstate) if grad_of(p) is not None
-             for part, keep in counted_parts(p, grad_of(p), tp_rank, tp) if keep]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in grads:
-        total += (g == 0).sum()
-    all_reduce(total, pstate.mp_group)
-    return int(total.item())
+    expert_group = getattr(pstate, "expert_mp_group", None)
+    params = [p for p in _counted(models, pstate) if grad_of(p) is not None]
+    device = grad_of(params[0]).device if params else torch.device("cpu")
+    dense, expert = (torch.zeros(1, dtype=torch.float64, device=device) for _ in range(2))
+    for p in params:
+        if expert_group is not None and getattr(p, "expert_parallel", False):
+            expert += (grad_of(p) == 0).sum()
+            continue
+        for part, keep in counted_parts(p, grad_of(p), tp_rank, tp):
+            if keep:
+                dense += (part == 0).sum()
+    all_reduce(dense, pstate.mp_group)
+    if expert_group is not None:
+        all_reduce(expert, expert_group)
+    return int((dense + expert).item())
 
 
 def log_line_extras(cfg, models, pstate) -> str:

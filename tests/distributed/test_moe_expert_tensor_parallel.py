@@ -74,7 +74,7 @@ def _reshard_logits(out):
     ETP 1 files, from the merged ETP 2 files and from --universal-checkpoint (ETP 1 -> 2)."""
     import torch.distributed as dist
     from megatron.mpu import initialize_model_parallel
-    from megatron.training.model_stats import params_norm
+    from megatron.training.model_stats import num_zeros_in_grad, params_norm
     source = checkpoint_dir(out, SOURCE)
     if dist.get_rank() == 0:
         _merge(source, os.path.join(out, "one"))
@@ -87,12 +87,26 @@ def _reshard_logits(out):
     dist.barrier()
     etp1 = initialize_model_parallel(2, ep=2, etp=1)
     got = {"etp1 files": logits(source, etp1)}
-    norm = params_norm([load_model(source, etp1)], etp1)
+    model = load_model(source, etp1)
+    stats = {"params norm": params_norm([model], etp1),
+             "num zeros": num_zeros_in_grad([_small_values_as_zero_grads(model)], etp1)}
     etp2 = initialize_model_parallel(2, ep=2)
     got["etp2 files"] = logits(os.path.join(out, "etp2"), etp2)
+    stats["num zeros etp2"] = num_zeros_in_grad(
+        [_small_values_as_zero_grads(load_model(os.path.join(out, "etp2"), etp2))], etp2)
     got["universal etp1 -> etp2"] = logits(source, etp2, universal=True)
     got["universal etp2 -> etp1"] = logits(os.path.join(out, "etp2"), etp1, universal=True)
-    return got, norm
+    return got, stats
+
+
+def _small_values_as_zero_grads(model):
+    """Gives every parameter a gradient that is 0 where its value is small (and not exactly 0,
+    as the vocabulary padding, which differs between TP sizes), 1 elsewhere: the same entries
+    on every layout of one checkpoint."""
+    for p in model.parameters():
+        small = (p.detach().abs() < 0.02) & (p.detach() != 0)
+        p.grad = torch.where(small, 0.0, 1.0).to(p.dtype)
+    return model
 
 
 ODD = 31
@@ -103,7 +117,7 @@ padded with rows that route nowhere."""
 def _rank(rank, world_size, data_prefix, workdir):
     results = train_layouts(LAYOUTS, world_size, data_prefix, workdir)
     if world_size == 4 and SOURCE in LAYOUTS:
-        results["logits"], results["params norm"] = _reshard_logits(workdir)
+        results["logits"], results["stats"] = _reshard_logits(workdir)
     if world_size == 2 and "tp2-etp1" in LAYOUTS:
         from megatron.mpu import initialize_model_parallel
         results["odd logits"] = logits(checkpoint_dir(workdir, "tp2-etp1", final=True),
@@ -199,17 +213,23 @@ def test_etp_checkpoint_reshards_with_equal_logits(workdir, spawns):
     from megatron.mpu.parallel_state import single_process_state
     if SOURCE not in LAYOUTS:
         pytest.skip("MOE_TEST_ONLY left out the source checkpoint")
-    from megatron.training.model_stats import params_norm
+    from megatron.training.model_stats import num_zeros_in_grad, params_norm
     out = workdir[1]
     one = single_process_state()
     want = logits(os.path.join(out, "one"), one)
-    want_norm = params_norm([load_model(os.path.join(out, "one"), one)], one)
+    model = load_model(os.path.join(out, "one"), one)
+    want_norm = params_norm([model], one)
+    want_zeros = num_zeros_in_grad([_small_values_as_zero_grads(model)], one)
     for rank, result in enumerate(spawns[4]):
         for what, got in result["logits"].items():  # TP 2: this rank's half of the vocabulary
             _close(got, _halves(want, rank), f"{what} rank {rank}")
-        # --log-params-norm counts each expert shard once (ETP x EP), the dense ones per TP
-        assert abs(result["params norm"] - want_norm) <= LOSS_TOL * want_norm, (
-            rank, result["params norm"], want_norm)
+        # --log-params-norm and --log-num-zeros-in-grad count each expert shard once (ETP x
+        # EP), the dense ones per TP
+        stats = result["stats"]
+        assert abs(stats["params norm"] - want_norm) <= LOSS_TOL * want_norm, (
+            rank, stats["params norm"], want_norm)
+        assert stats["num zeros"] == stats["num zeros etp2"] == want_zeros > 0, (
+            rank, stats, want_zeros)
     def model(root, cell):
         path = os.path.join(root, f"iter_{SAVE_AT:07d}", cell, "model_optim_rng.pt")
         return from_megatron_layout(read_model_file(path)["model"])
