@@ -23,6 +23,7 @@ table, the same function; `drop_megatron_only` removes that weight again when we
 own file.
 """
 import argparse
+import dataclasses
 import pickle
 from typing import Any, Dict, List
 
@@ -162,6 +163,15 @@ def rng_entry_to_ours(entry: dict, current_device_state, current_tracker: dict) 
     return out
 
 
+# Megatron-LM's MoE args that shape the model (its names are MoEConfig's); the training ones
+# (load balancing, dispatcher, capacity) stay with the flags of each run.
+MOE_MODEL_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
+                  "moe_router_score_function", "moe_router_pre_softmax",
+                  "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                  "moe_router_group_topk", "moe_router_enable_expert_bias",
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+
+
 def stored_config_from_args(args) -> dict:
     """The parts of our Config dict that Megatron's args determine (model and tokenizer)."""
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
@@ -174,6 +184,8 @@ def stored_config_from_args(args) -> dict:
     model["apply_query_key_layer_scaling"] = get("apply_query_key_layer_scaling")
     if get("swiglu"):
         model["activation"] = "swiglu"
+    if get("num_experts"):
+        model["moe"] = {name: get(name) for name in MOE_MODEL_ARGS if get(name) is not None}
     data = {name: get(name) for name in ("tokenizer_type", "vocab_file", "merge_file")}
     data["tokenizer_name_or_path"] = get("tokenizer_name_or_path")
     return {"model": {k: v for k, v in model.items() if v is not None},
@@ -255,7 +267,17 @@ def megatron_args(config, pstate, iteration: int, consumed_train: int, consumed_
         lr=o.lr, min_lr=o.min_lr, lr_decay_style=o.lr_decay_style, weight_decay=o.weight_decay,
         clip_grad=o.clip_grad, fp16=t.fp16, bf16=t.bf16, params_dtype=dtype,
         iteration=iteration, consumed_train_samples=consumed_train,
-        consumed_valid_samples=consumed_valid, data_parallel_random_init=False)
+        consumed_valid_samples=consumed_valid, data_parallel_random_init=False,
+        **_megatron_moe_args(m.moe, p))
+
+
+def _megatron_moe_args(moe, parallel) -> dict:
+    """Megatron-LM's MoE args (MoEConfig's fields, under the same names; num_experts None
+    for a dense model) and expert parallel sizes, which its checkpoint converters read."""
+    fields = (dataclasses.asdict(moe) if moe is not None and moe.enabled
+              else {"num_experts": None})
+    return {**fields, "expert_model_parallel_size": parallel.expert_model_parallel_size,
+            "expert_tensor_parallel_size": parallel.expert_tp}
 
 
 def _megatron_positions(kind: str) -> str:

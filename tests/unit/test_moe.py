@@ -382,3 +382,24 @@ def test_swiglu_kernel_against_float64(counts, threads):
         assert frozen.grad is None and weights[0].grad is not None
     finally:
         torch.set_num_threads(previous)
+
+
+def test_megatron_args_carry_the_moe_model_both_ways():
+    """The args our checkpoints write for Megatron-LM name the experts (its checkpoint
+    converters read num_experts, the moe_* sizes and the expert parallel sizes), and the args
+    of a Megatron-LM file give back the MoE model as its stored config (--load's defaults),
+    without the training-only settings."""
+    from megatron.checkpointing.megatron_legacy import megatron_args, stored_config_from_args
+    from megatron.mpu.parallel_state import single_process_state
+    cfg = parse("--moe-layer-freq", "([0]*1+[1]*1)*2", "--moe-router-topk", "1",
+                "--moe-aux-loss-coeff", "0.01", "--moe-shared-expert-intermediate-size", "32")
+    args = megatron_args(cfg, single_process_state(), 3, 6, 0)
+    assert (args.num_experts, args.moe_router_topk, args.moe_layer_freq) == (8, 1, [0, 1, 0, 1])
+    assert args.moe_aux_loss_coeff == 0.01 and args.moe_shared_expert_intermediate_size == 32
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (1, 1)
+    moe = stored_config_from_args(args)["model"]["moe"]
+    assert moe["num_experts"] == 8 and moe["moe_layer_freq"] == [0, 1, 0, 1]
+    assert moe["moe_shared_expert_intermediate_size"] == 32 and "moe_aux_loss_coeff" not in moe
+    assert MoEConfig(**moe).layer_pattern(4) == [0, 1, 0, 1]
+    dense = megatron_args(parse_args(BASE[:-2])[0], single_process_state(), 3, 6, 0)
+    assert dense.num_experts is None and "moe" not in stored_config_from_args(dense)["model"]
