@@ -73,7 +73,7 @@ def announce(op: str, path: str) -> None:
 def _announce_norm(op: str, x: torch.Tensor, kernel: bool, fusion: bool, plain: str) -> None:
     """announce() for a norm: our kernel (with the CPU's instruction set), or the plain path
     and why. The key is checked before any string is built: this runs on every call."""
-    if (op, x.device.type, kernel, fusion) in _ANNOUNCED:
+    if torch.compiler.is_compiling() or (op, x.device.type, kernel, fusion) in _ANNOUNCED:
         return
     _ANNOUNCED.add((op, x.device.type, kernel, fusion))
     if kernel:
