@@ -16,7 +16,7 @@ from megatron.checkpointing import dist_state, experts, reshard, torch_dist
 from megatron.checkpointing.dist_regions import placement
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.layout import CHECKPOINT_VERSION, read_tracker
-from megatron.checkpointing.mcore_keys import mcore_key
+from megatron.checkpointing.mcore_keys import mcore_key, stacks_layers
 from megatron.checkpointing.megatron_legacy import stored_config_from_args
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
@@ -48,7 +48,7 @@ def _full_entries(cfg: ModelConfig, full: Dict[str, torch.Tensor]):
     for name, param in model.named_parameters():
         full[name] = torch.empty(param.shape, dtype=torch.float32) if name not in full \
             else full[name]
-        key, layer = mcore_key(name)
+        key, layer = mcore_key(name, stacks_layers(cfg))
         entries.append(dist_state.Entry(full[name], placement(
             key, layer, cfg.num_layers, tuple(param.shape), meta[name], 0, 1), False))
     return entries, model

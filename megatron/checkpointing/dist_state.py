@@ -20,7 +20,7 @@ import torch
 
 from megatron.checkpointing.dist_regions import (Placement, flat_piece_regions, placement,
                                                  sharded_tensors, split_regions)
-from megatron.checkpointing.mcore_keys import mcore_key, optimizer_key
+from megatron.checkpointing.mcore_keys import mcore_key, optimizer_key, stacks_layers
 
 FP32 = "fp32_param"
 
@@ -38,8 +38,9 @@ def model_entries(models, pstate, num_layers: int) -> List[Entry]:
     for model in models:
         global_name = {id(p): name for name, p in model.global_parameter_names().items()}
         meta = model.sharding_metadata()
+        stacked = stacks_layers(model.cfg)
         for name, param in model.named_parameters():
-            key, layer = mcore_key(global_name[id(param)])
+            key, layer = mcore_key(global_name[id(param)], stacked)
             place = placement(key, layer, num_layers, tuple(param.shape), meta[name],
                               *split_of(meta[name], pstate))
             entries.append(Entry(param, place, bool(getattr(param, "shared_embedding", False))))

@@ -16,6 +16,10 @@ Transformer Engine's names:
     language_model.encoder.final_layernorm.X             decoder.final_layernorm.X
     language_model.output_layer.weight                   output_layer.weight
 
+With dense and MoE layers mixed (--moe-layer-freq a list or above 1) Megatron-Core keys each
+layer on its own, `decoder.layers.<g>.self_attention.linear_qkv.weight` without the layer
+axis (`stacks_layers`), as its TransformerBlock.sharded_state_dict does.
+
 MoE layers: `mlp.router.weight` [L, E, h]; the stacked experts `mlp.experts.linear_fc1.X`
 are Megatron-Core's `decoder.layers.mlp.experts.experts.linear_fc1.X` of shape
 [L, E, ...]: the key and layout that its SequentialMLP, GroupedMLP and TEGroupedMLP share,
@@ -52,13 +56,25 @@ def _rename(name: str, table) -> Optional[str]:
     return None
 
 
-def mcore_key(global_name: str) -> Tuple[str, Optional[int]]:
-    """(Megatron-Core key, global layer index or None) of a parameter named with global
-    layer numbers (GPTModel.global_parameter_names)."""
+def stacks_layers(cfg) -> bool:
+    """Whether Megatron-Core stacks this model's layers along a leading axis. Its
+    TransformerBlock does not when --moe-layer-freq is a list or an int above 1 (dense and
+    MoE layers mixed): each layer's tensors are then keyed `decoder.layers.<g>.<name>`, g
+    the global layer index, with no layer axis."""
+    freq = cfg.moe.moe_layer_freq if cfg.moe is not None else 1
+    return isinstance(freq, int) and freq <= 1
+
+
+def mcore_key(global_name: str, stacked: bool = True) -> Tuple[str, Optional[int]]:
+    """(Megatron-Core key, global layer index along the stacked axis or None) of a parameter
+    named with global layer numbers (GPTModel.global_parameter_names); `stacked` False
+    (stacks_layers) puts the layer index in the key instead."""
     match = _LAYER.match(global_name)
     if match:
-        inner = match.group(2)
-        return "decoder.layers." + (_rename(inner, _IN_LAYER) or inner), int(match.group(1))
+        inner = _rename(match.group(2), _IN_LAYER) or match.group(2)
+        if not stacked:
+            return f"decoder.layers.{match.group(1)}.{inner}", None
+        return "decoder.layers." + inner, int(match.group(1))
     key = _rename(global_name, _TOP)
     if key is None:
         raise KeyError(f"parameter {global_name!r} has no Megatron-Core key")

@@ -102,11 +102,6 @@ class Config:
                 f"--expert-model-parallel-size ({ep})")
         require(p.DDP_impl == "local", "MoE needs --DDP-impl local (expert gradients are "
                                        "reduced over their own group); drop --DDP-impl torch")
-        mixed = len(set(moe.layer_pattern(self.model.num_layers))) > 1
-        require(self.checkpoint.ckpt_format != "torch_dist" or not mixed,
-                f"--ckpt-format torch_dist cannot hold a model that mixes MoE and dense MLP "
-                f"layers (--moe-layer-freq {moe.moe_layer_freq}): each MLP key spans every "
-                f"layer; use --ckpt-format torch")
         ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
         require(ffn % etp == 0, f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
                                 f"--expert-tensor-parallel-size ({etp})")

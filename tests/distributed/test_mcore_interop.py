@@ -6,7 +6,9 @@ Megatron-Core's `dist_checkpointing.save`; our GPTModel loads it and gives Megat
 logits on the same tokens (atol 1e-6). Our model, saved in torch_dist, loads into a freshly
 initialised Megatron-Core model with `dist_checkpointing.load` and gives our logits. The same
 both ways for an MoE GPT at EP 2 (4 experts with biases, top 2, Megatron-Core's SequentialMLP:
-expert tensors `decoder.layers.mlp.experts.experts.*` of shape [layers, experts, ...]).
+expert tensors `decoder.layers.mlp.experts.experts.*` of shape [layers, experts, ...]), and for
+one whose first layer is dense (--moe-layer-freq [0, 1]: every layer keyed on its own,
+`decoder.layers.1.mlp.experts.experts.*` of shape [experts, ...]).
 """
 import os
 
@@ -43,11 +45,13 @@ def _our_model(tp: int):
     return model.eval(), pstate
 
 
-def _mcore_moe(seed: int):
-    """Megatron-Core's MoE GPT (local spec, SequentialMLP experts with biases) at EP 2."""
+def _mcore_moe(seed: int, freq=1):
+    """Megatron-Core's MoE GPT (local spec, SequentialMLP experts with biases) at EP 2; with
+    `freq` a list, dense and MoE layers mixed (its block spec: one layer spec each)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
     moe_utils.te_general_gemm = None  # references.md item 5
@@ -58,13 +62,16 @@ def _mcore_moe(seed: int):
                             attention_dropout=0.0, params_dtype=torch.float32,
                             activation_func=lambda x: F.gelu(x, approximate="tanh"),
                             num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=32,
-                            expert_model_parallel_size=EP, moe_token_dispatcher_type="allgather")
-    return GPTModel(cfg, get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=VOCAB,
+                            expert_model_parallel_size=EP, moe_token_dispatcher_type="allgather",
+                            moe_layer_freq=freq)
+    spec = (get_gpt_layer_local_spec(num_experts=EXPERTS) if freq == 1
+            else get_gpt_decoder_block_spec(cfg, use_transformer_engine=False))
+    return GPTModel(cfg, spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
                     parallel_output=False).eval()
 
 
-def _our_moe():
+def _our_moe(freq=1):
     from megatron.config import ModelConfig, MoEConfig
     from megatron.model import GPTModel
     from megatron.mpu.parallel_state import initialize_model_parallel
@@ -73,39 +80,45 @@ def _our_moe():
                       seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
                       hidden_dropout=0.0, attention_dropout=0.0,
                       moe=MoEConfig(num_experts=EXPERTS, moe_router_topk=2,
-                                    moe_ffn_hidden_size=32))
+                                    moe_ffn_hidden_size=32, moe_layer_freq=freq))
     model = GPTModel(cfg, tp_group=pstate.tp_group, expert_groups=pstate.expert_groups(),
                      parallel_output=False)
     return model.eval(), pstate
 
 
-def _moe_both_ways(workdir, tokens, positions) -> dict:
+MOE_CASES = {"moe-ep2": 1, "mixed-ep2": [0, 1]}
+"""--moe-layer-freq of each MoE case: every layer MoE (Megatron-Core stacks the layers along a
+leading axis), or a dense first layer (it keys each layer on its own, decoder.layers.<g>.*)."""
+
+
+def _moe_both_ways(workdir, tokens, positions, case: str) -> dict:
     """An MoE GPT at EP 2: Megatron-Core's checkpoint into ours, ours into Megatron-Core."""
     from megatron.checkpointing import torch_dist
     from megatron.core import dist_checkpointing, parallel_state
-    theirs = _mcore_moe(seed=1)
-    mcore_dir = os.path.join(workdir, "mcore-moe-ep2")
+    freq = MOE_CASES[case]
+    theirs = _mcore_moe(seed=1, freq=freq)
+    mcore_dir = os.path.join(workdir, f"mcore-{case}")
     if torch.distributed.get_rank() == 0:
         os.makedirs(mcore_dir)
     torch.distributed.barrier()
     dist_checkpointing.save(theirs.sharded_state_dict(), mcore_dir)
     with torch.no_grad():
         their_logits = theirs(tokens, positions, None)
-    ours, pstate = _our_moe()
+    ours, pstate = _our_moe(freq)
     torch_dist.load_model_weights(mcore_dir, [ours], LAYERS, pstate)
     with torch.no_grad():
         our_logits = ours(tokens, positions)
-    out = {"mcore->ours moe-ep2": (our_logits - their_logits).abs().max().item()}
-    ours_dir = os.path.join(workdir, "ours-moe-ep2", "iter_0000001")
+    out = {f"mcore->ours {case}": (our_logits - their_logits).abs().max().item()}
+    ours_dir = os.path.join(workdir, f"ours-{case}", "iter_0000001")
     torch_dist.save_model_weights(ours_dir, [ours], LAYERS, pstate)
     parallel_state.destroy_model_parallel()
-    fresh = _mcore_moe(seed=2)
+    fresh = _mcore_moe(seed=2, freq=freq)
     with torch.no_grad():
-        out["fresh differs moe-ep2"] = (fresh(tokens, positions, None)
+        out[f"fresh differs {case}"] = (fresh(tokens, positions, None)
                                         - our_logits).abs().max().item()
     _mcore_load(fresh, ours_dir)
     with torch.no_grad():
-        out["ours->mcore moe-ep2"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
+        out[f"ours->mcore {case}"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
     parallel_state.destroy_model_parallel()
     return out
 
@@ -153,7 +166,8 @@ def _rank(rank, world_size, workdir):
             out[f"fresh differs tp{tp}"] = (_mcore_model(tp, 2)(tokens, positions, None)
                                              - our_logits).abs().max().item()
         parallel_state.destroy_model_parallel()
-    out.update(_moe_both_ways(workdir, tokens, positions))
+    for case in MOE_CASES:
+        out.update(_moe_both_ways(workdir, tokens, positions, case))
     return out
 
 
@@ -162,7 +176,7 @@ def spawn2(tmp_path_factory):
     return run_ranks(_rank, 2, str(tmp_path_factory.mktemp("mcore")), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["tp1", "tp2", "moe-ep2"])
+@pytest.mark.parametrize("case", ["tp1", "tp2", *MOE_CASES])
 @pytest.mark.parametrize("direction", ["mcore->ours", "ours->mcore"])
 def test_logits_equal_after_loading(direction, case, spawn2):
     for rank, result in enumerate(spawn2):

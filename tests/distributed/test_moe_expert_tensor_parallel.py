@@ -5,7 +5,8 @@ The model of test_moe_layouts.py (8 experts, top-2, aux and z-loss, a shared exp
 every other layer MoE, RoPE / RMSNorm / SwiGLU / GQA). With ETP 1 each expert is whole on
 one rank and the experts spread over ETP x EP; the TP ranks split the tokens they share.
 At TP 2 x ETP 1 (EP 1, with and without sequence parallelism), TP 2 x ETP 1 x EP 2 (both
-dispatchers, sequence parallelism, the distributed optimizer, torch_dist), TP 2 x ETP 1 x PP 2,
+dispatchers, sequence parallelism, the distributed optimizer, torch_dist with its dense and MoE
+layers keyed per layer), TP 2 x ETP 1 x PP 2,
 TP 2 x CP 2 x ETP 1 x EP 2, TP 2 x ETP 1 x EP 4 (the EP groups span TP and DP) and
 TP 4 x ETP 2 x EP 2 (grouped GEMM), 10 iterations
 reproduce the single-process losses and gradient norms within 1e-5; the runs saved at
@@ -39,9 +40,6 @@ def _etp(etp, ep=1, dispatcher="allgather", *more, model=MOE):
 
 
 SP = "--sequence-parallel"
-ALL_MOE = [("1" if a == "2" and MOE[i - 1] == "--moe-layer-freq" else a) for i, a in enumerate(MOE)]
-"""Every layer MoE: torch_dist stacks each MLP key over all layers, so it cannot hold a model
-that mixes MoE and dense MLP layers (a limitation of that format here, not of ETP)."""
 LAYOUTS = {
     "tp2-etp1": Layout(2, 1, 1, mbs=2, keep=True, extra=_etp(1)),
     "tp2-etp1-sp-alltoall": Layout(2, 1, 1, mbs=2, extra=_etp(1, 1, "alltoall", SP)),
@@ -50,7 +48,7 @@ LAYOUTS = {
     "tp2-etp1-ep2-distributed-optimizer": Layout(2, 1, 2, mbs=2, resume=True, extra=_etp(
         1, 2, "alltoall", "--use-distributed-optimizer")),
     "tp2-etp1-ep2-torch-dist": Layout(2, 1, 2, mbs=2, resume=True, extra=_etp(
-        1, 2, "allgather", "--ckpt-format", "torch_dist", model=ALL_MOE)),
+        1, 2, "allgather", "--ckpt-format", "torch_dist")),
     "tp2-etp1-pp2": Layout(2, 2, 1, mbs=2, resume=True, extra=_etp(1)),
     "tp2-cp2-etp1-ep2-alltoall": Layout(2, 1, 1, mbs=2, cp=2, extra=_etp(1, 2, "alltoall")),
     "tp2-etp1-ep4-alltoall": Layout(2, 1, 2, mbs=2, extra=_etp(1, 4, "alltoall")),
@@ -131,15 +129,10 @@ def workdir(tmp_path_factory):
     return preprocess_wiki(out), out
 
 
-REFERENCE = {"tp2-etp1-ep2-torch-dist": ALL_MOE}
-
-
 @pytest.fixture(scope="module")
 def references(workdir):
     prefix, out = workdir
-    models = {"moe": MOE, **{k: v for k, v in REFERENCE.items() if k in LAYOUTS}}
-    return {name: reference_run(prefix, out / "cache-ref", *model)
-            for name, model in models.items()}
+    return {"moe": reference_run(prefix, out / "cache-ref", *MOE)}
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +142,7 @@ def spawns(workdir):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_etp_layout_losses_and_grad_norms_equal_one_process(name, references, spawns):
-    layout, reference = LAYOUTS[name], references.get(name, references["moe"])
+    layout, reference = LAYOUTS[name], references["moe"]
     results = spawns[layout.world]
     check_losses(name, layout, results, reference)  # the grad norms too
     got = results[-1][name]

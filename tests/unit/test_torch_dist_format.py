@@ -125,6 +125,46 @@ def test_megatron_core_keys():
         "decoder.layers.mlp.experts.experts.linear_fc1.weight", 2)
     assert mcore_key("language_model.encoder.layers.2.mlp.router.weight") == (
         "decoder.layers.mlp.router.weight", 2)
+    # dense and MoE layers mixed: the layer in the key, no layer axis
+    assert mcore_key("language_model.encoder.layers.2.mlp.experts.linear_fc1.weight", False) == (
+        "decoder.layers.2.mlp.experts.experts.linear_fc1.weight", None)
+    assert mcore_key("language_model.encoder.layers.0.input_layernorm.weight", False) == (
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", None)
+    assert mcore_key("language_model.output_layer.weight", False) == ("output_layer.weight", None)
+
+
+@pytest.mark.parametrize("freq,stacked", [(1, True), (2, False), ([1, 1], False), ([0, 1], False)])
+def test_layers_are_stacked_as_megatron_core_stacks_them(freq, stacked):
+    """Megatron-Core 0.16.1's TransformerBlock keys each layer on its own when
+    moe_layer_freq is a list (even all ones) or an int above 1."""
+    from megatron.checkpointing.mcore_keys import stacks_layers
+    from megatron.config import MoEConfig
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
+                      max_position_embeddings=8, padded_vocab_size=32,
+                      moe=MoEConfig(num_experts=4, moe_layer_freq=freq))
+    assert stacks_layers(cfg) == stacked
+    assert stacks_layers(ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                                     seq_length=8, max_position_embeddings=8))
+
+
+def test_mixed_dense_and_moe_weights_round_trip_keyed_per_layer(tmp_path):
+    from megatron.config import MoEConfig
+    from megatron.mpu.parallel_state import single_process_state
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
+                      max_position_embeddings=8, padded_vocab_size=32,
+                      moe=MoEConfig(num_experts=4, moe_ffn_hidden_size=8, moe_layer_freq=[0, 1]))
+    model, other = GPTModel(cfg), GPTModel(cfg)
+    model.init_weights(1)
+    other.init_weights(2)
+    directory = os.path.join(str(tmp_path), "iter_0000001")
+    torch_dist.save_model_weights(directory, [model], 2, single_process_state())
+    stored = torch_dist.SafeReader(directory).read_metadata().state_dict_metadata
+    assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].size == (4, 8, 16)
+    assert stored["decoder.layers.0.mlp.linear_fc1.weight"].size == (64, 16)
+    assert not any(k.startswith("decoder.layers.mlp") for k in stored)
+    torch_dist.load_model_weights(directory, [other], 2, single_process_state())
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def _saved(tmp_path):
