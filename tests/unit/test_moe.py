@@ -54,14 +54,18 @@ def test_layer_freq_forms():
     (["--moe-expert-capacity-factor", "0"], 1, ["--moe-expert-capacity-factor", "got 0.0"]),
     (["--moe-router-score-function", "relu"], 1, ["--moe-router-score-function", "'relu'"]),
     (["--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type", "'flex'"]),
-    (["--moe-layer-freq", "2", "--ckpt-format", "torch_dist"], 1,
-     ["--ckpt-format torch_dist", "--moe-layer-freq 2", "--ckpt-format torch"]),
     (["--moe-router-load-balancing-type", "magic"], 1, ["--moe-router-load-balancing-type"]),
     (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
      ["--moe-router-num-groups (3)"]),
 ])
 def test_bad_moe_settings_exit_2_with_one_line(capsys, extra, world, words):
     assert_exits_2_with_one_line(capsys, lambda: parse(*extra, world_size=world), words)
+
+
+def test_mixed_layers_are_accepted_in_torch_dist():
+    """Dense and MoE layers mixed (keyed per layer in torch_dist, as Megatron-Core does)."""
+    cfg = parse("--moe-layer-freq", "2", "--ckpt-format", "torch_dist")
+    assert cfg.checkpoint.ckpt_format == "torch_dist" and cfg.model.moe.moe_layer_freq == 2
 
 
 def test_expert_groups_are_carved_out_of_data_parallelism():
