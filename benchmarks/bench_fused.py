@@ -118,10 +118,10 @@ TIE = 1.10
 
 
 def report(name: str, times: list[float], target: float | None = None,
-           auto_fused: bool | None = None) -> None:
-    """One line: both times, the speed-up against the target, and (auto_fused given) which
-    path the default (`fusion=True` / `--attention-impl auto`) takes for these inputs and
-    whether that is the faster one in this run."""
+           auto_fused: bool | None = None, labels=("plain", "fused")) -> None:
+    """One line: both times (named `labels`), the speed-up against the target, and
+    (auto_fused given) which path the default (`fusion=True` / `--attention-impl auto`) takes
+    for these inputs and whether that is the faster one in this run."""
     t_plain, t_fused = times
     ratio = t_plain / t_fused
     goal = f" (target >= {target:.1f}x: {'ok' if ratio >= target else 'MISSED'})" if target else ""
@@ -131,7 +131,7 @@ def report(name: str, times: list[float], target: float | None = None,
         verdict = ("faster" if faster else
                    "tie" if max(ratio, 1 / ratio) < TIE else "SLOWER")
         auto = f"  auto: {'fused' if auto_fused else 'plain'} ({verdict})"
-    print(f"{name:<44} plain {t_plain * 1e3:8.2f} ms  fused {t_fused * 1e3:8.2f} ms  "
+    print(f"{name:<44} {labels[0]} {t_plain * 1e3:8.2f} ms  {labels[1]} {t_fused * 1e3:8.2f} ms  "
           f"speed-up {ratio:5.2f}x{goal}{auto}")
 
 
@@ -180,11 +180,14 @@ def bench_bias_gelu(repeat: int, with_compile: bool) -> None:
     report("CPU bias_gelu fwd+bwd [2048,4096] f32",
            compare([step(_bias_gelu), step(fused.bias_gelu)], repeat, warmup=3), 1.5,
            fused.bias_gelu_fusable(y, bias))
+    # peers of the plain path, not our kernel: eager PyTorch against TorchScript / torch.compile
     report("CPU bias_gelu fwd+bwd [2048,4096]: TorchScript",
-           compare([step(_bias_gelu), step(torch.jit.script(_bias_gelu))], repeat, warmup=3))
+           compare([step(_bias_gelu), step(torch.jit.script(_bias_gelu))], repeat, warmup=3),
+           labels=("eager", "TorchScript"))
     if with_compile:
         report("CPU bias_gelu fwd+bwd [2048,4096]: torch.compile",
-               compare([step(_bias_gelu), step(torch.compile(_bias_gelu))], repeat, warmup=3))
+               compare([step(_bias_gelu), step(torch.compile(_bias_gelu))], repeat, warmup=3),
+               labels=("eager", "compiled"))
 
 
 def bench_cross_entropy(repeat: int) -> None:
