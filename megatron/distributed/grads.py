@@ -94,53 +94,64 @@ def expert_norm_groups(pstate) -> dict:
             "etp_rank": getattr(pstate, "etp_rank", 0)}
 
 
+def norm_parts(params: List[torch.nn.Parameter], grads: List[torch.Tensor], tp_group,
+               expert_mp_group=None, etp_rank: int = 0,
+               starts: Optional[List[int]] = None) -> List[Tuple[torch.nn.Parameter,
+                                                                torch.Tensor, bool]]:
+    """(parameter, gradient part, counted) of every gradient given (None skipped), so that
+    each distinct shard counts once over the model-parallel ranks (counted_parts). With
+    `expert_mp_group` (ParallelState.expert_mp_group: ETP x EP x PP, set when EP > 1 or
+    expert TP < TP) an expert parameter is split over expert TP only (no k / v replicas)
+    and, replicated over expert TP, counts on expert-TP rank `etp_rank` 0. `starts`: where
+    each gradient begins in its flattened parameter (0 by default)."""
+    tp_rank, tp = group_rank(tp_group), group_size(tp_group)
+    starts = starts if starts is not None else [0] * len(params)
+    out = []
+    for p, g, start in zip(params, grads, starts):
+        if g is None:
+            continue
+        if expert_mp_group is not None and getattr(p, "expert_parallel", False):
+            out.append((p, g, counts_for_norm(p, etp_rank)))
+        else:
+            out.extend((p, part, keep) for part, keep in counted_parts(p, g, tp_rank, tp, start))
+    return out
+
+
 def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tensor],
                        tp_group, mp_group, dp_group=None,
                        device: Optional[torch.device] = None, expert_mp_group=None,
                        edp_group=None, starts: Optional[List[int]] = None,
                        etp_rank: int = 0) -> Tuple[float, bool]:
     """(the global L2 norm, whether any gradient of any model-parallel rank holds an inf
-    or a nan), from one multi-tensor norm and an all-reduce of two numbers per group. With
-    `dp_group` (the distributed optimizer's DP shards) the sums also run over DP, and
-    those of expert parameters (`expert_parallel`) over `edp_group`. With
-    `expert_mp_group` (ParallelState.expert_mp_group: ETP x EP x PP, set when EP > 1 or
-    expert TP < TP) the expert sums run over it and the dense ones over `mp_group`
-    (TP x PP), each distinct shard once: an expert parameter replicated over expert TP
-    counts on expert-TP rank `etp_rank` 0 only. `device`: where the two numbers live when
-    this rank holds no gradient. `starts`: where each gradient begins in its flattened
-    parameter (the distributed optimizer's pieces; 0 by default)."""
-    tp_rank, tp = group_rank(tp_group), group_size(tp_group)
-    starts = starts if starts is not None else [0] * len(params)
+    or a nan), from one multi-tensor norm and an all-reduce of two numbers per group, each
+    shard counted once (norm_parts). With `dp_group` (the distributed optimizer's DP shards)
+    the sums also run over DP, and those of expert parameters (`expert_parallel`) over
+    `edp_group`. With `expert_mp_group` the expert sums run over it and the dense ones over
+    `mp_group` (TP x PP). `device`: where the two numbers live when this rank holds no
+    gradient. `starts`: where each gradient begins in its flattened parameter (the
+    distributed optimizer's pieces)."""
+    parts = norm_parts(params, grads, tp_group, expert_mp_group, etp_rank, starts)
+    # Accumulated in float64 (see _float64_norms); finite gradients never overflow it.
+    device = parts[0][1].device if parts else (device or torch.device("cpu"))
     # Expert sums take their own groups; whether they do is the same on every rank.
     own_group = expert_mp_group is not None
     split = own_group or (dp_group is not None and edp_group is not None)
-
-    def parts(p, g, start):
-        if own_group and getattr(p, "expert_parallel", False):  # expert TP: no k / v replicas
-            return [(g, counts_for_norm(p, etp_rank))]
-        return counted_parts(p, g, tp_rank, tp, start)
-
-    pairs = [(p, part, keep) for p, g, start in zip(params, grads, starts) if g is not None
-             for part, keep in parts(p, g, start)]
-    # Accumulated in float64 (see _float64_norms); finite gradients never overflow it.
-    device = pairs[0][1].device if pairs else (device or torch.device("cpu"))
-    expert = [split and getattr(p, "expert_parallel", False) for p, _, _ in pairs]
-    stats = _norm_stats([pq[1:] for pq, e in zip(pairs, expert) if not e], device)
+    expert = [split and getattr(p, "expert_parallel", False) for p, _, _ in parts]
+    stats = _norm_stats([pq[1:] for pq, e in zip(parts, expert) if not e], device)
     if dp_group is not None:
         all_reduce(stats, dp_group)
+    expert_stats = None
     if split:
-        expert_stats = _norm_stats([pq[1:] for pq, e in zip(pairs, expert) if e], device)
+        expert_stats = _norm_stats([pq[1:] for pq, e in zip(parts, expert) if e], device)
         if dp_group is not None:
             all_reduce(expert_stats, edp_group)
         if own_group:
-            all_reduce(stats, mp_group)
             all_reduce(expert_stats, expert_mp_group)
-            stats = stats + expert_stats
-        else:
-            stats = stats + expert_stats
-            all_reduce(stats, mp_group)
-    else:
-        all_reduce(stats, mp_group)
+        else:  # summed over mp_group with the dense ones
+            stats, expert_stats = stats + expert_stats, None
+    all_reduce(stats, mp_group)
+    if expert_stats is not None:
+        stats = stats + expert_stats
     square, nonfinite = stats.tolist()
     return math.sqrt(square), nonfinite > 0
 
