@@ -1,5 +1,11 @@
-"""Shared by the CPU and CUDA fused-kernel tests: dtypes, tolerances, error measure."""
+"""Shared by the CPU and CUDA fused-kernel tests: dtypes, tolerances, error measure, and the
+`kernels` fixture of the CPU tests (import it into a test module to load the kernels there)."""
+import os
+
+import pytest
 import torch
+
+from megatron.fused import kernels as fused_kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -36,3 +42,15 @@ def explicit_attention(q, k, v, scale, causal=True, keep=None, dropout_p=0.0):
     if keep is not None:
         probs = probs * keep.view(b, heads, s, s) / (1.0 - dropout_p)
     return torch.matmul(probs, vh).permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """Loads the CPU kernels with poisoned outputs for the module's tests (failing, not
+    skipping, when they do not build)."""
+    if os.environ.get(fused_kernels.DISABLE_ENV, "0") not in ("", "0"):
+        pytest.skip(f"{fused_kernels.DISABLE_ENV} is set")
+    assert fused_kernels.load_fused_kernels(), "the CPU fused kernels failed to build"
+    fused_kernels.set_poison_outputs(True)
+    yield fused_kernels.get_extension("cpu")
+    fused_kernels.set_poison_outputs(False)

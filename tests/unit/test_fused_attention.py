@@ -1,0 +1,157 @@
+"""The CPU causal-attention kernel (flash-attention style, dropout inside, the full blocks of
+ring attention) against SDPA and the explicit path."""
+import pytest
+import torch
+
+from megatron import fused
+from tests.fused_checks import (explicit_attention, kernels,  # noqa: F401 (loads them)
+                                outputs_and_grads, rel_err)
+
+def sdpa_attention(q, k, v):
+    """Reference: torch's SDPA on [b, heads, s, d] views, back to [s, b, heads * d]."""
+    s, b, heads, dim = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+
+
+@pytest.mark.parametrize("s,b,heads,dim", [(256, 2, 4, 32), (13, 2, 3, 16), (37, 1, 2, 64),
+                                           (100, 3, 2, 48), (1, 1, 1, 16)])
+def test_causal_attention_kernel_matches_sdpa(s, b, heads, dim):
+    """q, k, v as the strided views of one fused QKV projection, as the model passes them."""
+    torch.manual_seed(s)
+    qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+    results = []
+    for attention in (sdpa_attention,
+                      lambda q, k, v: fused.causal_attention(q, k, v, dim ** -0.5)):
+        out, (dqkv,) = outputs_and_grads(lambda x: attention(*x.split(dim, dim=-1)), [qkv], grad)
+        results.append((out, dqkv))
+    assert fused.causal_attention_fusable(*qkv.split(dim, dim=-1))
+    (ref_out, ref_grad), (out, dqkv) = results
+    assert rel_err(out, ref_out) < 2e-6
+    assert rel_err(dqkv, ref_grad) < 5e-6
+
+
+def test_causal_attention_dispatch():
+    q = torch.randn(8, 1, 2, 32)
+    assert fused.causal_attention_fusable(q, q, q)
+    assert not fused.causal_attention_fusable(q.double(), q.double(), q.double())
+    assert not fused.causal_attention_fusable(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    odd = torch.randn(8, 1, 2, 24)
+    assert not fused.causal_attention_fusable(odd, odd, odd)  # head_dim % 16
+    longer = torch.randn(9, 1, 2, 32)
+    assert not fused.causal_attention_fusable(q, longer, longer)  # a KV cache: sk > sq
+    strided = torch.randn(8, 1, 2, 64)[..., ::2]
+    assert not fused.causal_attention_fusable(strided, strided, strided)
+
+
+@pytest.mark.parametrize("s,b,heads,dim,p", [(37, 2, 3, 16, 0.3), (100, 1, 2, 48, 0.1),
+                                             (130, 2, 2, 64, 0.5), (1, 1, 1, 16, 0.2)])
+def test_attention_dropout_matches_explicit_path_with_the_same_mask(s, b, heads, dim, p):
+    """The kernel's dropout (forward and the backward's regenerated mask) equals the
+    explicit softmax(q k^T) * keep / (1 - p) v with the kernel's own mask."""
+    torch.manual_seed(s)
+    qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+    seed = 987654321 + s
+    keep = fused.attention_dropout_keep(b * heads, s, p, seed)
+    split = lambda x: x.split(dim, dim=-1)  # noqa: E731
+    out, (dqkv,) = outputs_and_grads(
+        lambda x: fused.causal_attention(*split(x), dim ** -0.5, p, seed), [qkv], grad)
+    ref, (ref_dqkv,) = outputs_and_grads(
+        lambda x: explicit_attention(*split(x), dim ** -0.5, True, keep, p), [qkv], grad)
+    assert rel_err(out, ref) < 2e-6
+    assert rel_err(dqkv, ref_dqkv) < 5e-6
+    if s > 1:  # dropout is active: another seed gives another output
+        other = fused.causal_attention(*split(qkv), dim ** -0.5, p, seed + 1)
+        assert not torch.equal(other, out)
+
+
+def test_attention_dropout_mask_statistics_and_determinism():
+    """keep-probability 1 - p per row and overall, no correlation between neighbours,
+    heads or seeds; the same seed gives the same mask; kept probabilities are scaled by
+    1 / (1 - p), so the dropped rows still sum to 1 in expectation."""
+    p, tasks, s = 0.1, 16, 512
+    keep = fused.attention_dropout_keep(tasks, s, p, 7).float()
+    assert abs(keep.mean().item() - (1 - p)) < 0.002  # 4M draws: sd 1.5e-4
+    row_sd = (p * (1 - p) / s) ** 0.5
+    assert keep.mean(-1).std().item() < 1.2 * row_sd  # rows are binomial, not clumped
+    assert (keep.mean(-1) - (1 - p)).abs().max().item() < 6 * row_sd
+
+    def corr(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return ((a * b).mean() / (a.std() * b.std())).item()
+    assert abs(corr(keep[..., 1:], keep[..., :-1])) < 0.01  # neighbouring keys
+    assert abs(corr(keep[1:], keep[:-1])) < 0.01  # heads
+    assert abs(corr(keep, fused.attention_dropout_keep(tasks, s, p, 8).float())) < 0.01
+    assert torch.equal(fused.attention_dropout_keep(tasks, s, p, 7).float(), keep)
+    assert abs(fused.attention_dropout_keep(4, 256, 0.5, 3).float().mean().item() - 0.5) < 0.01
+    assert fused.attention_dropout_keep(2, 8, 0.0, 3).all()
+    # the output is unbiased: E[dropped p v] = p v; with v = 1 each output is a row sum
+    q = torch.randn(64, 4, 8, 16)
+    v = torch.ones_like(q)
+    outs = torch.stack([fused.causal_attention(q, q, v, 0.25, 0.3, seed) for seed in range(40)])
+    assert abs(outs.mean().item() - 1.0) < 0.01
+    with pytest.raises(RuntimeError, match="attention dropout must be in"):
+        fused.causal_attention(q, q, v, 0.25, 1.0, 0)
+
+
+def test_attention_dropout_seed_from_the_model_parallel_generator():
+    """CoreAttention in training draws the kernel's seed from the tensor-model-parallel
+    RNG state (the tracker's fork), leaving the default generator alone; the mask is then
+    the one fused.attention_dropout_keep gives for that seed, and recomputation under
+    mpu.checkpoint reproduces it."""
+    from megatron.config import ModelConfig
+    from megatron.model.transformer import CoreAttention
+    from megatron.mpu import checkpoint, get_rng_tracker, model_parallel_seed
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=24,
+                      max_position_embeddings=24, padded_vocab_size=64, attention_dropout=0.2)
+    attention = CoreAttention(cfg, 1).train()
+    q, k, v = (torch.randn(24, 2, 4, 16, requires_grad=True) for _ in range(3))
+    assert fused.causal_attention_preferred(q, k, v, 0.2)
+    model_parallel_seed(1, 0)
+    tracker = get_rng_tracker().get_states()
+    default = torch.get_rng_state()
+    out = attention(q, k, v, None)
+    assert torch.equal(torch.get_rng_state(), default)  # default generator untouched
+    get_rng_tracker().set_states(tracker)
+    with get_rng_tracker().fork():
+        seed = fused.attention_dropout_seed()
+    keep = fused.attention_dropout_keep(8, 24, 0.2, seed)
+    assert not keep.all()
+    torch.testing.assert_close(out, explicit_attention(q, k, v, 0.25, True, keep, 0.2),
+                               rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    get_rng_tracker().set_states(tracker)
+    recomputed = checkpoint(lambda a, b_, c: attention(a, b_, c, None), q, k, v)
+    assert torch.equal(recomputed, out)
+    for a, b_ in zip(torch.autograd.grad(recomputed.sum(), (q, k, v)), grads):
+        assert torch.equal(a, b_)
+    attention.eval()  # no dropout outside training
+    torch.testing.assert_close(attention(q, k, v, None), explicit_attention(q, k, v, 0.25),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("s,b,heads,groups,dim", [(24, 2, 4, 4, 16), (40, 1, 4, 2, 32),
+                                                  (7, 1, 2, 1, 16)])
+def test_full_block_kernel_matches_explicit_path(s, b, heads, groups, dim):
+    """The kernel's non-causal mode (the full blocks of ring attention, through
+    context_parallel.block_forward / block_backward, k / v grouped) against the plain
+    block path: outputs, log-sum-exps and gradients, for a merged lse and output as the
+    ring passes them."""
+    from megatron.model import context_parallel as cp
+    torch.manual_seed(s)
+    q = torch.randn(b, heads, s, dim)
+    k, v = torch.randn(b, groups, s, dim), torch.randn(b, groups, s, dim)
+    assert cp._use_kernel(q, cp._expand(k, heads), False, True)
+    results = [cp.block_forward(q, k, v, 0.3, False, fusion) for fusion in (True, False)]
+    (out, lse), (ref, ref_lse) = results
+    assert rel_err(out, ref) < 2e-6 and rel_err(lse, ref_lse) < 1e-6
+    # a merged row: this block and a causal one over other keys, as in the ring
+    other = cp.block_forward(q, *(torch.randn(b, groups, s, dim) for _ in range(2)), 0.3, True,
+                             False)
+    merged_out, merged_lse = cp.merge(ref, ref_lse, *other)
+    dout = torch.randn_like(q)
+    grads = [cp.block_backward(q, k, v, merged_out, merged_lse, dout, 0.3, False, fusion)
+             for fusion in (True, False)]
+    for a, b_ in zip(*grads):
+        assert a.shape == b_.shape and rel_err(a, b_) < 5e-6
