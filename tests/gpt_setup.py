@@ -3,6 +3,7 @@ import contextlib
 import os
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import ROOT, SHARED_DATA
@@ -45,6 +46,17 @@ def preprocess_wiki(out_dir, docs=None) -> str:
             "--append-eod", "--workers", "1", "--log-interval", "100000"])
         assert status == 0, f"preprocessing failed with status {status}"
     return prefix + "_text_document"
+
+
+
+def wiki_workdir(name: str, docs=None):
+    """A module fixture `workdir`: (the data prefix of preprocess_wiki, the directory) in a
+    fresh temporary directory `name`, shared by the module's tests."""
+    @pytest.fixture(scope="module")
+    def workdir(tmp_path_factory):
+        out = tmp_path_factory.mktemp(name)
+        return preprocess_wiki(out, docs=docs), out
+    return workdir
 
 
 def tiny_gpt_argv(data_prefix, cache_dir, *extra, layers=4, hidden=64, heads=4, seq=32,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.distributed import layouts as L
-from tests.gpt_setup import have_reference_data, preprocess_wiki
+from tests.gpt_setup import have_reference_data, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -53,10 +53,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return L.train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp-layouts")
-    return preprocess_wiki(out), out
+workdir = wiki_workdir("cp-layouts")
 
 
 @pytest.fixture(scope="module")

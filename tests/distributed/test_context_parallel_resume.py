@@ -13,7 +13,7 @@ import pytest
 
 from tests.distributed import layouts as L
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import have_reference_data, losses, one_thread, tiny_gpt_argv, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -44,10 +44,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return results
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp-resume")
-    return preprocess_wiki(out), out
+workdir = wiki_workdir("cp-resume")
 
 
 @pytest.fixture(scope="module")

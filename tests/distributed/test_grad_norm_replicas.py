@@ -15,7 +15,7 @@ import pytest
 from tests.distributed.layouts import ITERS, Layout, assert_close, train
 from tests.distributed.run_ranks import run_ranks
 from tests.distributed.test_spec_layouts import ARCHS
-from tests.gpt_setup import have_reference_data, one_thread, preprocess_wiki
+from tests.gpt_setup import have_reference_data, one_thread, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -35,10 +35,7 @@ def _rank(rank, world_size, prefix, workdir):
     return {name: train(layout.argv(prefix, cache)) for name, (_, layout) in LAYOUTS.items()}
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("grad-norm-replicas")
-    return preprocess_wiki(out, docs=40), out
+workdir = wiki_workdir("grad-norm-replicas", docs=40)
 
 
 @pytest.fixture(scope="module")

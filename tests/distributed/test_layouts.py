@@ -15,7 +15,7 @@ import pytest
 from tests.distributed.layouts import (GLOBAL_BATCH, Layout, check_losses, check_resume,
                                        reference_run, train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, preprocess_wiki
+from tests.gpt_setup import have_reference_data, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -46,10 +46,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("layouts")
-    return preprocess_wiki(out), out
+workdir = wiki_workdir("layouts")
 
 
 @pytest.fixture(scope="module")

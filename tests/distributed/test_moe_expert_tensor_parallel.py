@@ -29,7 +29,7 @@ from tests.distributed.layouts import (LOSS_TOL, SAVE_AT, Layout, check_losses,
                                        checkpoint_dir, reference_run, spawn_worlds, train_layouts)
 from tests.distributed.test_moe_layouts import MOE
 from tests.distributed.test_moe_reshard import load_model, logits
-from tests.gpt_setup import have_reference_data, preprocess_wiki
+from tests.gpt_setup import have_reference_data, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -123,10 +123,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return results
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe-etp")
-    return preprocess_wiki(out), out
+workdir = wiki_workdir("moe-etp")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from tests.distributed.layouts import (ITERS, LOSS_TOL, MOE_FIELDS, SAVE_AT, Lay
                                        check_losses, checkpoint_dir, reference_run,
                                        train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, preprocess_wiki
+from tests.gpt_setup import have_reference_data, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -70,10 +70,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe-layouts")
-    return preprocess_wiki(out), out
+workdir = wiki_workdir("moe-layouts")
 
 
 @pytest.fixture(scope="module")

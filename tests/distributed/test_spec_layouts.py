@@ -18,7 +18,7 @@ from megatron.checkpointing.megatron_legacy import safe_load
 from tests.distributed.layouts import (Layout, check_losses, check_resume, checkpoint_dir,
                                        reference_run, train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, preprocess_wiki
+from tests.gpt_setup import have_reference_data, wiki_workdir
 
 pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
@@ -54,10 +54,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("spec-layouts")
-    return preprocess_wiki(out), out
+workdir = wiki_workdir("spec-layouts")
 
 
 @pytest.fixture(scope="module")
