@@ -138,13 +138,8 @@ def _ep_rank(pstate) -> Optional[int]:
     return pstate.ep_rank if getattr(pstate, "ep_size", 1) > 1 else None
 
 
-def _etp(pstate) -> int:
-    """Expert TP size of a ParallelState (TP for one built by hand without dims)."""
-    return getattr(getattr(pstate, "dims", None), "etp", pstate.tp_size)
-
-
 def _writes_model_file(pstate) -> bool:
-    if _etp(pstate) == pstate.tp_size:
+    if pstate.etp_size == pstate.tp_size:
         return getattr(pstate, "edp_rank", pstate.dp_rank) == 0
     return pstate.dims.first_of_cell(pstate.rank)
 
@@ -179,8 +174,8 @@ def save_checkpoint(root: str, iteration: int, models, optimizer, scheduler, con
                           "virtual_pipeline_model_parallel_size": len(models)}}
     if getattr(pstate, "ep_size", 1) > 1:
         state["parallel"]["expert_model_parallel_size"] = pstate.ep_size
-    if _etp(pstate) != pstate.tp_size:
-        state["parallel"]["expert_tensor_parallel_size"] = _etp(pstate)
+    if pstate.etp_size != pstate.tp_size:
+        state["parallel"]["expert_tensor_parallel_size"] = pstate.etp_size
     for i, model in enumerate(models):
         state[_model_key(i, len(models))] = to_megatron_layout(model.state_dict())
     state["sharding"] = sharding_of(models)
@@ -455,7 +450,7 @@ def check_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
                 "virtual_pipeline_model_parallel_size": num_chunks,
                 "expert_model_parallel_size": getattr(pstate, "ep_size", 1)}
     if "tensor_model_parallel_size" in saved:  # absent: expert TP was TP
-        expected["expert_tensor_parallel_size"] = _etp(pstate)
+        expected["expert_tensor_parallel_size"] = pstate.etp_size
         saved = {"expert_tensor_parallel_size": saved["tensor_model_parallel_size"], **saved}
     for key, value in expected.items():
         if key in saved and saved[key] != value:

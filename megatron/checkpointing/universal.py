@@ -35,7 +35,7 @@ def resharded_state(root: str, pstate, num_chunks: int,
         source = reshard.read_source(root)
         first = source.states[min(source.states)]
         ep = getattr(pstate, "ep_size", 1)
-        etp = getattr(getattr(pstate, "dims", None), "etp", pstate.tp_size)
+        etp = pstate.etp_size
         saved = (source.tp, source.pp, len(reshard.model_chunks(first)))
         if saved == (pstate.tp_size, pstate.pp_size, num_chunks) and source.ep == ep and \
                 (source.etp or source.tp) == etp:

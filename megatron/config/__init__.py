@@ -89,13 +89,10 @@ class Config:
         require(moe is not None and moe.enabled,
                 f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} "
                 f"needs --num-experts")
-        if etp == tp:
-            require(world_size % (ep * tp * pp) == 0,
-                    f"--expert-model-parallel-size ({ep}) x --tensor-model-parallel-size ({tp}) x "
-                    f"--pipeline-model-parallel-size ({pp}) must divide the world size "
-                    f"({world_size})")
+        split = ("--tensor-model-parallel-size" if etp == tp
+                 else "--expert-tensor-parallel-size")  # the expert TP, named as given
         require(world_size % (ep * etp * pp) == 0,
-                f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) x "
+                f"--expert-model-parallel-size ({ep}) x {split} ({etp}) x "
                 f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
         require(moe.num_experts % ep == 0,
                 f"--num-experts ({moe.num_experts}) must be divisible by "

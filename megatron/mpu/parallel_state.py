@@ -83,6 +83,11 @@ class ParallelState:
                             etp_group=self.etp_group, etp_rank=self.etp_rank)
 
     @property
+    def etp_size(self) -> int:
+        """Expert TP (--expert-tensor-parallel-size; TP by default)."""
+        return self.dims.etp
+
+    @property
     def tp_size(self) -> int:
         return self.dims.tp
 

@@ -70,11 +70,6 @@ def layer_params(m, tp: int) -> int:
     return params
 
 
-def expert_tp(p) -> int:
-    """The expert tensor-parallel size (--expert-tensor-parallel-size, default TP)."""
-    return p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-
-
 def moe_mlp_params(m, tp: int, ep: int, etp: int):
     """(dense, expert) parameters of an MoE layer's MLP on one rank: the router and shared
     expert (replicated / TP-split), and the E / EP local experts (split over expert TP)."""
@@ -110,7 +105,7 @@ def stage_expert_params(config, pp_rank: int) -> int:
     """Expert parameters of the rank (sharded over expert-DP by the distributed optimizer)."""
     m, p = config.model, config.parallel
     return sum(moe_mlp_params(m, p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                              expert_tp(p))[1]
+                              p.expert_tp)[1]
                for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n))
 
 
@@ -121,7 +116,7 @@ def _moe_layers_correction(config, pp_rank: int) -> int:
     moe = [n for n in stage_layer_numbers(config, pp_rank) if m.is_moe_layer(n)]
     if not moe:
         return 0
-    return len(moe) * (sum(moe_mlp_params(m, tp, ep, expert_tp(p))) - _dense_mlp_params(m, tp))
+    return len(moe) * (sum(moe_mlp_params(m, tp, ep, p.expert_tp)) - _dense_mlp_params(m, tp))
 
 
 def stage_layers(config) -> int:
@@ -169,7 +164,7 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
         shards = dp * p.context_parallel_size
         # the expert grid ETP x EP x expert-DP covers the ranks of TP x CP x DP
         edp = max(1, shards * p.tensor_model_parallel_size
-                  // (expert_tp(p) * p.expert_model_parallel_size))
+                  // (p.expert_tp * p.expert_model_parallel_size))
         optimizer = per_param * (n - experts) // shards + per_param * experts // edp
     else:
         optimizer = (4 * n if mixed else 0) + moments + (4 * n if flat_adam(config, layout) else 0)
@@ -280,7 +275,7 @@ def _moe_activation_correction(config, micro_batch: int, pp_rank: int) -> float:
         return 0.0
     tp, s, b, h = p.tensor_model_parallel_size, local_seq_length(config), micro_batch, m.hidden_size
     act = 4 if m.gated_mlp else 2
-    etp = expert_tp(p)
+    etp = p.expert_tp
     k, f = moe.moe_router_topk, (moe.moe_ffn_hidden_size or m.ffn_hidden_size) // etp
     rows = k * s * b / (tp // etp)  # routed rows this rank's experts take
     shared = (moe.moe_shared_expert_intermediate_size or 0) // tp
