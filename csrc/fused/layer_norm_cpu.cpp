@@ -1,9 +1,9 @@
 // CPU kernels for the fused layer norm (see cpu_kernels.h).
 //
 // Forward: per row, mean and variance in two passes over the cached row (a bf16 row is
-// converted to float in the first), then the affine output, rounded to bf16 as it is stored. Backward: per row, dx in two passes; the weight and bias
-// gradients are summed by sum_rows_by_blocks (cpu_rows.h), independent of the
-// number of threads.
+// converted to float in the first), then the affine output, rounded to bf16 as it is
+// stored. Backward: per row, dx in two passes; the weight and bias gradients are summed by
+// sum_rows_by_blocks (cpu_rows.h), independent of the number of threads.
 #include <cmath>
 #include <type_traits>
 #include <vector>

@@ -36,7 +36,9 @@ using namespace lanes;
 
 inline LaneVec sigmoid_lanes(const LaneVec& g) { return 1.0f / (1.0f + exp_lanes(-g)); }
 
-inline LaneVec load_n(const float* p, int64_t m) { return m == kLanes ? load(p) : load_part(p, m, 0.0f); }
+inline LaneVec load_n(const float* p, int64_t m) {
+  return m == kLanes ? load(p) : load_part(p, m, 0.0f);
+}
 inline void store_n(float* p, const LaneVec& v, int64_t m) {
   if (m == kLanes) store(p, v); else store_part(p, v, m);
 }
@@ -170,8 +172,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_experts_backward(
   at::Tensor dx = need_dx ? at::empty({n, h}, x.options()) : at::Tensor();
   at::Tensor dw1, dw2, ret1, ret2;
   if (need_dw) {
-    if (dw1_into.has_value()) dw1 = *dw1_into; else dw1 = ret1 = at::zeros(w1.sizes(), w1.options());
-    if (dw2_into.has_value()) dw2 = *dw2_into; else dw2 = ret2 = at::zeros(w2.sizes(), w2.options());
+    // Added into the given buffers, else into zeros that are returned.
+    dw1 = dw1_into.has_value() ? *dw1_into : (ret1 = at::zeros(w1.sizes(), w1.options()));
+    dw2 = dw2_into.has_value() ? *dw2_into : (ret2 = at::zeros(w2.sizes(), w2.options()));
     TORCH_CHECK(dw1.sizes() == w1.sizes() && dw2.sizes() == w2.sizes() &&
                     dw1.scalar_type() == at::kFloat && dw2.scalar_type() == at::kFloat,
                 "swiglu experts backward: gradient buffers must be float32 of the weights' "
