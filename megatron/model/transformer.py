@@ -52,11 +52,6 @@ def windowed_mask(mask, sq: int, sk: int, window, device):
     return hidden if mask is None else mask.bool() | hidden
 
 
-def announce_attention(path: str) -> None:
-    """Prints the attention path taken, once per path and process (rank 0)."""
-    fused.announce("attention", path)
-
-
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
 
@@ -72,8 +67,8 @@ class CoreAttention(torch.nn.Module):
         mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
         if self._use_cpu_kernel(q, k, v, mask, bias):
             p = self._dropout_p()
-            announce_attention(f"our CPU kernel ({self.cfg.attention_impl}, "
-                               f"{fused.cpu_kernels_isa()}, dropout {p})")
+            fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
+                                        f"{fused.cpu_kernels_isa()}, dropout {p})")
             seed = None
             if p > 0:
                 with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
@@ -81,11 +76,11 @@ class CoreAttention(torch.nn.Module):
             return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), p, seed)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
-            announce_attention(f"SDPA ({self.cfg.attention_impl})")
+            fused.announce("attention", f"SDPA ({self.cfg.attention_impl})")
             context = self._sdpa(q, k, v, mask, bias)
         else:
-            announce_attention(f"explicit softmax(q k^T) v ({self.cfg.attention_impl}, "
-                               f"fused softmax {'on' if self._fusion() else 'off'})")
+            fused.announce("attention", f"explicit softmax(q k^T) v ({self.cfg.attention_impl}, "
+                                        f"fused softmax {'on' if self._fusion() else 'off'})")
             context = self._explicit(q, k, v, mask, bias)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
