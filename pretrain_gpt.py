@@ -17,7 +17,7 @@ from megatron.model import GPTModel  # noqa: E402
 from megatron.model.context_parallel import split_batch_for_cp  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
 from megatron.checkpointing.loading import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
-from megatron.checkpointing.layout import CheckpointError  # noqa: E402
+from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.pretrain import owned_run_paths, pretrain  # noqa: E402

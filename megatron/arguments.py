@@ -13,6 +13,7 @@ import time
 from typing import List, Optional, Sequence
 
 from megatron.arguments_help import HELP
+from megatron.checkpointing.api import saved_formats
 from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
@@ -226,7 +227,7 @@ def _add_checkpoint_args(parser):
     _flag(g, "--save-interval", "checkpoint", type=int, default=None)
     for name in ("--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng", "--finetune"):
         _flag(g, name, "checkpoint", action="store_true")
-    _flag(g, "--ckpt-format", "checkpoint", choices=["torch", "torch_dist"], default="torch")
+    _flag(g, "--ckpt-format", "checkpoint", choices=saved_formats(), default="torch")
     for name in ("--auto-detect-ckpt-format", "--async-save"):
         _flag(g, name, "checkpoint", action="store_true")
 

@@ -188,8 +188,8 @@ HELP = {
     "--distributed-timeout-minutes": "collective timeout; a silent peer ends the run (default 10)",
     "--ckpt-format": "torch: one file per model-parallel rank; torch_dist: Megatron-Core's "
                      "torch.distributed.checkpoint shards, re-sharded to any layout at load",
-    "--auto-detect-ckpt-format": "at --load, read the format found on disk (torch or torch_dist)",
-    "--async-save": "torch_dist: write checkpoints in the background from a CPU copy",
+    "--auto-detect-ckpt-format": "at --load, read the format found on disk instead of --ckpt-format",
+    "--async-save": "write checkpoints in the background from a CPU copy (any --ckpt-format)",
     "--no-verify-checkpoint": "do not check the checksums of a checkpoint at --load",
     # Megatron-LM / Megatron-DeepSpeed compatibility
     "--recompute-activations": "Megatron-LM's selective recompute (attention core only)",

@@ -37,7 +37,7 @@ if _REPO_ROOT not in sys.path:
 from megatron.arguments import build_parser, fail  # noqa: E402
 from megatron.checkpointing.loading import (build_tokenizer_and_vocab,  # noqa: E402
                                             load_inference_models, parse_inference_args)
-from megatron.checkpointing.layout import CheckpointError  # noqa: E402
+from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.trainer import is_last_rank, print_rank_0, print_rank_last  # noqa: E402
 from tasks.fairseq_lm.detok import MissingSacremoses, moses_detokenizer  # noqa: E402

@@ -32,7 +32,7 @@ from megatron.checkpointing.fairseq.convert import (fairseq_to_megatron,  # noqa
 from megatron.checkpointing.hf import ConversionError  # noqa: E402
 from megatron.checkpointing.hf.convert import (VocabOptions, hf_to_megatron,  # noqa: E402
                                                megatron_to_hf)
-from megatron.checkpointing.layout import CheckpointError  # noqa: E402
+from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.reshard import ReshardError  # noqa: E402
 
 DIRECTIONS = {("hf", "megatron"), ("megatron", "hf"), ("fairseq", "megatron"),

@@ -8,9 +8,10 @@ between the torch and torch_dist formats (the input's format is detected).
         --target-expert-tensor-parallel-size 1
     python tools/merge_mp_partitions.py --load CKPT --save OUT --ckpt-format torch_dist
 
-The input is only read; the output is written under a temporary name and renamed.
-How shards are merged and split: megatron/checkpointing/reshard.py; the conversions:
-megatron/checkpointing/dist_convert.py (weights and counters; no optimizer state).
+The input is only read; the output is written under a temporary name and renamed. Any
+registered format reads and writes through the front door (megatron/checkpointing/api.py:
+`convert`); how shards are merged and split: megatron/checkpointing/reshard.py (weights and
+counters; no optimizer state).
 """
 import argparse
 import os
@@ -20,7 +21,8 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from megatron.checkpointing.dist_convert import convert  # noqa: E402
+from megatron.checkpointing import api  # noqa: E402
+from megatron.checkpointing.formats import Target  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.reshard import ReshardError  # noqa: E402
 
@@ -32,7 +34,7 @@ def get_args(argv=None):
     parser.add_argument("--save", required=True, help="directory to write the new checkpoint to")
     parser.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
+    parser.add_argument("--ckpt-format", choices=api.saved_formats(), default="torch",
                         help="format of the output (torch_dist has no layout: the target "
                              "sizes apply to torch)")
     parser.add_argument("--target-expert-model-parallel-size", type=int, default=1,
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     ep, etp = args.target_expert_model_parallel_size, args.target_expert_tensor_parallel_size
     try:
-        path = convert(args.load, args.save, args.ckpt_format, tp, pp, ep, etp)
+        path = api.convert(args.load, args.save, args.ckpt_format, Target(tp, pp, ep, etp))
     except (ReshardError, CheckpointError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -1,13 +1,15 @@
-"""--async-save: torch_dist checkpoints written by a writer process while training goes on.
+"""--async-save: checkpoints of any format written by a writer process while training goes on.
 
 Every training rank starts one writer process at its first save (a fresh interpreter, at
-the lowest scheduling priority) and keeps it for the run. At a save the rank copies its
-chunks into CPU buffers that it shares with its writer (files under /dev/shm, mapped by
-both, allocated at the first save and reused: a save allocates nothing), pickles the
-common state and hands both to the writer: that copy is all that blocks training. The
-writer builds the ShardedTensors over the shared buffers and runs the synchronous write
-(torch_dist.write_iteration: staging directory, DCP files, fsync, checksums, rename,
-tracker), so the tracker moves only once the new iteration is complete and durable. The
+the lowest scheduling priority) and keeps it for the run. At a save the rank takes its
+format's snapshot (formats.CheckpointFormat.snapshot), copies every tensor in it into CPU
+buffers that it shares with its writer (files under /dev/shm, mapped by both, allocated at
+the first save and reused: a save allocates nothing), and hands the rest of the snapshot,
+pickled, to the writer: that copy is all that blocks training. The writer puts tensors
+(and DCP's ShardedTensors) over the shared buffers back into the snapshot and runs the
+format's synchronous `write` (torch_dist: staging directory, DCP files, fsync, checksums,
+rename, tracker; torch: each durable file, then the tracker), so the tracker moves only
+once the new iteration is complete and durable. The
 writers of all ranks form a gloo group of their own (rendezvous through the training's
 MASTER_ADDR / MASTER_PORT store), so their collectives never interleave with training's,
 and the serialisation, hashing and fsync run outside the training process and its GIL.
@@ -31,22 +33,83 @@ import tempfile
 import threading
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from megatron.checkpointing import torch_dist
+from megatron.checkpointing import collectives
+from megatron.checkpointing.api import format_named
+from megatron.checkpointing.dist_regions import sharded_tensors
+from megatron.checkpointing.formats import RunState
 from megatron.checkpointing.io import CheckpointError
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
-Layout = List[Tuple[str, Tuple[int, ...], str, List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]]]
-"""Per key: (key, global shape, dtype name, [(buffer offset, shard shape, global offsets)])."""
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of the snapshot sits in the shared buffer of its dtype."""
+
+    dtype: str
+    offset: int
+    shape: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _ShardedSlot:
+    """A ShardedTensor of the snapshot: its global size and this rank's shards."""
+
+    size: Tuple[int, ...]
+    shards: Tuple[Tuple[_Slot, Tuple[int, ...]], ...]
+    """(slot, global offsets) of each local shard."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def _strip(obj, found: List[Tuple[_Slot, torch.Tensor]], used: Dict[str, int]):
+    """`obj` with every tensor replaced by its slot (appended to `found`; `used` counts the
+    elements given out per dtype)."""
+    if isinstance(obj, ShardedTensor):
+        return _ShardedSlot(tuple(obj.metadata().size), tuple(
+            (_strip(s.tensor, found, used), tuple(s.metadata.shard_offsets))
+            for s in obj.local_shards()))
+    if isinstance(obj, torch.Tensor):
+        slot = _Slot(_dtype_name(obj.dtype), used.get(_dtype_name(obj.dtype), 0), tuple(obj.shape))
+        used[slot.dtype] = slot.offset + obj.numel()
+        found.append((slot, obj))
+        return slot
+    if isinstance(obj, dict):
+        return type(obj)((k, _strip(v, found, used)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_strip(v, found, used) for v in obj)
+    return obj
+
+
+def _tensor_at(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """The slot's tensor over a storage of its own that shares the buffer's memory (a plain
+    view would carry the whole buffer into torch.save, and an offset some ops mishandle)."""
+    size = buffer.element_size()
+    storage = buffer.untyped_storage()[slot.offset * size:(slot.offset + _numel(slot.shape)) * size]
+    return torch.empty(0, dtype=buffer.dtype).set_(storage).view(slot.shape)
+
+
+def _restore(obj, buffers: Dict[str, torch.Tensor], rank: int, world: int):
+    """The snapshot back from its stripped form, tensors as views of the shared buffers."""
+    if isinstance(obj, _Slot):
+        return _tensor_at(buffers[obj.dtype], obj)
+    if isinstance(obj, _ShardedSlot):
+        pieces = [(_restore(slot, buffers, rank, world), offsets) for slot, offsets in obj.shards]
+        return sharded_tensors({"t": pieces}, {"t": obj.size}, rank, world)["t"]
+    if isinstance(obj, dict):
+        return type(obj)((k, _restore(v, buffers, rank, world)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_restore(v, buffers, rank, world) for v in obj)
+    return obj
 
 
 class AsyncSaver:
@@ -63,19 +126,15 @@ class AsyncSaver:
         self._finalizer = None
 
     # -- training side ------------------------------------------------------------
-    def save(self, root: str, iteration: int, models, optimizer, scheduler, config, pstate,
-             consumed_train: int, consumed_valid: int) -> None:
+    def save(self, root: str, iteration: int, run: RunState) -> None:
         """Wait for the previous save, copy this one into the shared buffers, hand it over."""
         self.wait()
         rendezvous = self._rendezvous()
         self._start()
-        with torch_dist.process_group():
-            torch_dist.prepare_iteration(root)
-            torch_dist._barrier()
-            state, common = torch_dist.snapshot(iteration, models, optimizer, scheduler, config,
-                                                pstate, consumed_train, consumed_valid)
-            messages = self._stage(state)
-            messages.append(("save", root, iteration, common, rendezvous))
+        fmt = format_named(run.config.checkpoint.ckpt_format)
+        with collectives.process_group():
+            messages, tree = self._stage(fmt.snapshot(root, iteration, run))
+            messages.append(("save", fmt, root, iteration, tree, rendezvous))
         payload = b"".join(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages)
         # the writer may still be starting: a thread waits on the pipe, not training
         self._sender = threading.Thread(target=self._send, args=(payload,), daemon=True,
@@ -103,31 +162,22 @@ class AsyncSaver:
         self._finalizer = weakref.finalize(self, _shut_down, self._proc, self._to_writer,
                                            self._from_writer, self._buffers)
 
-    def _stage(self, state: dict) -> list:
-        """Copy this rank's chunks into the shared buffers (one per dtype, grown when too
-        small); returns the messages for the writer: buffers to map, then the layout."""
-        regions: Dict[str, list] = {}
-        for key, tensor in state.items():
-            for shard in tensor.local_shards():
-                regions.setdefault(_dtype_name(shard.tensor.dtype), []).append((key, shard))
-        messages, layout = [], {}
-        for dtype, shards in regions.items():
-            numel = sum(s.tensor.numel() for _, s in shards)
+    def _stage(self, snapshot) -> Tuple[list, object]:
+        """Copy the snapshot's tensors into the shared buffers (one per dtype, grown when too
+        small); returns (the messages mapping new buffers, the snapshot with slots)."""
+        found: List[Tuple[_Slot, torch.Tensor]] = []
+        used: Dict[str, int] = {}
+        tree = _strip(snapshot, found, used)
+        messages = []
+        for dtype, numel in used.items():
             buffer = self._buffers.get(dtype)
             if buffer is None or buffer.numel() < numel:
-                buffer = self._buffers[dtype] = self._allocate(dtype, numel)
+                self._buffers[dtype] = self._allocate(dtype, numel)
                 messages.append(("map", dtype, self._path(dtype), numel))
-            at = 0
-            for key, shard in shards:
-                n = shard.tensor.numel()
-                buffer[at:at + n].view(shard.tensor.shape).copy_(shard.tensor.detach())
-                size = tuple(state[key].metadata().size)
-                entry = layout.setdefault(key, (key, size, dtype, []))
-                entry[3].append((at, tuple(shard.tensor.shape),
-                                 tuple(shard.metadata.shard_offsets)))
-                at += n
-        messages.append(("layout", list(layout.values())))
-        return messages
+        for slot, tensor in found:
+            view = self._buffers[slot.dtype][slot.offset:slot.offset + tensor.numel()]
+            view.view(slot.shape).copy_(tensor.detach())
+        return messages, tree
 
     def _path(self, dtype: str) -> str:
         return os.path.join(_SHM or tempfile.gettempdir(),
@@ -236,41 +286,28 @@ def _die_with_parent() -> None:
 class _Writer:
     def __init__(self):
         self.buffers: Dict[str, torch.Tensor] = {}
-        self.layout: Layout = []
-        self.rank, self.world = 0, 1
 
     def handle(self, message) -> Optional[tuple]:
-        kind = message[0]
-        if kind == "map":
+        if message[0] == "map":
             _, dtype, path, numel = message
             self.buffers[dtype] = torch.from_file(path, shared=True, size=numel,
                                                   dtype=getattr(torch, dtype))
             os.unlink(path)  # both processes hold the mapping; nothing is left on exit
             return None
-        if kind == "layout":
-            self.layout = message[1]
-            return None
-        _, root, iteration, common, rendezvous = message
+        _, fmt, root, iteration, tree, rendezvous = message
         if not dist.is_initialized():
             self._join(rendezvous)
-        from megatron.checkpointing.dist_regions import sharded_tensors
-        regions, shapes = {}, {}
-        for key, size, dtype, pieces in self.layout:
-            buffer = self.buffers[dtype]
-            shapes[key] = size
-            regions[key] = [(buffer[at:at + _numel(shape)].view(shape), offsets)
-                            for at, shape, offsets in pieces]
-        state = sharded_tensors(regions, shapes, self.rank, self.world)
-        torch_dist.write_iteration(root, iteration, state, common)
+        snapshot = _restore(tree, self.buffers, dist.get_rank(), dist.get_world_size())
+        fmt.write(root, iteration, snapshot)
         return ("done", iteration)
 
     def _join(self, rendezvous) -> None:
         if rendezvous is None:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             return
-        addr, port, prefix, self.rank, self.world = rendezvous
+        addr, port, prefix, rank, world = rendezvous
         store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False))
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def _numel(shape) -> int:
@@ -307,5 +344,6 @@ def _writer_main(read_fd: int, write_fd: int) -> None:
                 up.flush()
 
 
-if __name__ == "__main__":
-    _writer_main(int(sys.argv[1]), int(sys.argv[2]))
+if __name__ == "__main__":  # run the module's own copy: the snapshot's slots are its classes
+    from megatron.checkpointing import async_save
+    async_save._writer_main(int(sys.argv[1]), int(sys.argv[2]))

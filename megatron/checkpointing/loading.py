@@ -20,12 +20,11 @@ from megatron.config import ConfigError
 from megatron.config.model import ARCHITECTURE_FIELDS, RUN_TIME_FIELDS, SCALING_FIELDS
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.checkpointing import api
+from megatron.checkpointing.formats import RunState
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.model_file import tokenizer_file_digests
 from megatron.checkpointing.portable import resolve_stored_paths
-from megatron.checkpointing.universal import resharded_state
-from megatron.checkpointing.layout import (TRACKER, CheckpointError, check_layout,
-                                           finite_model_state, from_megatron_layout,
-                                           load_checkpoint_file, read_model_file,
-                                           read_tracker, tokenizer_file_digests)
 from megatron.training.trainer import build_model_chunks
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
@@ -34,52 +33,14 @@ TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_nam
                     "vocab_size", "tokenizer_model")
 
 
-def checkpoint_file(root: str) -> str:
-    """Path of one rank's file of the latest checkpoint under `root` (any rank will do)."""
-    tracked = read_tracker(root)
-    if tracked is None:
-        raise CheckpointError(f"no checkpoint at {root}: {os.path.join(root, TRACKER)} is "
-                              f"missing; pass the --save directory of a training run")
-    iteration, release = tracked
-    directory = os.path.join(root, "release" if release else f"iter_{iteration:07d}")
-    ranks = sorted(d for d in os.listdir(directory) if d.startswith("mp_rank_")) \
-        if os.path.isdir(directory) else []
-    for rank_dir in ranks:
-        path = os.path.join(directory, rank_dir, "model_optim_rng.pt")
-        if os.path.isfile(path):
-            return path
-    raise CheckpointError(f"no mp_rank_*/model_optim_rng.pt in {directory}; the checkpoint is "
-                          f"incomplete")
-
-
-def _stored_state(root: str) -> Dict[str, Any]:
-    """What the latest checkpoint under `root` stores besides tensors: torch_dist's
-    common.pt, or one rank file of the torch format (unverified: verified at the full load)."""
-    from megatron.checkpointing import torch_dist
-    state = torch_dist.stored_common(root)
-    return state if state is not None else read_model_file(checkpoint_file(root), verify=False,
-                                                           mmap=True)
-
-
 def read_stored_config(root: str) -> Dict[str, Any]:
     """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
-    state = _stored_state(root)
-    config = state.get("config") or state.get("megatron_config") or {}
+    state = api.stored_state(root)
+    config = state.get("config") or {}
     config = resolve_stored_paths(dict(config), root) if isinstance(config, dict) else {}
     if isinstance(state.get("tokenizer_files"), dict):
         config["tokenizer_files"] = state["tokenizer_files"]
     return config
-
-
-def checkpoint_summary(root: str) -> str:
-    """"<root> at iteration N (format ..., saved at TP t x PP p)" for the loading lines."""
-    from megatron.checkpointing import torch_dist
-    iteration, release = read_tracker(root)
-    parallel = _stored_state(root).get("parallel") or {}
-    tp, pp = (parallel.get(f"{k}_model_parallel_size", "?") for k in ("tensor", "pipeline"))
-    kind = ("torch_dist" if torch_dist.stored_common(root) is not None
-            else "release" if release else "torch")
-    return f"{root} at iteration {iteration} (format {kind}, saved at TP {tp} x PP {pp})"
 
 
 def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Dict[str, Any]:
@@ -89,7 +50,7 @@ def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) 
     known, _ = parser.parse_known_args(argv)
     root = getattr(known, "checkpoint.load", None)
     try:
-        if not root or read_tracker(root) is None:
+        if not root or api.detect(root) is None:
             return {}
         stored = read_stored_config(root)
     except (CheckpointError, OSError, RuntimeError) as err:
@@ -117,7 +78,7 @@ def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any])
 
 def saved_layout(root: str) -> Tuple[int, int]:
     """(TP, PP) the latest checkpoint under `root` was saved at ((1, 1) when it does not say)."""
-    parallel = _stored_state(root).get("parallel") or {}
+    parallel = api.stored_state(root).get("parallel") or {}
     return (int(parallel.get("tensor_model_parallel_size", 1)),
             int(parallel.get("pipeline_model_parallel_size", 1)))
 
@@ -299,7 +260,8 @@ def build_tokenizer_and_vocab(config, stored: Dict[str, Any]):
 
 def load_inference_models(config, pstate, device, parallel_output: bool = True,
                           vocab_size: Optional[int] = None) -> Tuple[List[torch.nn.Module], int]:
-    """This rank's model chunks with the checkpoint's weights, in eval mode; and its iteration.
+    """This rank's model chunks with the checkpoint's weights, in eval mode; and its iteration
+    (re-sharded in memory when it was saved at another layout).
 
     `vocab_size`: the tokenizer's; the padding rows beyond it get -inf logits."""
     def provider(**chunk):
@@ -308,33 +270,12 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
 
     models = build_model_chunks(config, pstate, device, provider)
     root = config.checkpoint.load
-    summary = checkpoint_summary(root) if read_tracker(root) is not None else None
-    if summary and pstate.rank == 0:
-        print(f" loading checkpoint from {summary}", flush=True)
-    state = None
-    if summary and saved_layout(root) != (pstate.tp_size, pstate.pp_size):
-        state = resharded_state(root, pstate, len(models), inference=True)
-    if state is not None and pstate.rank == 0:
-        tp, pp, _ = state["resharded_from"]
-        print(f" re-sharding {root} in memory from TP {tp} x PP {pp} to TP {pstate.tp_size} x "
-              f"PP {pstate.pp_size}", flush=True)
-    if state is None:
-        state = load_checkpoint_file(root, pstate, config.checkpoint.verify_checkpoint)
-    if state is None:
-        raise CheckpointError(f"no checkpoint at {root}")
-    if "resharded_from" not in state:
-        check_layout(state, pstate, len(models), root)
-    for i, model in enumerate(models):
-        key = "model" if len(models) == 1 else f"model{i}"
-        try:
-            model.load_state_dict(finite_model_state(from_megatron_layout(state[key]), root),
-                                  strict=True)
-        except (KeyError, RuntimeError) as err:
-            first = str(err).strip().splitlines()[0]
-            raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
-                                  f"({first}); check the model flags") from None
+    if pstate.rank == 0:
+        print(f" loading checkpoint from {api.summary(root)}", flush=True)
+    iteration, _, _ = api.load(root, RunState(models, config, pstate), inference=True)
+    for model in models:
         model.eval()
     if pstate.rank == 0:
-        print(f"  successfully loaded checkpoint from {root} at iteration "
-              f"{int(state.get('iteration', 0))}", flush=True)
-    return models, int(state.get("iteration", 0))
+        print(f"  successfully loaded checkpoint from {root} at iteration {iteration}",
+              flush=True)
+    return models, iteration

@@ -1,28 +1,25 @@
-"""Re-sharding a checkpoint of our layout to another tensor / pipeline parallel layout.
+"""Our per-rank files merged into a whole model, and a whole model cut for another layout.
 
-The source layout (TP, PP and virtual pipeline chunks) is read from the
-checkpoint's directory names and files. Every tensor-parallel shard set is
-merged into full tensors by the sharding metadata saved in the checkpoint
-("sharding": each parameter's split dimension and row grouping, including the
-gated MLP's [gate; up] rows and grouped-query QKV layouts; see
-megatron/mpu/sharding.py). Checkpoints saved before the metadata existed are
-read with the split rule of GPT-2's parameters:
+The source layout (TP, PP, EP and virtual pipeline chunks) is read from the checkpoint's
+directory names and files (`read_source`). Every tensor-parallel shard set is merged into
+full tensors by the sharding metadata saved in the checkpoint ("sharding": each
+parameter's split dimension and row grouping, including the gated MLP's [gate; up] rows
+and grouped-query QKV layouts; see megatron/mpu/sharding.py) (`full_model`). Checkpoints
+saved before the metadata existed are read with the split rule of GPT-2's parameters:
 
     word embeddings (and the last stage's head copy)   rows (dim 0, vocabulary)
     attention query_key_value, mlp dense_h_to_4h       rows (dim 0), weight and bias
     attention dense, mlp dense_4h_to_h                 columns (dim 1), weight only
     everything else (layer norms, biases of row-parallel layers, positions)  replicated
 
-The full tensors are split again for the target TP, and the layers are
-redistributed over the target pipeline stages with local indices (embeddings on
-the first stage, final layer norm, output layer and head copy on the last). The
-padded vocabulary is kept, so it must divide by the target TP. The output holds
-the model only (no optimizer or RNG state), with the iteration, consumed samples
-and the updated config, in the same layout
-(iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt). It is written under a
-temporary directory and renamed, then the tracker file is written; the input is
-only read. `tools/merge_mp_partitions.py` is the command line; `--universal-checkpoint`
-(universal.py) and the Hugging Face export use `resplit` / `read_source` in memory.
+`cut` splits full tensors again for a target TP (and expert TP) and redistributes the layers
+over the target pipeline stages with local indices (embeddings on the first stage, final
+layer norm, output layer and head copy on the last). The padded vocabulary is kept, so it
+must divide by the target TP. `write_sharded` writes the result as our torch format, model
+only (no optimizer or RNG state) with the iteration, consumed samples and the updated
+config, under a temporary directory renamed when complete, then the tracker; the input is
+only read. The torch format's `read_model` / `write_model` are these functions, and so the
+front door's conversions and --universal-checkpoint are too.
 """
 import os
 import re
@@ -34,9 +31,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpointing import experts as ep_files
-from megatron.checkpointing.io import save_file, write_text
-from megatron.checkpointing.layout import (CHECKPOINT_VERSION, TRACKER, from_megatron_layout,
-                                           read_model_file, read_tracker, to_megatron_layout)
+from megatron.checkpointing.io import save_file
+from megatron.checkpointing.model_file import (MODEL_FILE, from_megatron_layout, is_chunk_key,
+                                               read_model_file, to_megatron_layout)
+from megatron.checkpointing.tracker import CHECKPOINT_VERSION, iteration_dir, write_tracker
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu.sharding import check_shardable, merge_shards, shard_tensor
@@ -120,32 +118,28 @@ class Source:
         return Sharding(saved)
 
 
-def iteration_dir(root: str, iteration: int, release: bool) -> str:
-    return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
-
-
 def find_rank_dirs(directory: str) -> Dict[Tuple[int, int], str]:
     found = {}
     for name in sorted(os.listdir(directory)):
         match = RANK_DIR.match(name)
-        if match and os.path.isfile(os.path.join(directory, name, "model_optim_rng.pt")):
+        if match and os.path.isfile(os.path.join(directory, name, MODEL_FILE)):
             found[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(
-                directory, name, "model_optim_rng.pt")
+                directory, name, MODEL_FILE)
     return found
 
 
 def _expert_files(directory: str) -> Tuple[int, Dict[Tuple[int, int, int], str]]:
     """(EP size, {(tp, pp, ep rank): file}) when the checkpoint was saved with EP > 1."""
     names = sorted(n for n in os.listdir(directory) if ep_files.RANK_DIR.match(n)
-                   and os.path.isfile(os.path.join(directory, n, "model_optim_rng.pt")))
+                   and os.path.isfile(os.path.join(directory, n, MODEL_FILE)))
     if not names:
         return 1, {}
-    saved = read_model_file(os.path.join(directory, names[0], "model_optim_rng.pt"),
+    saved = read_model_file(os.path.join(directory, names[0], MODEL_FILE),
                             mmap=True).get("parallel", {})
     ep, pp = saved.get("expert_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1)
     if ep == 1:
         return 1, {}
-    ranks = {ep_files.rank_of_dir(n, pp, ep): os.path.join(directory, n, "model_optim_rng.pt")
+    ranks = {ep_files.rank_of_dir(n, pp, ep): os.path.join(directory, n, MODEL_FILE)
              for n in names}
     return ep, {rank: path for rank, path in ranks.items() if rank is not None}
 
@@ -180,7 +174,7 @@ def _merge_expert_states(files: Dict[Tuple[int, int, int], str], ep: int, direct
         own = load(files[min((k for k in files if k[:2] == (t, p)), key=lambda k: k[2])])
         sharding = Sharding(own.get("sharding") or {})
         state = dict(own)
-        for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
+        for key in [k for k in state if k == "model" or is_chunk_key(k)]:
             experts = ep_files.merge_experts([from_megatron_layout(part[key]) for part in parts],
                                              sharding)
             dense = from_megatron_layout(own[key])
@@ -195,19 +189,16 @@ def _recut_states(states: Dict[Tuple[int, int], dict], tp: int, etp: int) -> Non
     """Re-cut the experts of every state from expert TP `etp` to TP (in place)."""
     sharding = Sharding({k: v for state in states.values()
                          for k, v in (state.get("sharding") or {}).items()})
-    keys = [k for k in states[min(states)] if k == "model" or re.fullmatch(r"model\d+", k)]
+    keys = [k for k in states[min(states)] if k == "model" or is_chunk_key(k)]
     for key in keys:
         flats = {tp_pp: from_megatron_layout(state[key]) for tp_pp, state in states.items()}
         for tp_pp, flat in ep_files.recut_expert_tp(flats, tp, etp, tp, sharding).items():
             states[tp_pp] = dict(states[tp_pp], **{key: to_megatron_layout(flat)})
 
 
-def read_source(root: str) -> Source:
-    tracked = read_tracker(root)
-    if tracked is None:
-        raise ReshardError(f"no checkpoint at {root}: {TRACKER} is missing")
-    iteration, release = tracked
-    directory = iteration_dir(root, iteration, release)
+def read_source(found) -> Source:
+    """Every rank file of the iteration `found` (formats.Found), experts merged over EP."""
+    iteration, release, directory = found.iteration, found.release, found.directory
     ep, expert_files = _expert_files(directory) if os.path.isdir(directory) else (1, {})
     files = find_rank_dirs(directory) if os.path.isdir(directory) and ep == 1 else {}
     if not files and not expert_files:
@@ -239,7 +230,7 @@ def model_chunks(state: dict) -> List[dict]:
     """The model state of each virtual pipeline chunk of one rank file, in order."""
     if "model" in state:
         return [state["model"]]
-    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    keys = sorted((k for k in state if is_chunk_key(k)), key=lambda k: int(k[5:]))
     if not keys:
         raise ReshardError("a checkpoint file has no 'model' state")
     return [state[k] for k in keys]
@@ -365,11 +356,12 @@ def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
     return out
 
 
-def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sharding,
+def target_state(stored: dict, flat: Flat, tp: int, pp: int, sharding: Sharding,
                  ep: int = 1, etp: Optional[int] = None) -> dict:
-    """`etp`: the expert TP the experts of `flat` are cut for (None: TP)."""
+    """One target rank file: `flat` with the stored counters and config at the new layout.
+    `etp`: the expert TP the experts of `flat` are cut for (None: TP)."""
     etp = None if etp == tp else etp
-    config = dict(source_state.get("config") or {})
+    config = dict(stored.get("config") or {})
     if config:
         parallel = dict(config.get("parallel", {}))
         parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -388,39 +380,12 @@ def target_state(source_state: dict, flat: Flat, tp: int, pp: int, sharding: Sha
     if etp is not None:
         layout["expert_tensor_parallel_size"] = etp
     return {"model": to_megatron_layout(flat), "sharding": sharding.to_dict(flat),
-            "iteration": source_state.get("iteration", 0),
-            "checkpoint_version": source_state.get("checkpoint_version", CHECKPOINT_VERSION),
+            "iteration": stored.get("iteration", 0),
+            "checkpoint_version": stored.get("checkpoint_version", CHECKPOINT_VERSION),
             "config": config,
-            "consumed_train_samples": source_state.get("consumed_train_samples", 0),
-            "consumed_valid_samples": source_state.get("consumed_valid_samples", 0),
+            "consumed_train_samples": stored.get("consumed_train_samples", 0),
+            "consumed_valid_samples": stored.get("consumed_valid_samples", 0),
             "parallel": layout}
-
-
-def write_checkpoint(save: str, source: Source, shards: Dict[Tuple[int, int], Flat],
-                     tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> str:
-    """Write every rank file under a temporary directory, rename it, then the tracker.
-    `etp`: the expert TP the experts of `shards` are cut for (None: TP); every (TP, EP)
-    cell is written, so any world size of the layout finds its files."""
-    final = iteration_dir(save, source.iteration, source.release)
-    if os.path.exists(final):
-        raise ReshardError(f"{final} already exists; choose another --save directory or "
-                           f"remove it")
-    os.makedirs(save, exist_ok=True)
-    tmp = os.path.join(save, f".{os.path.basename(final)}.tmp.{os.getpid()}")
-    first = source.states[(0, 0)]
-    try:
-        for (t, p), flat in shards.items():
-            for e, part in enumerate(ep_files.split_experts(flat, ep, source.sharding)):
-                rank_dir = ep_files.rank_dir_name(t, p, pp, e if ep > 1 else None)
-                os.makedirs(os.path.join(tmp, rank_dir))
-                save_file(target_state(first, part, tp, pp, source.sharding, ep, etp),
-                          os.path.join(tmp, rank_dir, "model_optim_rng.pt"))
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    write_text(os.path.join(save, TRACKER), "release" if source.release else str(source.iteration))
-    return final
 
 
 def check_expert_tp(etp: int, tp: int) -> None:
@@ -429,37 +394,62 @@ def check_expert_tp(etp: int, tp: int) -> None:
                            f"--target-tensor-model-parallel-size {tp}; use a divisor of {tp}")
 
 
-def reshard(load: str, save: str, tp: int, pp: int, ep: int = 1,
-            etp: Optional[int] = None) -> str:
-    """Re-shard the latest checkpoint under `load` to TP `tp` x PP `pp` (x EP `ep`, expert
-    TP `etp`, None: TP) under `save`."""
-    if os.path.realpath(load) == os.path.realpath(save):
-        raise ReshardError(f"--save {save} is the --load directory; write the re-sharded "
-                           f"checkpoint elsewhere (the input is never modified)")
+def full_model(source: Source) -> Flat:
+    """The whole model of a source checkpoint: full (TP 1) tensors with global layer numbers;
+    the last stage's copy of tied embeddings is dropped (`cut` puts it back where a target
+    needs it)."""
+    shards = [global_shard(source, t)[0] for t in range(source.tp)]
+    full = merge_tensor_parallel(shards, source.sharding)
+    full.pop(HEAD, None)
+    return full
+
+
+def cut(full: Flat, stored: dict, tp: int, pp: int, ep: int = 1,
+        etp: Optional[int] = None) -> Dict[Tuple[int, int], Flat]:
+    """The whole model cut for TP `tp` x PP `pp`, by (tp rank, pp rank), each holding all
+    experts cut at expert TP `etp` (None: TP), checked to split over `ep` EP ranks, after
+    checking that it is the model its stored config describes."""
     if ep < 1:
         raise ReshardError(f"--target-expert-model-parallel-size must be >= 1, got {ep}")
     etp = tp if etp is None else etp
     check_expert_tp(etp, tp)
-    source = read_source(load)
-    shards = resplit(source, tp, pp)
+    sharding = Sharding(stored.get("sharding") or {})
+    num_layers = _layer_count(full)
+    check_shapes(full, stored.get("config") or {})
+    check_target(full, stored.get("config") or {}, num_layers, tp, pp, sharding)
+    shards = split_for_target(full, num_layers, tp, pp, sharding)
     for flat in shards.values():
-        problem = ep_files.check_split(flat, ep, source.sharding)
+        problem = ep_files.check_split(flat, ep, sharding)
         if problem:
             raise ReshardError(problem)
-    shards = ep_files.recut_expert_tp(shards, tp, tp, etp, source.sharding)
-    return write_checkpoint(save, source, shards, tp, pp, ep, etp)
+    return ep_files.recut_expert_tp(shards, tp, tp, etp, sharding)
 
 
-def resplit(source: Source, tp: int, pp: int) -> Dict[Tuple[int, int], Flat]:
-    """The source checkpoint's weights cut for TP `tp` x PP `pp`, keyed by (tp rank, pp rank)
-    (also what --universal-checkpoint loads, in memory)."""
-    shards, num_layers = [], None
-    for t in range(source.tp):
-        shard, num_layers = global_shard(source, t)
-        shards.append(shard)
-    sharding = source.sharding
-    full = merge_tensor_parallel(shards, sharding)
-    config = source.states[min(source.states)].get("config") or {}
-    check_shapes(full, config)
-    check_target(full, config, num_layers, tp, pp, sharding)
-    return split_for_target(full, num_layers, tp, pp, sharding)
+def write_sharded(save: str, full: Flat, stored: dict, target) -> str:
+    """Write a whole model as our torch format at `target` (formats.Target): every rank file
+    under a temporary directory, renamed, then the tracker. Every (TP, EP) cell is written,
+    so any world size of the layout finds its files."""
+    tp, pp, ep = target.tp, target.pp, target.ep
+    shards = cut(full, stored, tp, pp, ep, target.etp)
+    release = bool(stored.get("release"))
+    iteration = int(stored.get("iteration", 0))
+    final = iteration_dir(save, iteration, release)
+    if os.path.exists(final):
+        raise ReshardError(f"{final} already exists; choose another --save directory or "
+                           f"remove it")
+    os.makedirs(save, exist_ok=True)
+    tmp = os.path.join(save, f".{os.path.basename(final)}.tmp.{os.getpid()}")
+    sharding = Sharding(stored.get("sharding") or {})
+    try:
+        for (t, p), flat in shards.items():
+            for e, part in enumerate(ep_files.split_experts(flat, ep, sharding)):
+                rank_dir = ep_files.rank_dir_name(t, p, pp, e if ep > 1 else None)
+                os.makedirs(os.path.join(tmp, rank_dir))
+                save_file(target_state(stored, part, tp, pp, sharding, ep, target.etp),
+                          os.path.join(tmp, rank_dir, MODEL_FILE))
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_tracker(save, iteration, release)
+    return final

@@ -1,17 +1,37 @@
-"""--universal-checkpoint: load a checkpoint saved at another TP / PP layout by re-sharding it.
+"""--universal-checkpoint: load a checkpoint saved at another TP / PP / EP layout by re-sharding
+it at load, whatever its format.
 
-Every rank reads all rank files of the checkpoint, merges the tensor-parallel shards into full
-tensors and cuts out its own piece for the current layout, with the functions of
-reshard.py (in memory, as tools/merge_mp_partitions.py does on disk). Weights, iteration, consumed
-samples and the lr schedule carry over; the optimizer state starts fresh (with a notice), since
-its shards follow the saved layout. A change of the data-parallel size alone needs no flag.
+Every rank reads the whole model through the format's `read_model` (full tensors), and cuts
+out its own piece for the current layout with reshard.py's `cut` (in memory, as
+tools/merge_mp_partitions.py does on disk). Weights, iteration, consumed samples and the lr
+schedule carry over; the optimizer state starts fresh (with a notice), since its shards
+follow the saved layout. A checkpoint saved at this run's layout loads as its format loads
+it, optimizer included. The inference entry points re-shard the same way without the flag
+(`inference=True`: the errors say how to avoid it). Formats that re-shard at load themselves
+(torch_dist) never come here.
 """
-from typing import Optional
+from typing import Any, Dict
 
 from megatron.checkpointing import reshard
-from megatron.checkpointing.experts import (check_split as split_problem, recut_expert_tp,
-                                            split_experts)
-from megatron.checkpointing.layout import CheckpointError, read_tracker
+from megatron.checkpointing.experts import check_split, split_experts
+from megatron.checkpointing.formats import Counters, Found, RunState
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.model_file import load_into_models, to_megatron_layout
+
+
+def saved_layout(stored: Dict[str, Any]) -> tuple:
+    """(TP, PP, virtual chunks, EP, expert TP) a checkpoint's stored state says it was saved at."""
+    saved = stored.get("parallel") or {}
+    tp = int(saved.get("tensor_model_parallel_size", 1))
+    return (tp, int(saved.get("pipeline_model_parallel_size", 1)),
+            int(saved.get("virtual_pipeline_model_parallel_size", 1)),
+            int(saved.get("expert_model_parallel_size", 1)),
+            int(saved.get("expert_tensor_parallel_size") or tp))
+
+
+def run_layout(run: RunState) -> tuple:
+    p = run.pstate
+    return p.tp_size, p.pp_size, len(run.models), p.ep_size, p.etp_size
 
 
 def _refusal(root: str, problem: str, pstate, inference: bool) -> CheckpointError:
@@ -24,38 +44,57 @@ def _refusal(root: str, problem: str, pstate, inference: bool) -> CheckpointErro
         f"disk first with tools/merge_mp_partitions.py")
 
 
-def resharded_state(root: str, pstate, num_chunks: int,
-                    inference: bool = False) -> Optional[dict]:
-    """This rank's state re-cut from the saved layout; None when there is no checkpoint or
-    it was saved with the current TP / PP / virtual-pipeline layout. `inference`: for the
-    inference loaders, which re-shard without --universal-checkpoint (the errors say so)."""
-    if read_tracker(root) is None:
-        return None
+def load(found: Found, run: RunState, inference: bool = False) -> Counters:
+    """Load `found` at this run's layout, re-sharding it when it was saved at another."""
+    fmt, pstate = found.format, run.pstate
+    saved = saved_layout(fmt.stored_state(found))
+    if saved == run_layout(run):
+        return fmt.load(found, run)
     try:
-        source = reshard.read_source(root)
-        first = source.states[min(source.states)]
-        ep = getattr(pstate, "ep_size", 1)
-        etp = pstate.etp_size
-        saved = (source.tp, source.pp, len(reshard.model_chunks(first)))
-        if saved == (pstate.tp_size, pstate.pp_size, num_chunks) and source.ep == ep and \
-                (source.etp or source.tp) == etp:
-            return None
-        if num_chunks > 1:
+        if len(run.models) > 1:
             raise reshard.ReshardError("re-sharding makes one model chunk per stage; drop "
                                        "--num-layers-per-virtual-pipeline-stage")
-        flat = recut_expert_tp(reshard.resplit(source, pstate.tp_size, pstate.pp_size),
-                               pstate.tp_size, pstate.tp_size, etp, source.sharding)
+        full, stored = fmt.read_model(found)
+        mine = _this_rank(full, stored, pstate)
     except reshard.ReshardError as err:
-        raise _refusal(root, str(err), pstate, inference) from None
-    mine = flat[(pstate.tp_rank, pstate.pp_rank)]
-    problem = split_problem(mine, ep, source.sharding)
+        raise _refusal(found.root, str(err), pstate, inference) from None
+    _load_weights(run, mine, found.root)
+    if pstate.rank == 0 and inference:
+        print(f" re-sharding {found.root} in memory from TP {saved[0]} x PP {saved[1]} to "
+              f"TP {pstate.tp_size} x PP {pstate.pp_size}", flush=True)
+    elif pstate.rank == 0:
+        print(f" > --universal-checkpoint: re-sharded {found.root} from TP={saved[0]} "
+              f"PP={saved[1]} to TP={pstate.tp_size} PP={pstate.pp_size}; the optimizer state "
+              f"starts fresh", flush=True)
+    return _counters(found, run, stored)
+
+
+def _this_rank(full, stored: dict, pstate):
+    """This rank's parameters (local names) cut from the whole model."""
+    cells = reshard.cut(full, stored, pstate.tp_size, pstate.pp_size, 1, pstate.etp_size)
+    mine = cells[(pstate.tp_rank, pstate.pp_rank)]
+    sharding = reshard.Sharding(stored.get("sharding") or {})
+    problem = check_split(mine, pstate.ep_size, sharding)
     if problem:
-        raise _refusal(root, problem, pstate, inference)
-    mine = split_experts(mine, ep, source.sharding)[getattr(pstate, "ep_rank", 0)]
-    state = reshard.target_state(first, mine, pstate.tp_size, pstate.pp_size, source.sharding, ep,
-                                 etp)
-    if "opt_param_scheduler" in first:
-        state["opt_param_scheduler"] = first["opt_param_scheduler"]
-    state["_release"] = source.release
-    state["resharded_from"] = saved
-    return state
+        raise reshard.ReshardError(problem)
+    return split_experts(mine, pstate.ep_size, sharding)[pstate.ep_rank]
+
+
+def _load_weights(run: RunState, flat, root: str) -> None:
+    load_into_models({"model": to_megatron_layout(flat)}, run.models, root)
+    if run.optimizer is not None:
+        run.optimizer.reload_model_params()
+
+
+def _counters(found: Found, run: RunState, stored: dict) -> Counters:
+    """The stored counters and lr schedule of a re-sharded checkpoint."""
+    ckpt = run.config.checkpoint
+    iteration = int(stored.get("iteration", found.iteration))
+    if run.optimizer is None:
+        return iteration, 0, 0
+    if ckpt.finetune or found.release:
+        return 0, 0, 0
+    if not ckpt.no_load_optim and "opt_param_scheduler" in stored:
+        run.scheduler.load_state_dict(stored["opt_param_scheduler"])
+    return (iteration, int(stored.get("consumed_train_samples", 0)),
+            int(stored.get("consumed_valid_samples", 0)))

@@ -72,17 +72,14 @@ class CheckpointConfig:
     universal_checkpoint: bool = False
     """Load a checkpoint saved at another TP / PP layout by re-sharding it on load."""
     ckpt_format: str = "torch"
-    """torch (one file per model-parallel rank) or torch_dist (torch.distributed.checkpoint
-    shards in Megatron-Core's layout, re-sharded to any layout at load)."""
+    """The format saves write (megatron.checkpointing.api.FORMATS): torch (one file per
+    model-parallel rank) or torch_dist (torch.distributed.checkpoint shards in Megatron-Core's
+    layout, re-sharded to any layout at load)."""
     auto_detect_ckpt_format: bool = False
     """At --load, read the format found on disk instead of --ckpt-format."""
     async_save: bool = False
-    """torch_dist only: write checkpoints in the background from a CPU copy."""
+    """Write checkpoints in the background from a CPU copy (any format)."""
 
     def __post_init__(self):
         require(self.save_interval is None or self.save_interval > 0,
                 f"--save-interval must be positive, got {self.save_interval}")
-        require(self.ckpt_format in ("torch", "torch_dist"),
-                f"--ckpt-format {self.ckpt_format!r} is not torch or torch_dist")
-        require(not self.async_save or self.ckpt_format == "torch_dist",
-                "--async-save needs --ckpt-format torch_dist")

@@ -5,12 +5,13 @@ import os
 import time
 from typing import Callable, Optional
 
+from megatron.checkpointing import api
+from megatron.checkpointing.formats import RunState
 from megatron.checkpointing.io import check_writable
 from megatron.checkpointing.lock import SaveLock
+from megatron.checkpointing.rng import rng_state, set_rng_state
 from megatron.config import ConfigError
 from megatron.training.flops import ThroughputMeter
-from megatron.checkpointing.layout import (load_checkpoint, read_tracker, rng_state,
-                                           save_checkpoint, set_rng_state)
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras
@@ -88,18 +89,21 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
     return state
 
 
+def _run_state(trainer: Trainer) -> RunState:
+    return RunState(trainer.models, trainer.config, trainer.pstate, trainer.optimizer,
+                    trainer.scheduler, trainer.state.consumed_train, trainer.state.consumed_valid)
+
+
 def _load(trainer: Trainer, config, pstate) -> None:
     """Resume (or start fine-tuning) from --load, with Megatron's two log lines."""
-    from megatron.checkpointing.loading import checkpoint_summary
     root, state = config.checkpoint.load, trainer.state
-    found = read_tracker(root) is not None
-    if found:
-        print_rank_0(f" loading checkpoint from {checkpoint_summary(root)}")
-    state.iteration, state.consumed_train, state.consumed_valid = load_checkpoint(
-        root, trainer.models, trainer.optimizer, trainer.scheduler, config, pstate)
-    if found:
-        print_rank_0(f"  successfully loaded checkpoint from {root} at iteration "
-                     f"{state.iteration}")
+    if api.detect(root) is None:
+        print_rank_0(f" no checkpoint found at {root}; starting from scratch")
+        return
+    print_rank_0(f" loading checkpoint from {api.summary(root)}")
+    state.iteration, state.consumed_train, state.consumed_valid = api.load(
+        root, _run_state(trainer))
+    print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {state.iteration}")
 
 
 def _save(trainer: Trainer) -> None:
@@ -107,14 +111,11 @@ def _save(trainer: Trainer) -> None:
     if cfg.checkpoint.async_save:
         from megatron.checkpointing.async_save import AsyncSaver
         saver = trainer.__dict__.setdefault("async_saver", AsyncSaver())
-        saver.save(cfg.checkpoint.save, state.iteration, trainer.models, trainer.optimizer,
-                   trainer.scheduler, cfg, trainer.pstate, state.consumed_train,
-                   state.consumed_valid)
+        saver.save(cfg.checkpoint.save, state.iteration, _run_state(trainer))
         print_rank_0(f" saving checkpoint at iteration {state.iteration:7d} to "
                      f"{cfg.checkpoint.save} in the background (--async-save)")
         return
-    save_checkpoint(cfg.checkpoint.save, state.iteration, trainer.models, trainer.optimizer,
-                    trainer.scheduler, cfg, trainer.pstate, state.consumed_train, state.consumed_valid)
+    api.save(cfg.checkpoint.save, state.iteration, _run_state(trainer))
     print_rank_0(f" saved checkpoint at iteration {state.iteration:7d} to {cfg.checkpoint.save}")
 
 

@@ -132,7 +132,7 @@ def _write_partitions(work: str, directory: str, n: int = 2) -> None:
 
 def _release_tensors(ckpt: str) -> dict:
     from megatron.checkpointing.megatron_legacy import safe_load
-    from megatron.checkpointing.layout import from_megatron_layout
+    from megatron.checkpointing.model_file import from_megatron_layout
     state = safe_load(os.path.join(ckpt, "release", "mp_rank_00", "model_optim_rng.pt"))
     return from_megatron_layout(state["model"])
 

@@ -22,7 +22,7 @@ from megatron.checkpointing import megatron_legacy
 from megatron.checkpointing.io import save_file
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.mpu.layers import shard_of
-from megatron.checkpointing.layout import from_megatron_layout, to_megatron_layout
+from megatron.checkpointing.model_file import from_megatron_layout, to_megatron_layout
 from megatron.pipeline.schedule import chunk_layers
 from tests.conftest import shared_file
 from tests.distributed.run_ranks import run_ranks

@@ -199,7 +199,7 @@ def test_etp_inference_with_padded_token_parts_equals_one_process(workdir, spawn
 
 
 def test_etp_checkpoint_reshards_with_equal_logits(workdir, spawns):
-    from megatron.checkpointing.layout import from_megatron_layout, read_model_file
+    from megatron.checkpointing.model_file import from_megatron_layout, read_model_file
     from megatron.mpu.parallel_state import single_process_state
     if SOURCE not in LAYOUTS:
         pytest.skip("MOE_TEST_ONLY left out the source checkpoint")

@@ -31,14 +31,14 @@ def _merge(load, save, *target):
 
 def load_model(root, pstate, universal=False):
     """This rank's model from the checkpoint at `root` (re-sharded in memory: `universal`)."""
-    from megatron.checkpointing.layout import from_megatron_layout, load_checkpoint_file
-    from megatron.checkpointing.universal import resharded_state
+    from megatron.checkpointing import api
+    from megatron.checkpointing.formats import RunState
     from megatron.config import Config
     from megatron.model import GPTModel
-    state = resharded_state(root, pstate, 1) if universal else load_checkpoint_file(root, pstate)
-    cfg = Config.from_dict(state["config"]).model
-    model = GPTModel(cfg, tp_group=pstate.tp_group, expert_groups=pstate.expert_groups())
-    model.load_state_dict(from_megatron_layout(state["model"]), strict=True)
+    config = Config.from_dict(api.stored_state(root)["config"])
+    config.checkpoint.universal_checkpoint = universal
+    model = GPTModel(config.model, tp_group=pstate.tp_group, expert_groups=pstate.expert_groups())
+    api.load(root, RunState([model], config, pstate))
     return model.eval()
 
 
@@ -103,7 +103,7 @@ def test_ep_reshard_keeps_the_logits(runs):
 
 
 def test_ep_folders_and_exact_round_trip(runs):
-    from megatron.checkpointing.layout import read_model_file
+    from megatron.checkpointing.model_file import read_model_file
     out = runs[0]
     folders = sorted(os.listdir(os.path.join(out, "ep4", "iter_0000002")))
     assert folders == [f"mp_rank_00_{e:03d}" for e in range(4)]
@@ -121,5 +121,5 @@ def test_ep_folders_and_exact_round_trip(runs):
 
 
 def _flatten(nested):
-    from megatron.checkpointing.layout import from_megatron_layout
+    from megatron.checkpointing.model_file import from_megatron_layout
     return from_megatron_layout(nested)

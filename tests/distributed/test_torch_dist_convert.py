@@ -27,8 +27,8 @@ def _train(rank, world_size, prefix, workdir):
 
 
 def _full(root):
-    from megatron.checkpointing import reshard
-    return reshard.resplit(reshard.read_source(root), 1, 1)[(0, 0)]
+    from megatron.checkpointing import api
+    return api.read_model(root)[0]
 
 
 def _safetensors(directory):
@@ -44,7 +44,6 @@ def saved(tmp_path_factory):
 
 
 def test_merge_mp_partitions_converts_both_ways(saved, capsys):
-    from megatron.checkpointing.dist_convert import read_full_model
     from tools import merge_mp_partitions
     torch_dir = os.path.join(saved, "torch")
     to_dist, back = os.path.join(saved, "to-dist"), os.path.join(saved, "back")
@@ -57,7 +56,7 @@ def test_merge_mp_partitions_converts_both_ways(saved, capsys):
                                          "--target-pipeline-model-parallel-size", "2"]) == 0
         assert sorted(os.listdir(os.path.join(back, "iter_0000002"))) == [
             "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-        original, converted = _full(torch_dir), read_full_model(to_dist)[0]
+        original, converted = _full(torch_dir), _full(to_dist)
         returned = _full(back)
         returned.pop("word_embeddings_for_head.weight", None)
         assert sorted(original) == sorted(converted) == sorted(returned)

@@ -3,7 +3,7 @@
 A GPT of 8 layers, hidden 256 (about 8.5 M parameters) trains one iteration at TP 2 and is
 saved in torch_dist and in the torch format; then each is loaded at TP 1 x PP 2 (torch_dist
 directly, the torch one with --universal-checkpoint). A thread samples the resident set
-(/proc/self/statm, every 0.2 ms) during `load_checkpoint`; the peak growth over the resident
+(/proc/self/statm, every 0.2 ms) during `api.load`; the peak growth over the resident
 set before the load must stay below 1.25 x the rank's own share of weights and optimizer
 state. The universal path's peak is printed for comparison (it reads and merges every
 rank's full files). One spawn of 2 gloo ranks.
@@ -56,15 +56,14 @@ def _own_share(models, optimizer) -> int:
     return weights + state
 
 
-def _measured_load(record):
-    from megatron.checkpointing import layout
-
-    def load(root, models, optimizer, scheduler, config, pstate):
+def _measured_load(record, load):
+    """`load` (api.load), recording the peak memory growth while it runs."""
+    def measured(root, run, **kwargs):
         with PeakRss() as peak:
-            result = layout.load_checkpoint(root, models, optimizer, scheduler, config, pstate)
-        record.update(peak=peak.peak, share=_own_share(models, optimizer))
+            result = load(root, run, **kwargs)
+        record.update(peak=peak.peak, share=_own_share(run.models, run.optimizer))
         return result
-    return load
+    return measured
 
 
 def _argv(prefix, cache, *extra, iters):
@@ -74,18 +73,18 @@ def _argv(prefix, cache, *extra, iters):
 
 def _rank(rank, world_size, prefix, workdir):
     import pretrain_gpt
-    from megatron.training import pretrain
+    from megatron.checkpointing import api
     cache = os.path.join(workdir, "cache")
     tp2 = ["--tensor-model-parallel-size", "2"]
     dist_dir, torch_dir = os.path.join(workdir, "dist"), os.path.join(workdir, "torch")
     pretrain_gpt.main(_argv(prefix, cache, *tp2, "--ckpt-format", "torch_dist", "--save",
                             dist_dir, iters=1))
     pretrain_gpt.main(_argv(prefix, cache, *tp2, "--save", torch_dir, iters=1))
-    results = {}
+    results, load = {}, api.load
     for name, extra in (("torch_dist", ["--ckpt-format", "torch_dist", "--load", dist_dir]),
                         ("universal", ["--universal-checkpoint", "--load", torch_dir])):
         record = {}
-        pretrain.load_checkpoint = _measured_load(record)
+        api.load = _measured_load(record, load)
         pretrain_gpt.main(_argv(prefix, cache, "--pipeline-model-parallel-size", "2", *extra,
                                 iters=1))
         results[name] = record

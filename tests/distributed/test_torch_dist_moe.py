@@ -99,10 +99,10 @@ def test_ep2_experts_have_megatron_core_keys_and_global_shapes(spawn4):
 
 
 def test_merge_and_hf_export_read_an_ep2_torch_dist_checkpoint(spawn4):
-    from megatron.checkpointing import reshard
+    from megatron.checkpointing import api
     from megatron.checkpointing.hf import convert as hf_convert
     _, out = spawn4
-    full = {root: reshard.resplit(reshard.read_source(os.path.join(out, root)), 1, 1)[(0, 0)]
+    full = {root: api.read_model(os.path.join(out, root))[0]
             for root in ("dist-to-torch", "dist-to-torch-ep2", "torch-ep1")}
     assert os.path.isdir(os.path.join(out, "dist-to-torch-ep2", f"iter_{SAVE_AT:07d}",
                                       "mp_rank_00_001"))

@@ -16,8 +16,10 @@ from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.optimizer import MegatronOptimizer, build_lr_scheduler
 from megatron.optimizer.optimizer import _param_groups
 from megatron.model.positions import sinusoidal_table
-from megatron.checkpointing.layout import (CheckpointError, load_checkpoint, read_model_file,
-                                           save_checkpoint, to_megatron_layout)
+from megatron.checkpointing import api
+from megatron.checkpointing.formats import RunState
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.model_file import read_model_file, to_megatron_layout
 from tests.megatron_ckpt import (missing_megatron_entries, read_megatron_checkpoint,
                                  write_megatron_checkpoint)
 
@@ -80,7 +82,7 @@ def test_megatron_files_load_with_equal_logits(tmp_path, version, with_optimizer
     assert not torch.equal(logits(target), expected)
     optimizer = MegatronOptimizer(cfg.optimizer, [target], single_process_state())
     lr = build_lr_scheduler(optimizer, cfg.optimizer, cfg.training)
-    counters = load_checkpoint(str(tmp_path), [target], optimizer, lr, cfg, single_process_state())
+    counters = api.load(str(tmp_path), RunState([target], cfg, single_process_state(), optimizer, lr))
     assert counters == (3, 6, 2)  # iteration from the file, consumed samples from args
     torch.testing.assert_close(logits(target), expected, rtol=0, atol=0)
     if with_optimizer:
@@ -100,7 +102,7 @@ def test_our_checkpoint_has_what_megatron_reads_and_resumes_here(tmp_path, bf16)
     with torch.no_grad():  # distinct fp32 main values, to see them come back in order
         for i, main in enumerate(optimizer.main_params):
             main.add_(i * 1e-3)
-    save_checkpoint(str(tmp_path), 4, [m], optimizer, lr, cfg, pstate, 8, 0)
+    api.save(str(tmp_path), 4, RunState([m], cfg, pstate, optimizer, lr, 8, 0))
     path = os.path.join(str(tmp_path), "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
     state = read_megatron_checkpoint(path)
     assert missing_megatron_entries(state) == []
@@ -110,9 +112,8 @@ def test_our_checkpoint_has_what_megatron_reads_and_resumes_here(tmp_path, bf16)
         assert [len(g) for g in groups] == [len(g["params"]) for g in optimizer.param_groups]
     again = model(cfg, seed=5)
     resumed = MegatronOptimizer(cfg.optimizer, [again], pstate)
-    assert load_checkpoint(str(tmp_path), [again], resumed,
-                           build_lr_scheduler(resumed, cfg.optimizer, cfg.training), cfg,
-                           pstate) == (4, 8, 0)
+    assert api.load(str(tmp_path), RunState([again], cfg, pstate, resumed, build_lr_scheduler(
+        resumed, cfg.optimizer, cfg.training))) == (4, 8, 0)
     for a, b in zip(optimizer.main_params, resumed.main_params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -130,8 +131,8 @@ def test_sinusoidal_positions_round_trip_through_megatron_entries(tmp_path):
     cfg, pstate = config(positions="sinusoidal"), single_process_state()
     source = model(cfg, seed=3)
     expected = logits(source)
-    save_checkpoint(str(tmp_path / "ours"), 4, [source], *_trainer_parts(cfg, source, pstate),
-                    cfg, pstate, 8, 0)
+    api.save(str(tmp_path / "ours"), 4,
+             RunState([source], cfg, pstate, *_trainer_parts(cfg, source, pstate), 8, 0))
     state = read_megatron_checkpoint(
         os.path.join(str(tmp_path / "ours"), "iter_0000004", "mp_rank_00", "model_optim_rng.pt"))
     args = state["args"]
@@ -140,14 +141,14 @@ def test_sinusoidal_positions_round_trip_through_megatron_entries(tmp_path):
     torch.testing.assert_close(table, sinusoidal_table(16, 32), rtol=0, atol=0)
     again = model(cfg, seed=5)
     assert not torch.equal(logits(again), expected)
-    assert load_checkpoint(str(tmp_path / "ours"), [again], *_trainer_parts(cfg, again, pstate),
-                           cfg, pstate) == (4, 8, 0)
+    assert api.load(str(tmp_path / "ours"),
+                    RunState([again], cfg, pstate, *_trainer_parts(cfg, again, pstate))) == (4, 8, 0)
     torch.testing.assert_close(logits(again), expected, rtol=0, atol=0)
     write_megatron_checkpoint(str(tmp_path / "megatron"), state["model"], 3.0, vars(args), 4)
     learned = config(no_load_optim=True)
     theirs = model(learned, seed=5)
-    load_checkpoint(str(tmp_path / "megatron"), [theirs], *_trainer_parts(learned, theirs, pstate),
-                    learned, pstate)
+    api.load(str(tmp_path / "megatron"),
+             RunState([theirs], learned, pstate, *_trainer_parts(learned, theirs, pstate)))
     torch.testing.assert_close(logits(theirs), expected, rtol=0, atol=0)
 
 

@@ -178,7 +178,7 @@ def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
     warm-up lr 0 saves them unchanged. The trained checkpoint (no "hf" entry, a GPT-2
     BPE tokenizer of 8000 ids) exports to an HF model with the original's logits."""
     import pretrain_gpt
-    from megatron.checkpointing.layout import from_megatron_layout
+    from megatron.checkpointing.model_file import from_megatron_layout
     from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
     if not have_reference_data():
         pytest.skip("../shared/data not available")

@@ -11,7 +11,8 @@ from megatron.text_generation import (GenerationError, KVCache, SamplingParams, 
                                       forward_full, forward_with_cache, generate,
                                       mask_padded_vocab, sample, top_k_filter, top_p_filter)
 from megatron.tokenizer import ByteLevelTokenizer
-from megatron.checkpointing.layout import save_checkpoint
+from megatron.checkpointing import api
+from megatron.checkpointing.formats import RunState
 from tools import generate_samples_gpt
 
 INF = float("-inf")
@@ -166,7 +167,7 @@ def checkpoint(tmp_path):
     config = Config(model=tiny_config(), data=DataConfig(tokenizer_type="ByteLevelTokenizer"),
                     checkpoint=CheckpointConfig(no_save_optim=True, no_save_rng=True))
     root = tmp_path / "ckpt"
-    save_checkpoint(str(root), 7, [model], None, None, config, single_process_state(), 0, 0)
+    api.save(str(root), 7, RunState([model], config, single_process_state()))
     return root, model
 
 

@@ -307,7 +307,7 @@ def test_megatron_lm_moe_key_names_load(naming):
     (Megatron-Core's local_experts.N.linear_fc1 or grouped linear_fc1.weightN, or the
     legacy model's local_experts.N.dense_h_to_4h) loads into our stacked experts."""
     import argparse
-    from megatron.checkpointing.layout import from_megatron_layout, to_megatron_layout
+    from megatron.checkpointing.model_file import from_megatron_layout, to_megatron_layout
     from megatron.checkpointing.megatron_legacy import to_ours
     from megatron.model import GPTModel
     cfg = parse(*PLANNED).model

@@ -239,11 +239,12 @@ def test_full_disk_on_a_small_tmpfs(tmp_path):
 
 
 def _save_forever(root, iteration, trainer, config, pstate):
-    from megatron.checkpointing.layout import save_checkpoint
+    from megatron.checkpointing import api
+    from megatron.checkpointing.formats import RunState
     torch.set_num_threads(1)
     while True:
-        save_checkpoint(root, iteration, trainer.models, trainer.optimizer, trainer.scheduler,
-                        config, pstate, 4 * iteration, 0)
+        api.save(root, iteration, RunState(trainer.models, config, pstate, trainer.optimizer,
+                                           trainer.scheduler, 4 * iteration, 0))
         iteration += 1
 
 
@@ -252,7 +253,10 @@ def test_kill_during_save(tmp_path):
     always names a complete, checksum-valid checkpoint, and stale temp files are removed."""
     from megatron.arguments import parse_args
     from megatron.mpu import single_process_state
-    from megatron.checkpointing.layout import load_checkpoint_file, read_tracker
+    from megatron.checkpointing import api
+    from megatron.checkpointing.formats import RunState
+    from megatron.checkpointing.torch_format import read_rank_file
+    from megatron.checkpointing.tracker import read_tracker
     from megatron.training.trainer import Trainer, build_model_chunks
 
     config, _ = parse_args(tiny_argv("x", tmp_path, layers=2, hidden=64), world_size=1)
@@ -275,13 +279,12 @@ def test_kill_during_save(tmp_path):
         tracked = read_tracker(root)
         if tracked is None:
             continue
-        state = load_checkpoint_file(root, pstate)  # verifies the checksum
+        state = read_rank_file(api.detect(root), pstate)  # verifies the checksum
         assert state["iteration"] == tracked[0] >= last
         last = tracked[0]
     assert last > 0 and inside >= 3, (last, inside)
-    from megatron.checkpointing.layout import save_checkpoint
-    save_checkpoint(root, last + 1, trainer.models, trainer.optimizer, trainer.scheduler, config,
-                    pstate, 0, 0)
+    api.save(root, last + 1, RunState(trainer.models, config, pstate, trainer.optimizer,
+                                      trainer.scheduler))
     assert not [n for _, _, names in os.walk(root) for n in names if ".tmp." in n]
 
 
@@ -379,8 +382,9 @@ def test_fuzzed_checkpoint_mutations_are_refused(saved, tmp_path, capsys):
     """60 seeded damages to a checkpoint (flipped bytes with and without the sidecar, truncation,
     a nan/inf weight, a stored iteration other than the tracker's): each is one CheckpointError
     line, or (a flip that left the content whole) loads exactly the original tensors."""
-    from megatron.checkpointing.layout import finite_model_state, from_megatron_layout, \
-        load_checkpoint_file
+    from megatron.checkpointing import api
+    from megatron.checkpointing.model_file import finite_model_state, from_megatron_layout
+    from megatron.checkpointing.torch_format import read_rank_file
     from megatron.mpu import single_process_state
     out, _ = saved
     rng, pstate, counts = random.Random(24), single_process_state(), {}
@@ -390,7 +394,7 @@ def test_fuzzed_checkpoint_mutations_are_refused(saved, tmp_path, capsys):
         shutil.copytree(out / "ckpt", root)
         kind = _mutate_checkpoint(rng, root)
         try:
-            state = load_checkpoint_file(str(root), pstate)
+            state = read_rank_file(api.detect(str(root)), pstate)
             flat = finite_model_state(from_megatron_layout(state["model"]), str(root))
         except CheckpointError as err:
             assert "\n" not in str(err), str(err)

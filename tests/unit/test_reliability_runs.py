@@ -199,7 +199,7 @@ def test_a_run_owns_its_save(data, tmp_path):
     """Two concurrent runs on one --save: the second exits 2 naming the first. After the first
     is SIGKILLed (no process of it is left), a new run takes the stale lock over with a notice
     and saves; every checkpoint in the directory verifies."""
-    from megatron.checkpointing.layout import read_model_file
+    from megatron.checkpointing.model_file import read_model_file
     save = tmp_path / "ckpt"
     first, lines = _train_until(tiny_argv(*data, "--save", save, "--save-interval", "2",
                                           "--num-workers", "2", iters=100000), 3)

@@ -10,7 +10,8 @@ from megatron.config import CheckpointConfig, Config, DataConfig, ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.tokenizer import ByteLevelTokenizer
-from megatron.checkpointing.layout import save_checkpoint
+from megatron.checkpointing import api
+from megatron.checkpointing.formats import RunState
 from tasks import main as tasks_main
 from tasks.zeroshot_gpt.datasets import (LambadaExamples, TaskDataError, WikitextWindows,
                                          read_lambada, split_last_word)
@@ -144,7 +145,7 @@ def checkpoint(tmp_path):
     config = Config(model=_config(), data=DataConfig(tokenizer_type="ByteLevelTokenizer"),
                     checkpoint=CheckpointConfig(no_save_optim=True, no_save_rng=True))
     root = tmp_path / "ckpt"
-    save_checkpoint(str(root), 3, [model], None, None, config, single_process_state(), 0, 0)
+    api.save(str(root), 3, RunState([model], config, single_process_state()))
     model.vocab_limit = ByteLevelTokenizer().vocab_size  # as the evaluation loads it
     return str(root), model.eval()
 

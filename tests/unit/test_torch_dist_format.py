@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from megatron.checkpointing import torch_dist
+from megatron.checkpointing import api, collectives, dist_io, torch_dist
 from megatron.checkpointing.dist_regions import (blocks_of, flat_piece_regions,
                                                  flat_rectangles, placement, split_regions)
 from megatron.checkpointing.io import CheckpointError
@@ -158,7 +158,7 @@ def test_mixed_dense_and_moe_weights_round_trip_keyed_per_layer(tmp_path):
     other.init_weights(2)
     directory = os.path.join(str(tmp_path), "iter_0000001")
     torch_dist.save_model_weights(directory, [model], 2, single_process_state())
-    stored = torch_dist.SafeReader(directory).read_metadata().state_dict_metadata
+    stored = dist_io.SafeReader(directory).read_metadata().state_dict_metadata
     assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].size == (4, 8, 16)
     assert stored["decoder.layers.0.mlp.linear_fc1.weight"].size == (64, 16)
     assert not any(k.startswith("decoder.layers.mlp") for k in stored)
@@ -181,7 +181,7 @@ def _saved(tmp_path):
 def test_weights_round_trip_and_refusals(tmp_path):
     from megatron.mpu.parallel_state import single_process_state
     cfg, model, directory = _saved(tmp_path)
-    assert torch_dist.is_torch_dist(directory)
+    assert dist_io.is_torch_dist(directory)
     other = GPTModel(cfg)
     other.init_weights(2)
     assert not torch.equal(other.state_dict()["language_model.embedding.word_embeddings.weight"],
@@ -198,7 +198,7 @@ def test_weights_round_trip_and_refusals(tmp_path):
     with open(os.path.join(directory, ".metadata"), "wb") as f:
         pickle.dump(Hostile(), f)
     with pytest.raises(CheckpointError, match="posix.system is not part of DCP's metadata"):
-        torch_dist.SafeReader(directory).read_metadata()
+        dist_io.SafeReader(directory).read_metadata()
     assert not os.path.exists(os.path.join(str(tmp_path), "ran"))
     with open(os.path.join(directory, ".metadata"), "wb") as f:
         f.write(good)
@@ -206,8 +206,8 @@ def test_weights_round_trip_and_refusals(tmp_path):
     data = bytearray(open(chunk, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(chunk, "wb").write(bytes(data))
-    with torch_dist.process_group(), pytest.raises(CheckpointError, match="does not match"):
-        torch_dist.verify_checksums(directory)
+    with collectives.process_group(), pytest.raises(CheckpointError, match="does not match"):
+        dist_io.verify_checksums(directory)
 
 
 def test_format_mismatch_names_the_flag(tmp_path):
@@ -215,9 +215,10 @@ def test_format_mismatch_names_the_flag(tmp_path):
     _saved(tmp_path)
     with open(os.path.join(str(tmp_path), "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("1")
+    found = api.detect(str(tmp_path))
     with pytest.raises(CheckpointError, match="--ckpt-format torch_dist or "
                                               "--auto-detect-ckpt-format"):
-        torch_dist.torch_dist_iteration(str(tmp_path), CheckpointConfig())
-    found = torch_dist.torch_dist_iteration(str(tmp_path),
-                                            CheckpointConfig(auto_detect_ckpt_format=True))
-    assert found == (os.path.join(str(tmp_path), "iter_0000001"), False)
+        api.check_format(found, CheckpointConfig())
+    assert api.check_format(found, CheckpointConfig(auto_detect_ckpt_format=True)) is found
+    assert (found.format, found.directory, found.release) == (
+        torch_dist.FORMAT, os.path.join(str(tmp_path), "iter_0000001"), False)

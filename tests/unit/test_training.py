@@ -7,8 +7,10 @@ import torch
 
 import pretrain_gpt
 from megatron.checkpointing import megatron_legacy
-from megatron.checkpointing.layout import (CheckpointError, from_megatron_layout, load_checkpoint_file,
-                                           to_megatron_layout)
+from megatron.checkpointing import api
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.model_file import from_megatron_layout, to_megatron_layout
+from megatron.checkpointing.torch_format import read_rank_file
 from megatron.mpu import single_process_state
 from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
 
@@ -59,7 +61,7 @@ def test_finetune_and_layout_errors(wiki, tmp_path):
     pp2 = single_process_state()
     pp2.dims = type(pp2.dims)(world_size=2, tp=1, pp=2)
     with pytest.raises(CheckpointError, match="merge_mp_partitions"):
-        load_checkpoint_file(save, pp2)
+        read_rank_file(api.detect(save), pp2)
 
 
 def test_checkpoint_loads_with_weights_only_and_megatron_keys(wiki, tmp_path):

@@ -17,13 +17,12 @@ import os
 import shutil
 from typing import Optional
 
-from megatron.checkpointing import reshard
 from megatron.checkpointing.fairseq import FairseqError, files, mapping
 from megatron.checkpointing.hf import common as c
 from megatron.checkpointing.hf.convert import (VocabOptions, build_config, check_target_layout,
                                                read_full_model, sharding_for, write_release)
 from megatron.checkpointing.hf.layouts import pad_rows
-from megatron.checkpointing.layout import TRACKER
+from megatron.checkpointing.tracker import TRACKER
 from megatron.config import Config
 from megatron.tokenizer.fairseq_dict import DictionaryError, gpt2_ids, read_dictionary
 
@@ -93,22 +92,10 @@ def fairseq_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1, dict_pat
     sharding = sharding_for(cfg, flat)
     dict_copy = os.path.join(os.path.abspath(save), FAIRSEQ_DIR, DICT)
     config = _config_dict(cfg, dict_copy, rows, state, vocab_file, merge_file)
-    _write(save, flat, config, sharding, tp, pp)
+    write_release(save, flat, config, sharding, tp, pp)
     os.makedirs(os.path.dirname(dict_copy), exist_ok=True)
     shutil.copyfile(dict_path, dict_copy)
     return os.path.join(save, "release")
-
-
-def _write(save, flat, config, sharding, tp, pp) -> None:
-    if tp == 1 and pp == 1:
-        write_release(save, flat, config, sharding)
-        return
-    staging = f"{os.path.abspath(save).rstrip(os.sep)}.tp1.tmp.{os.getpid()}"
-    try:
-        write_release(staging, flat, config, sharding)
-        reshard.reshard(staging, save, tp, pp)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def megatron_to_fairseq(load: str, save: str) -> str:

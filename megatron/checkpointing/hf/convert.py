@@ -18,21 +18,19 @@ architecture field of its config, keeping its tokenizer's vocabulary rows.
 import copy
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.checkpointing import reshard
+from megatron.checkpointing import api
+from megatron.checkpointing.formats import Target
 from megatron.checkpointing.hf import ConversionError
 from megatron.checkpointing.hf.common import OUTPUT, WORD
 from megatron.checkpointing.hf.families import FAMILIES, family_of, hf_config_for
 from megatron.checkpointing.hf.hf_files import (copy_other_files, other_files, read_config,
                                                 read_weights, write_hf_dir)
 from megatron.checkpointing.hf.layouts import pad_rows
-from megatron.checkpointing.io import save_file, write_text
 from megatron.checkpointing.portable import resolve_stored_paths
-from megatron.checkpointing.layout import (CHECKPOINT_VERSION, TRACKER, checkpoint_path,
-                                           to_megatron_layout)
+from megatron.checkpointing.tracker import TRACKER
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, padded_vocab_size
@@ -97,15 +95,13 @@ def sharding_for(cfg: ModelConfig, flat: dict) -> dict:
     return model.sharding_metadata()
 
 
-def write_release(root: str, flat: dict, config: dict, sharding: dict) -> None:
-    """A TP = 1 / PP = 1 `release` checkpoint (model only) with the tracker."""
-    state = {"model": to_megatron_layout(flat), "iteration": 0,
-             "checkpoint_version": CHECKPOINT_VERSION, "config": config,
-             "sharding": sharding, "consumed_train_samples": 0, "consumed_valid_samples": 0,
-             "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                          "virtual_pipeline_model_parallel_size": 1}}
-    save_file(state, checkpoint_path(root, 0, 0, 0, 1, release=True))
-    write_text(os.path.join(root, TRACKER), "release")
+def write_release(root: str, flat: dict, config: dict, sharding: dict, tp: int = 1,
+                  pp: int = 1) -> str:
+    """A converted model as a `release` checkpoint (model only) at TP `tp` x PP `pp`, with the
+    tracker; returns its directory."""
+    stored = {"iteration": 0, "release": True, "config": config, "sharding": sharding,
+              "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    return api.write_model(root, flat, stored, "torch", Target(tp, pp))
 
 
 def check_target_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
@@ -162,32 +158,17 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
     sharding = sharding_for(cfg, flat)
     files_dir = HF_FILES if other_files(load) else None
     config = _config_dict(cfg, arch, hf, rows, load, files_dir)
-    if tp == 1 and pp == 1:
-        write_release(save, flat, config, sharding)
-    else:
-        staging = f"{os.path.abspath(save).rstrip(os.sep)}.tp1.tmp.{os.getpid()}"
-        try:
-            write_release(staging, flat, config, sharding)
-            reshard.reshard(staging, save, tp, pp)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    directory = write_release(save, flat, config, sharding, tp, pp)
     if files_dir:
         copy_other_files(load, os.path.join(save, files_dir))
-    return os.path.join(save, "release")
+    return directory
 
 
 def read_full_model(load: str):
     """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint
-    (torch or torch_dist, ours or Megatron-Core's)."""
-    from megatron.checkpointing import dist_convert, torch_dist
-    if torch_dist.stored_common(load) is not None:
-        return dist_convert.read_full_model(load)
-    source = reshard.read_source(load)
-    shards = [reshard.global_shard(source, t)[0] for t in range(source.tp)]
-    full = reshard.merge_tensor_parallel(shards, source.sharding)
-    full.pop(reshard.HEAD, None)  # the last stage's copy of the tied embeddings
-    stored = source.states[min(source.states)].get("config") or {}
-    return full, resolve_stored_paths(copy.deepcopy(stored), load)
+    of any format (ours or Megatron-Core's)."""
+    full, stored = api.read_model(load)
+    return full, resolve_stored_paths(copy.deepcopy(stored["config"]), load)
 
 
 class _Tracked(dict):

@@ -1,0 +1,156 @@
+"""The front door to checkpoints: every save, load, detection and conversion goes through here.
+
+    detect(root)                    -> Found (format, iteration directory) or None
+    save(root, iteration, run)      write an iteration in --ckpt-format (collective)
+    load(root, run)                 restore the latest iteration at this run's layout (collective)
+    stored_state(root)              its config, layout and counters (no tensors)
+    read_model(root)                the whole model as full tensors, any format
+    convert(load, save, name, target)   re-shard or convert to another format (one process)
+
+`FORMATS` is the registry: each entry is one module's object that satisfies
+formats.CheckpointFormat, in detection order (the first whose `detect` claims an iteration
+directory holds it). Adding a format is its module and one line here. `--universal-checkpoint`
+(universal.py) and `--async-save` (async_save.py) are wrappers that any format takes.
+"""
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from megatron.checkpointing import collectives, megatron_lm, torch_dist, torch_format, universal
+from megatron.checkpointing.formats import (CheckpointFormat, Counters, Flat, Found, RunState,
+                                            Target)
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.tracker import TRACKER, iteration_dir, read_tracker
+
+FORMATS: List[CheckpointFormat] = [
+    torch_dist.FORMAT,
+    megatron_lm.FORMAT,
+    torch_format.FORMAT,
+]
+
+
+def format_named(name: str) -> CheckpointFormat:
+    """The format that --ckpt-format `name` saves."""
+    for fmt in FORMATS:
+        if fmt.name == name:
+            return fmt
+    raise CheckpointError(f"--ckpt-format {name} is not a checkpoint format; choose one of "
+                          f"{', '.join(saved_formats())}")
+
+
+def saved_formats() -> List[str]:
+    """The --ckpt-format choices."""
+    return sorted({fmt.ckpt_format for fmt in FORMATS})
+
+
+def detect_directory(directory: str) -> Optional[CheckpointFormat]:
+    """The format of one iteration directory (None: none of the registered ones)."""
+    for fmt in FORMATS:
+        if fmt.detect(directory):
+            return fmt
+    return None
+
+
+def detect(root: str) -> Optional[Found]:
+    """The latest iteration under the checkpoint directory `root` and its format; None when
+    `root` holds no checkpoint (no tracker)."""
+    tracked = read_tracker(root)
+    if tracked is None:
+        return None
+    directory = iteration_dir(root, *tracked)
+    fmt = detect_directory(directory)
+    if fmt is None:
+        listed = sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"
+        raise CheckpointError(f"{os.path.join(root, TRACKER)} names {directory}, which holds "
+                              f"no checkpoint of a known format (found {listed}): the checkpoint "
+                              f"is incomplete; restore it or fix the tracker")
+    return Found(fmt, root, directory, *tracked)
+
+
+def check_format(found: Found, ckpt) -> Found:
+    """`found`, when --ckpt-format allows reading it."""
+    if found.format.ckpt_format != ckpt.ckpt_format and not ckpt.auto_detect_ckpt_format:
+        raise CheckpointError(f"{found.directory} is a {found.format.ckpt_format} checkpoint but "
+                              f"--ckpt-format is {ckpt.ckpt_format}; pass --ckpt-format "
+                              f"{found.format.ckpt_format} or --auto-detect-ckpt-format")
+    return found
+
+
+def save(root: str, iteration: int, run: RunState) -> None:
+    """Write iteration `iteration` of `run` under `root` in --ckpt-format: collective."""
+    fmt = format_named(run.config.checkpoint.ckpt_format)
+    with collectives.process_group():
+        fmt.write(root, iteration, fmt.snapshot(root, iteration, run))
+
+
+def load(root: str, run: RunState, inference: bool = False) -> Optional[Counters]:
+    """Restore the latest iteration under `root` into `run`: collective. None when there is
+    no checkpoint. It must be in --ckpt-format (or --auto-detect-ckpt-format) and saved at
+    this run's layout, unless its format re-shards at load or --universal-checkpoint is
+    given. `inference`: the weights of any format, re-sharded in memory when needed."""
+    found = detect(root)
+    if found is None:
+        return None
+    if not inference:
+        check_format(found, run.config.checkpoint)
+    with collectives.process_group():
+        if (run.config.checkpoint.universal_checkpoint or inference) \
+                and not found.format.reshards_on_load:
+            return universal.load(found, run, inference)
+        return found.format.load(found, run)
+
+
+def stored_state(root: str) -> Dict[str, Any]:
+    """What the latest iteration under `root` stores besides tensors (formats.CheckpointFormat
+    .stored_state), unverified; a CheckpointError when there is no checkpoint."""
+    found = found_or_error(root)
+    return found.format.stored_state(found)
+
+
+def found_or_error(root: str) -> Found:
+    found = detect(root)
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {root}: {os.path.join(root, TRACKER)} is "
+                              f"missing; pass the --save directory of a training run")
+    return found
+
+
+def summary(root: str) -> str:
+    """"<root> at iteration N (format ..., saved at TP t x PP p)" for the loading lines."""
+    found = found_or_error(root)
+    parallel = found.format.stored_state(found).get("parallel") or {}
+    tp, pp = (parallel.get(f"{k}_model_parallel_size", "?") for k in ("tensor", "pipeline"))
+    kind = "release" if found.release else found.format.name
+    return f"{root} at iteration {found.iteration} (format {kind}, saved at TP {tp} x PP {pp})"
+
+
+def read_model(root: str) -> Tuple[Flat, Dict[str, Any]]:
+    """The whole model of the latest iteration under `root` (full tensors, global layer
+    numbers) and its stored state, whatever its format. One process."""
+    found = found_or_error(root)
+    with collectives.process_group():
+        return found.format.read_model(found)
+
+
+def write_model(save: str, full: Flat, stored: Dict[str, Any], name: str = "torch",
+                target: Target = Target()) -> str:
+    """Write a whole model as a checkpoint of format `name` under `save` at `target`. One
+    process; returns the iteration directory."""
+    fmt = format_named(name)
+    with collectives.process_group():
+        return fmt.write_model(save, full, stored, target)
+
+
+def convert(load: str, save: str, name: str, target: Target = Target()) -> str:
+    """The latest iteration under `load` re-sharded to `target` and written as format `name`
+    under `save` (weights and counters; the input is only read)."""
+    found = found_or_error(load)
+    fmt = format_named(name)
+    if os.path.realpath(load) == os.path.realpath(save):
+        raise CheckpointError(f"--save {save} is the --load directory; write the converted "
+                              f"checkpoint elsewhere (the input is never modified)")
+    if found.format is fmt and fmt.reshards_on_load:
+        raise CheckpointError(f"{load} is already {fmt.name}, which re-shards at load; there "
+                              f"is nothing to convert")
+    with collectives.process_group():
+        full, stored = found.format.read_model(found)
+        return fmt.write_model(save, full, stored, target)
