@@ -16,7 +16,7 @@ from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  #
 from megatron.model import GPTModel  # noqa: E402
 from megatron.model.context_parallel import split_batch_for_cp  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
-from megatron.checkpointing.loading import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
+from megatron.training.checkpoint_setup import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
@@ -28,12 +28,13 @@ REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-len
             "--max-position-embeddings")
 
 
-def model_provider(config, tp_group, vocab_size=None, expert_groups=None, **chunk):
-    """The GPT stage; with `vocab_size` (the real vocabulary rows) the padding rows never
-    count in the loss (unless --no-mask-vocab-padding)."""
+def model_provider(config, tp_group, vocab_size=None, expert_groups=None, *, cfg, **chunk):
+    """The GPT stage of the spec `cfg` (megatron.training.parallelize.chunk_config); with
+    `vocab_size` (the real vocabulary rows) the padding rows never count in the loss (unless
+    --no-mask-vocab-padding)."""
     limit = vocab_size if config.model.mask_vocab_padding else None
-    return GPTModel(config.model, tp_group=tp_group, vocab_limit=limit,
-                    expert_groups=expert_groups, **chunk)
+    return GPTModel(cfg, tp_group=tp_group, vocab_limit=limit, expert_groups=expert_groups,
+                    **chunk)
 
 
 def loss_func(loss_mask, dp_group, losses, cp_group=None):
@@ -128,7 +129,6 @@ def setup(argv=None):
     tokenizer = build_tokenizer_and_vocab(config, stored)
     if stored:
         carry_origin(config, stored, config.checkpoint.load, int(os.environ.get("RANK", "0")))
-    config.model.sequence_parallel = config.parallel.sequence_parallel
     return config, tokenizer
 
 

@@ -60,7 +60,6 @@ def set_layers(n: int) -> None:
 def planned_bytes(seq: int, cp: int) -> float:
     config, _ = parse_args(flags(seq, cp), parser=build_parser(), world_size=cp)
     config.model.padded_vocab_size = padded_vocab_size(VOCAB + 1, 128, 1)
-    config.model.sequence_parallel = False
     return estimate(config, Layout(world_size=cp, device_type="cpu"))["total"]
 
 

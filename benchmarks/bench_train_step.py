@@ -39,7 +39,8 @@ from megatron.arguments import parse_args  # noqa: E402
 from megatron.fused import kernels as fused_kernels  # noqa: E402
 from megatron.mpu import model_parallel_seed, single_process_state  # noqa: E402
 from megatron.training.flops import matmul_rate, model_flops  # noqa: E402
-from megatron.training.trainer import Trainer, build_model_chunks  # noqa: E402
+from megatron.training.parallelize import build_model  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 NO_FUSIONS = ["--attention-impl", "torch", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
               "--no-bias-dropout-fusion", "--no-layer-norm-fusion"]
@@ -63,7 +64,7 @@ def build_ours(args, text, extra=()):
     config.model.padded_vocab_size = args.vocab
     pstate, device = single_process_state(), torch.device(args.device)
     model_parallel_seed(config.training.seed, 0)
-    models = build_model_chunks(config, pstate, device,
+    models = build_model(config, pstate, device,
                                 partial(pretrain_gpt.model_provider, config, pstate.tp_group))
     trainer = Trainer(config, pstate, device, models,
                       partial(pretrain_gpt.forward_step, config, args.vocab - 1, pstate, device))

@@ -10,10 +10,11 @@ import re
 import signal
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from megatron.arguments_help import HELP
 from megatron.checkpointing.api import saved_formats
+from megatron.checkpointing.io import CheckpointError
 from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
@@ -342,10 +343,13 @@ def _shared_check_on_other_rank() -> bool:
 
 
 def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.ArgumentParser] = None,
-               world_size: Optional[int] = None, required: Sequence[str] = ()):
+               world_size: Optional[int] = None, required: Sequence[str] = (),
+               complete: Optional[Callable[[argparse.Namespace], None]] = None):
     """Parse flags into a validated Config; bad values exit 2 with one line.
 
-    `required`: flags (e.g. "--num-layers") that must be given explicitly.
+    `required`: flags (e.g. "--num-layers") that must be given explicitly. `complete`: an
+    entry point's completion of the parsed flags before they are checked (values read from a
+    checkpoint); it raises ConfigError or CheckpointError.
     Returns (config, namespace): the namespace keeps extra flags an entry point added.
     """
     parser = parser or build_parser()
@@ -357,12 +361,14 @@ def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.Argum
     if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(ns.local_rank)
     try:
+        if complete is not None:
+            complete(ns)
         apply_compat(ns, parser, sys.argv[1:] if argv is None else argv,
                      world_size or world_size_from_env())
         config = config_from_namespace(ns)
         config.check_layout(world_size or world_size_from_env())
-    except ConfigError as err:
-        fail(str(err))
+    except (ConfigError, CheckpointError, OSError) as err:
+        fail(str(err).splitlines()[0])
     except TypeError as err:  # a required section value is missing
         fail(str(err))
     return config, ns

@@ -41,7 +41,7 @@ from megatron.arguments import build_parser, fail  # noqa: E402
 from megatron.text_generation import GenerationError, forward_full, generate  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.checkpointing.loading import (build_tokenizer_and_vocab,  # noqa: E402
+from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab,  # noqa: E402
                                             load_inference_models, parse_inference_args)
 from tasks.zeroshot_gpt.datasets import LambadaExamples, WikitextWindows  # noqa: E402
 

@@ -35,7 +35,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from megatron.arguments import build_parser, fail  # noqa: E402
-from megatron.checkpointing.loading import (build_tokenizer_and_vocab,  # noqa: E402
+from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab,  # noqa: E402
                                             load_inference_models, parse_inference_args)
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402

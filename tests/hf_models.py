@@ -144,7 +144,7 @@ def load_ours(ckpt: str, vocab: int, tp: int = 1, pp: int = 1, pstate=None, extr
     points: flags read from the checkpoint, tokenizer with `vocab` ids (NullTokenizer).
     A `pstate` of the same layout is reused instead of building new groups."""
     from megatron.training.initialize import initialize_distributed
-    from megatron.checkpointing.loading import (build_tokenizer_and_vocab, load_inference_models,
+    from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab, load_inference_models,
                                                 parse_inference_args)
     argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),

@@ -25,7 +25,6 @@
                         dist_regions.py (their global offsets), mcore_keys.py (Megatron-Core's keys)
     lock.py             one run at a time per --save directory
     portable.py         checkpoint-relative file references (a moved checkpoint still works)
-    loading.py          checkpoint set-up shared by the entry points (stored config, inference)
   conversion families:
     hf/                 Hugging Face <-> ours, one mapping per architecture family
     fairseq/            fairseq <-> ours

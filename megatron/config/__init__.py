@@ -13,6 +13,7 @@ from megatron.config.model import ModelConfig
 from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
+from megatron.mpu.topology import ParallelDims
 
 __all__ = ["Config", "SECTIONS", "ConfigError", "ModelConfig", "ParallelConfig",
            "TrainingConfig", "OptimizerConfig", "MoEConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
@@ -44,9 +45,7 @@ class Config:
         m, p, t = self.model, self.parallel, self.training
         tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size)
-        require(world_size % (tp * cp * pp) == 0,
-                f"--tensor-model-parallel-size ({tp}) x --context-parallel-size ({cp}) x "
-                f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
+        self.dims(world_size)
         require(m.num_attention_heads % tp == 0,
                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})")
@@ -79,21 +78,27 @@ class Config:
                     f"--rampup-batch-size START ({start}) and INCR ({incr}) must be multiples of "
                     f"--micro-batch-size x data-parallel size ({step})")
         self._check_virtual_pipeline(pp, dp)
-        self._check_experts(world_size)
+        self._check_experts()
 
-    def _check_experts(self, world_size: int) -> None:
+    def dims(self, world_size: int) -> ParallelDims:
+        """The parallel degrees of this run on `world_size` processes (ParallelDims checks
+        them, naming the flags)."""
+        p = self.parallel
+        try:
+            return ParallelDims(world_size, p.tensor_model_parallel_size,
+                                p.pipeline_model_parallel_size, self.virtual_pipeline_size,
+                                p.context_parallel_size, p.expert_model_parallel_size, p.expert_tp)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def _check_experts(self) -> None:
         ep, p, moe = self.parallel.expert_model_parallel_size, self.parallel, self.model.moe
-        tp, pp, etp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_tp
+        tp, etp = p.tensor_model_parallel_size, p.expert_tp
         if ep == 1 and etp == tp and (moe is None or not moe.enabled):
             return
         require(moe is not None and moe.enabled,
                 f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} "
                 f"needs --num-experts")
-        split = ("--tensor-model-parallel-size" if etp == tp
-                 else "--expert-tensor-parallel-size")  # the expert TP, named as given
-        require(world_size % (ep * etp * pp) == 0,
-                f"--expert-model-parallel-size ({ep}) x {split} ({etp}) x "
-                f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})")
         require(moe.num_experts % ep == 0,
                 f"--num-experts ({moe.num_experts}) must be divisible by "
                 f"--expert-model-parallel-size ({ep})")
@@ -154,8 +159,6 @@ class Config:
         if layers_per_virtual is None:
             return
         layers_per_stage = self.model.num_layers // pp
-        require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
-                        f"--pipeline-model-parallel-size > 1 (got {pp})")
         require(layers_per_stage % layers_per_virtual == 0,
                 f"layers per pipeline stage ({layers_per_stage}) must be divisible by "
                 f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual})")

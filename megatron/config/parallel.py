@@ -48,15 +48,8 @@ class ParallelConfig:
                 f"--cp-comm-type {self.cp_comm_type!r} is not p2p or a2a")
         require(self.expert_model_parallel_size >= 1,
                 f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}")
-        etp, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
-        # None: TP (kept None, so re-sharding TP keeps it)
+        etp = self.expert_tensor_parallel_size  # None: TP (kept None, so re-sharding TP keeps it)
         require(etp is None or etp >= 1, f"--expert-tensor-parallel-size must be >= 1, got {etp}")
-        require(etp is None or etp <= tp,
-                f"--expert-tensor-parallel-size ({etp}) larger than --tensor-model-parallel-size "
-                f"({tp}) is not supported; use a divisor of {tp}")
-        require(etp is None or tp % etp == 0,
-                f"--expert-tensor-parallel-size ({etp}) must divide --tensor-model-parallel-size "
-                f"({tp}); use a divisor of {tp}")
         require(self.distributed_backend in (None, "nccl", "gloo"),
                 f"--distributed-backend {self.distributed_backend!r} is not nccl or gloo")
         require(self.DDP_impl in ("local", "torch"), f"--DDP-impl {self.DDP_impl!r} is not local or torch")

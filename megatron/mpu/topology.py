@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 
+FLAGS = {"world_size": "the world size", "tp": "--tensor-model-parallel-size",
+         "pp": "--pipeline-model-parallel-size", "cp": "--context-parallel-size",
+         "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size"}
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The parallel degrees of a run, validated against the world size."""
@@ -36,29 +41,34 @@ class ParallelDims:
     """Expert tensor parallelism (None: TP)."""
 
     def __post_init__(self):
+        """The one place the degrees are checked against each other and the world size; the
+        messages name Megatron-LM's flags (Config.check_layout passes them on)."""
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.world_size % (self.tp * self.cp * self.pp) != 0:
+                raise ValueError(f"{FLAGS.get(name, name)} must be >= 1, got {getattr(self, name)}")
+        tp, pp, cp, ep, etp = self.tp, self.pp, self.cp, self.ep, self.etp
+        if self.world_size % (tp * cp * pp) != 0:
             raise ValueError(
-                f"world size ({self.world_size}) is not divisible by tensor-model-parallel-size "
-                f"({self.tp}) x context-parallel-size ({self.cp}) x pipeline-model-parallel-size "
-                f"({self.pp}); choose sizes whose product divides the number of processes")
-        if self.tp % self.etp != 0:
-            raise ValueError(
-                f"expert-tensor-parallel-size ({self.etp}) must divide tensor-model-parallel-size "
-                f"({self.tp}); choose a divisor of {self.tp}")
-        if self.stage_size % (self.etp * self.ep) != 0:
-            raise ValueError(
-                f"the {self.stage_size} ranks of a pipeline stage are not divisible by "
-                f"expert-tensor-parallel-size ({self.etp}) x expert-model-parallel-size "
-                f"({self.ep}); choose sizes whose product divides them")
-        if self.virtual_pp is not None and self.virtual_pp > 1 and self.pp < 2:
-            raise ValueError(
-                f"virtual pipeline stages ({self.virtual_pp}) need pipeline-model-parallel-size > 1 "
-                f"(got {self.pp})")
+                f"--tensor-model-parallel-size ({tp}) x --context-parallel-size ({cp}) x "
+                f"--pipeline-model-parallel-size ({pp}) must divide the world size "
+                f"({self.world_size})")
+        if etp > tp:
+            raise ValueError(f"--expert-tensor-parallel-size ({etp}) larger than "
+                             f"--tensor-model-parallel-size ({tp}) is not supported; use a "
+                             f"divisor of {tp}")
+        if tp % etp != 0:
+            raise ValueError(f"--expert-tensor-parallel-size ({etp}) must divide "
+                             f"--tensor-model-parallel-size ({tp}); use a divisor of {tp}")
+        if self.stage_size % (etp * ep) != 0:
+            split = FLAGS["tp" if etp == tp else "etp"]  # the expert TP, named as given
+            raise ValueError(f"--expert-model-parallel-size ({ep}) x {split} ({etp}) x "
+                             f"--pipeline-model-parallel-size ({pp}) must divide the world size "
+                             f"({self.world_size})")
+        if self.virtual_pp is not None and pp < 2:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage needs "
+                             f"--pipeline-model-parallel-size > 1 (got {pp})")
 
     @property
     def dp(self) -> int:

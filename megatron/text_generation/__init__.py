@@ -1,7 +1,7 @@
 """Text generation: sampling (greedy, top-k, top-p, temperature) and KV-cache decoding.
 
 The inference set-up shared by the entry points (model and tokenizer flags
-read back from a checkpoint) lives in `megatron.checkpointing.loading`.
+read back from a checkpoint) lives in `megatron.training.checkpoint_setup`.
 """
 from megatron.text_generation.generation import generate, generate_text
 from megatron.text_generation.inference import (GenerationError, KVCache, check_generation_model,

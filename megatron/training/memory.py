@@ -237,7 +237,7 @@ def layer_activation_elements(config, micro_batch: int, device_type: str) -> flo
     """Elements one transformer layer saves for backward over one micro batch."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     s, b, h = local_seq_length(config), micro_batch, m.hidden_size
-    sp = s // tp if m.sequence_parallel else s
+    sp = s // tp if config.parallel.sequence_parallel else s
     if m.recompute_granularity == "full":
         return sp * b * h / m.checkpoint_num_layers
     q, k, f = m.query_projection_size // tp, _kv_per_rank(m, tp), m.ffn_hidden_size // tp
@@ -288,7 +288,7 @@ def head_activation_elements(config, micro_batch: int) -> float:
     """The last stage's final norm, output layer and cross entropy."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     s, b, h = local_seq_length(config), micro_batch, m.hidden_size
-    sp = s // tp if m.sequence_parallel else s
+    sp = s // tp if config.parallel.sequence_parallel else s
     return sp * b * h + s * b * h + s * b * m.padded_vocab_size / tp
 
 
@@ -372,7 +372,7 @@ def step_time(config, layout: Layout, micro: int, device_flops: float,
         comm += 2 * (shards - 1) / shards * state_bytes(config, layout)["gradients"] \
             / link_bandwidth
         comm += 2 * micro * (pp - 1 > 0) * t.micro_batch_size * local_seq_length(config) \
-            * m.hidden_size * item / tp ** (1 if m.sequence_parallel else 0) / link_bandwidth
+            * m.hidden_size * item / tp ** (1 if p.sequence_parallel else 0) / link_bandwidth
         comm += _cp_ring_bytes(config, micro, layers) / link_bandwidth
     return {"compute_seconds": compute, "communication_seconds": comm, "step_seconds": compute + comm,
             "hardware_flops": flops}

@@ -15,8 +15,9 @@ from megatron.training.flops import ThroughputMeter
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
 from megatron.training.model_stats import log_line_extras
-from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, build_model_chunks,
-                                       params_dtype, print_rank_0, print_rank_last, total_iterations)
+from megatron.training.parallelize import build_model, params_dtype
+from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, print_rank_0,
+                                       print_rank_last, total_iterations)
 
 
 @contextlib.contextmanager
@@ -49,7 +50,8 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
              forward_step: Callable) -> TrainState:
     """Train the model `model_provider` builds on the data `data_provider` serves.
 
-    model_provider(pre_process, post_process, layer_offset, num_layers) -> module
+    model_provider(cfg, pre_process, post_process, layer_offset, num_layers) -> module
+    (megatron/training/parallelize.py builds and parallelises the chunks)
     data_provider(consumed_train, consumed_valid) -> (train_iter, valid_iter, test_iter)
     forward_step(data_iterator, model) -> (output, loss_func)
     """
@@ -57,7 +59,7 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
         print_rank_0(f" WARNING: --exit-interval {config.training.exit_interval} without --save: "
                      f"the run stops there and nothing is saved")
     guard = RunGuard(config, pstate, device)
-    models = build_model_chunks(config, pstate, device, model_provider)
+    models = build_model(config, pstate, device, model_provider)
     trainer = Trainer(config, pstate, device, models, guard.hangs.counting(forward_step))
     guard.attach(trainer)
     state = trainer.state

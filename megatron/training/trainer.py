@@ -6,7 +6,7 @@ optimizer, the lr schedule and the micro-batch count; `pretrain.py` runs the loo
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -14,15 +14,13 @@ import torch.distributed as dist
 from megatron.distributed.ddp import build_grad_reducers
 from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
-from megatron.model.transformer import enable_context_parallel
 from megatron.model.moe.layer import collect_moe_metrics, update_expert_bias
 from megatron.model.moe.router import AuxLossScaler
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
-from megatron.pipeline.p2p import P2PCommunicator
-from megatron.pipeline.schedule import chunk_layers
 from megatron.training.logging import TensorBoard, Timers
 from megatron.training.microbatches import MicroBatches
+from megatron.training.parallelize import params_dtype, pipeline_communicator
 
 
 def is_last_rank() -> bool:
@@ -37,37 +35,6 @@ def print_rank_0(message: str) -> None:
 def print_rank_last(message: str) -> None:
     if is_last_rank():
         print(message, flush=True)
-
-
-def params_dtype(config) -> torch.dtype:
-    if config.training.fp16:
-        return torch.float16
-    return torch.bfloat16 if config.training.bf16 else torch.float32
-
-
-def build_model_chunks(config, pstate, device, model_provider: Callable) -> List[torch.nn.Module]:
-    """This rank's model chunks, initialised from the global seed, on `device`."""
-    vpp = config.virtual_pipeline_size
-    models = []
-    for v in range(vpp or 1):
-        offset, count = chunk_layers(config.model.num_layers, pstate.pp_size, pstate.pp_rank, vpp, v)
-        pre = pstate.is_first_stage() and v == 0
-        post = pstate.is_last_stage() and v == (vpp or 1) - 1
-        model = model_provider(pre_process=pre, post_process=post, layer_offset=offset,
-                               num_layers=count)
-        model.init_weights(config.training.seed)
-        enable_context_parallel(model, pstate.cp_group, config.parallel.cp_comm_type)
-        models.append(model.to(device=device, dtype=params_dtype(config)))
-        if config.training.torch_compile:
-            compile_layers(model)
-    return models
-
-
-def compile_layers(model: torch.nn.Module) -> None:
-    """--torch-compile: each transformer layer through torch.compile, in place (the
-    parameters and their names stay those of the module)."""
-    for layer in model.language_model.encoder.layers:
-        layer.compile()
 
 
 class ReplayIterators:
@@ -115,32 +82,14 @@ class Trainer:
         self._user_forward_step = forward_step
         self.optimizer = build_optimizer(config, models, pstate, self.reducers)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
-        t = config.training
         self.microbatches = MicroBatches.of(config, pstate.dp_size)
         self.timers = Timers(config.logging.timing_log_level)
-        self.comm = self._communicator()
+        self.comm = pipeline_communicator(config, pstate, device, len(models), self.timers)
         self.schedule = ("none" if pstate.pp_size == 1
                          else "interleaved" if len(models) > 1 else "1f1b")
         self.tensorboard = TensorBoard(config.logging.tensorboard_dir if is_last_rank() else None,
                                        config.logging.tensorboard_queue_size)
         self.state = TrainState()
-
-    def _communicator(self):
-        p = self.pstate
-        if p.pp_size == 1:
-            return None
-        seq = self.config.model.seq_length // p.cp_size
-        if self.config.model.sequence_parallel:
-            seq //= p.tp_size
-        shape = (seq, self.config.training.micro_batch_size, self.config.model.hidden_size)
-        ring = len(self.models) > 1
-        prev_rank = p.pp_ranks[(p.pp_rank - 1) % p.pp_size] if ring else p.prev_rank
-        next_rank = p.pp_ranks[(p.pp_rank + 1) % p.pp_size] if ring else p.next_rank
-        # NCCL creates a group's communicator on its first collective, and batched
-        # p2p must not be that first call: settle it with a barrier.
-        dist.barrier(group=p.pp_group)
-        return P2PCommunicator(p.pp_group, prev_rank, next_rank, shape, params_dtype(self.config),
-                               self.device, timers=self.timers)
 
     def _ddp_forward_step(self, data_iterator, model):
         reducer = self.reducers[self.models.index(model)]
@@ -202,7 +151,7 @@ class Trainer:
         for reducer in self.reducers:
             reducer.finish_grad_sync()  # dense over DP x CP, experts over expert-DP
         self.timers.stop("grads-all-reduce")
-        if self.config.model.sequence_parallel:
+        if self.config.parallel.sequence_parallel:
             allreduce_sequence_parallel_grads(self.models, self.pstate.tp_group)
         if not embedding_first:
             self._reduce_embedding_grads()

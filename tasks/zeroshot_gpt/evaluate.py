@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron.data.batch import ltor_masks_and_position_ids
 from megatron.mpu.mappings import all_reduce, group_size
 from megatron.pipeline.executor import forward_backward
-from megatron.pipeline.p2p import P2PCommunicator
-from megatron.training.trainer import ReplayIterators, params_dtype
+from megatron.training.parallelize import pipeline_communicator
+from megatron.training.trainer import ReplayIterators
 from tasks.zeroshot_gpt.progress import Progress
 
 WIKITEXT = "WIKITEXT103"
@@ -87,17 +87,6 @@ def forward_step(task: str, progress: Optional[Progress], data_iterator, model):
     return output, partial(score, task, batch, progress=progress)
 
 
-def _communicator(config, pstate, device, num_chunks: int):
-    if pstate.pp_size == 1:
-        return None
-    shape = (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size)
-    ring = num_chunks > 1
-    prev_rank = pstate.pp_ranks[(pstate.pp_rank - 1) % pstate.pp_size] if ring else pstate.prev_rank
-    next_rank = pstate.pp_ranks[(pstate.pp_rank + 1) % pstate.pp_size] if ring else pstate.next_rank
-    return P2PCommunicator(pstate.pp_group, prev_rank, next_rank, shape, params_dtype(config),
-                           device)
-
-
 @torch.no_grad()
 def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
              log_interval: Optional[int] = None) -> float:
@@ -120,7 +109,7 @@ def evaluate(task: str, dataset, models, config, pstate, device, eod: int,
     reports = forward_backward(
         schedule, forward_step=partial(forward_step, task, progress),
         data_iterators=ReplayIterators(batches, len(models)).all(), model_chunks=models,
-        num_microbatches=count, comm=_communicator(config, pstate, device, len(models)),
+        num_microbatches=count, comm=pipeline_communicator(config, pstate, device, len(models)),
         pp_rank=pstate.pp_rank, pp_size=pstate.pp_size, forward_only=True)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for report in reports:

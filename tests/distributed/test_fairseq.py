@@ -67,7 +67,7 @@ def work(tmp_path_factory):
 def _our_logprobs(ckpt: str, tp: int, ids: torch.Tensor) -> torch.Tensor:
     """Log-probabilities over the dictionary through the entry points' loading path."""
     from megatron.arguments import build_parser
-    from megatron.checkpointing.loading import (build_tokenizer_and_vocab, load_inference_models,
+    from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab, load_inference_models,
                                                 parse_inference_args)
     from megatron.training.initialize import initialize_distributed
     config, _, stored = parse_inference_args(build_parser(), [

@@ -194,7 +194,7 @@ def _train_flags(data_prefix, vocab, merges, cache):
 def _logits_tp2_pp2(ckpt, tok_flags, tokens):
     """Logits of `tokens` from the TP=2 x PP=2 checkpoint, pipelined by hand."""
     from megatron.mpu import initialize_model_parallel
-    from megatron.checkpointing.loading import (build_tokenizer_and_vocab,
+    from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab,
                                                 load_inference_models, parse_inference_args)
     from tasks.main import get_parser
     config, _, stored = parse_inference_args(get_parser(), [
@@ -218,7 +218,7 @@ def _logits_tp2_pp2(ckpt, tok_flags, tokens):
 def _single_process(ckpt, tok_flags, tokens, wiki):
     """Rank 0 alone: logits, evaluation loss and greedy tokens of the merged TP=1 model."""
     from megatron.text_generation import generate
-    from megatron.checkpointing.loading import (build_tokenizer_and_vocab,
+    from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab,
                                                 load_inference_models, parse_inference_args)
     from tasks.main import build_dataset, get_parser, metrics_of
     from tasks.zeroshot_gpt.evaluate import evaluate

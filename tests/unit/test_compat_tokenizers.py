@@ -13,7 +13,7 @@ import pytest
 import pretrain_gpt
 from megatron.arguments import parse_args
 from megatron.tokenizer import build_tokenizer
-from megatron.checkpointing.loading import build_tokenizer_and_vocab
+from megatron.training.checkpoint_setup import build_tokenizer_and_vocab
 from tests.conftest import shared_file
 from tests.gpt_setup import one_thread
 from tools import generate_samples_gpt, preprocess_data

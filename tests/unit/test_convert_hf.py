@@ -218,7 +218,7 @@ def test_tokenizer_files_travel_and_are_used(tmp_path):
     needs no tokenizer flags; the way back restores the files; a tokenizer larger than
     the vocabulary is refused."""
     from megatron.arguments import build_parser
-    from megatron.checkpointing.loading import build_tokenizer_and_vocab, parse_inference_args
+    from megatron.training.checkpoint_setup import build_tokenizer_and_vocab, parse_inference_args
     from tests.hf_models import save_word_tokenizer
     hf_dir = tmp_path / "hf"
     model = save_hf_model("gpt2", str(hf_dir))

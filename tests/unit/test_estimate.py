@@ -7,7 +7,8 @@ from megatron.arguments import parse_args
 from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.training.memory import Layout, estimate, stage_params
-from megatron.training.trainer import Trainer, build_model_chunks, params_dtype
+from megatron.training.parallelize import build_model, chunk_config, params_dtype
+from megatron.training.trainer import Trainer
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import one_thread
 
@@ -21,7 +22,6 @@ def config_for(*flags, world_size=1):
             *flags]
     config, _ = parse_args(argv, world_size=world_size)
     config.model.padded_vocab_size = VOCAB
-    config.model.sequence_parallel = config.parallel.sequence_parallel
     return config
 
 
@@ -52,7 +52,7 @@ def saved_activation_bytes(model, b, s, h) -> int:
 
 def measured_stage(config, pp_rank, pp_size, tp_group=None):
     layers = config.model.num_layers // pp_size
-    model = GPTModel(config.model, tp_group=tp_group, pre_process=pp_rank == 0,
+    model = GPTModel(chunk_config(config), tp_group=tp_group, pre_process=pp_rank == 0,
                      post_process=pp_rank == pp_size - 1, layer_offset=pp_rank * layers, num_layers=layers,
                      dtype=params_dtype(config))
     params = sum(p.numel() for p in model.parameters())
@@ -64,8 +64,8 @@ def measured_stage(config, pp_rank, pp_size, tp_group=None):
 def measured_state(config, pstate):
     """Bytes of parameters, gradient buffers and optimizer state of a Trainer's rank."""
     model_parallel_seed(1234, pstate.tp_rank)
-    models = build_model_chunks(config, pstate, torch.device("cpu"),
-                                lambda **chunk: GPTModel(config.model, tp_group=pstate.tp_group, **chunk))
+    models = build_model(config, pstate, torch.device("cpu"),
+                         lambda cfg, **chunk: GPTModel(cfg, tp_group=pstate.tp_group, **chunk))
     trainer = Trainer(config, pstate, torch.device("cpu"), models, forward_step=None)
     trainer.optimizer.step()  # torch's optimizers create their state on the first step
     params = _storages(p for m in models for p in m.parameters())

@@ -66,7 +66,7 @@ def record_batches(monkeypatch):
 def load_with_own_tokenizer(ckpt: str):
     """Our model of `ckpt` through the inference loading path, flags all from the checkpoint."""
     from megatron.arguments import build_parser
-    from megatron.checkpointing.loading import (build_tokenizer_and_vocab, load_inference_models,
+    from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab, load_inference_models,
                                                 parse_inference_args)
     from megatron.training.initialize import initialize_distributed
     config, _, stored = parse_inference_args(build_parser(), ["--load", ckpt])
@@ -174,7 +174,7 @@ def test_loading_lines_and_moved_checkpoint(tmp_path, capsys):
 
 
 def test_inference_layout_follows_the_checkpoint():
-    from megatron.checkpointing.loading import inference_layout
+    from megatron.training.checkpoint_setup import inference_layout
     assert inference_layout((2, 2), 4, None, None, False) == (2, 2)  # torchrun, no flags
     assert inference_layout((2, 2), 4, None, None, True) == (2, 1)  # one stage, DP 2
     assert inference_layout((2, 2), 1, None, None, False) == (1, 1)  # one process
@@ -206,7 +206,7 @@ def test_run_time_switches_are_not_taken_from_the_checkpoint():
     --checkpoint-activations (store_true) could never be turned off again, a stored
     --no-bias-gelu-fusion never on. Architecture fields (RoPE scaling ones too) are taken."""
     from megatron.arguments import build_parser
-    from megatron.checkpointing.loading import checkpoint_defaults
+    from megatron.training.checkpoint_setup import checkpoint_defaults
     stored = {"model": {"checkpoint_activations": True, "bias_gelu_fusion": False,
                         "sequence_parallel": True, "hidden_size": 64, "window_size": 16,
                         "rope_scaling_type": "llama3", "rope_scaling_factor": 32.0}}

@@ -12,7 +12,8 @@ import torch
 import pretrain_gpt
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.training.memory import Layout, estimate
-from megatron.training.trainer import Trainer, build_model_chunks
+from megatron.training.parallelize import build_model
+from megatron.training.trainer import Trainer
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import one_thread
 from tests.unit.test_estimate import VOCAB, _close, _storages, config_for, saved_activation_bytes
@@ -47,7 +48,7 @@ def measured(config, pstate):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         provider = partial(pretrain_gpt.model_provider, config, pstate.tp_group,
                            expert_groups=pstate.expert_groups())
-        models = build_model_chunks(config, pstate, torch.device("cpu"), provider)
+        models = build_model(config, pstate, torch.device("cpu"), provider)
         trainer = Trainer(config, pstate, torch.device("cpu"), models,
                           partial(pretrain_gpt.forward_step, config, VOCAB - 1, pstate,
                                   torch.device("cpu")))

@@ -94,7 +94,7 @@ def test_megatron_lm_mixtral_launch_sets_up_at_world_32(tmp_path, monkeypatch, t
         offset, count = chunk_layers(m.num_layers, 4, pp_rank, None, 0)
         model = pretrain_gpt.model_provider(
             config, pstate.tp_group, pretrain_gpt.real_vocab_rows(config, tokenizer),
-            expert_groups=pstate.expert_groups(), device="meta",
+            expert_groups=pstate.expert_groups(), cfg=config.model, device="meta",
             pre_process=pstate.is_first_stage(), post_process=pstate.is_last_stage(),
             layer_offset=offset, num_layers=count)
         layers = model.language_model.encoder.layers

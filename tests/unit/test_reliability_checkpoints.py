@@ -257,12 +257,13 @@ def test_kill_during_save(tmp_path):
     from megatron.checkpointing.formats import RunState
     from megatron.checkpointing.torch_format import read_rank_file
     from megatron.checkpointing.tracker import read_tracker
-    from megatron.training.trainer import Trainer, build_model_chunks
+    from megatron.training.parallelize import build_model
+    from megatron.training.trainer import Trainer
 
     config, _ = parse_args(tiny_argv("x", tmp_path, layers=2, hidden=64), world_size=1)
     config.model.padded_vocab_size = 4096
     pstate = single_process_state()
-    trainer = Trainer(config, pstate, "cpu", build_model_chunks(
+    trainer = Trainer(config, pstate, "cpu", build_model(
         config, pstate, "cpu", lambda **kw: pretrain_gpt.model_provider(config, None, **kw)), None)
     root, rng, inside, last = str(tmp_path / "ckpt"), random.Random(5), 0, 0
     for _ in range(12):
@@ -309,7 +310,7 @@ def test_merge_mp_partitions_checks_every_shape(saved, tmp_path, capsys):
 def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
     """A GPT-2-sized checkpoint with a byte-level tokenizer (same tokenizer type stored)."""
     from megatron.arguments import parse_args
-    from megatron.checkpointing.loading import build_tokenizer_and_vocab
+    from megatron.training.checkpoint_setup import build_tokenizer_and_vocab
     config, _ = parse_args(tiny_argv("x", "c"), world_size=1)
     stored = {"model": {"padded_vocab_size": 50304, "make_vocab_size_divisible_by": 128},
               "data": {"tokenizer_type": "ByteLevelTokenizer"}}

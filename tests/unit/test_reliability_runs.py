@@ -63,11 +63,12 @@ def test_inf_grad_norm_is_a_nan_iteration(data):
     so finite fp32 gradients never overflow it; 1e30 everywhere is a finite, clipped step."""
     from megatron.arguments import parse_args
     from megatron.mpu import single_process_state
-    from megatron.training.trainer import Trainer, build_model_chunks
+    from megatron.training.parallelize import build_model
+    from megatron.training.trainer import Trainer
     config, _ = parse_args(tiny_argv(*data), world_size=1)
     config.model.padded_vocab_size = 272
     pstate = single_process_state()
-    models = build_model_chunks(config, pstate, "cpu",
+    models = build_model(config, pstate, "cpu",
                                 lambda **kw: pretrain_gpt.model_provider(config, None, **kw))
     trainer = Trainer(config, pstate, "cpu", models, None)
     before = [p.detach().clone() for p in models[0].parameters()]

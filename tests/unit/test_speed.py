@@ -11,7 +11,7 @@ from megatron.model import GPTModel
 from megatron.mpu import single_process_state
 from megatron.optimizer import MegatronOptimizer
 from megatron.optimizer import optimizer as optimizer_module
-from megatron.training.trainer import build_model_chunks
+from megatron.training.parallelize import build_model
 
 
 def _model():
@@ -100,8 +100,8 @@ def test_torch_compile_flag_compiles_each_layer():
                             "--seq-length", "16", "--max-position-embeddings", "16",
                             "--train-iters", "1", "--lr", "1e-4", "--torch-compile"], world_size=1)
     config.model.padded_vocab_size = 64
-    (model,) = build_model_chunks(config, single_process_state(), torch.device("cpu"),
-                                  lambda **chunk: GPTModel(config.model, **chunk))
+    (model,) = build_model(config, single_process_state(), torch.device("cpu"),
+                           lambda cfg, **chunk: GPTModel(cfg, **chunk))
     layers = model.language_model.encoder.layers
     assert len(layers) == 2 and all(layer._compiled_call_impl is not None for layer in layers)
     assert "language_model.encoder.layers.1.mlp.dense_4h_to_h.weight" in model.state_dict()

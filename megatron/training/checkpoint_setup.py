@@ -1,4 +1,5 @@
-"""Set-up shared by the entry points that load a checkpoint (training resume, sampling, tasks).
+"""Set-up shared by the entry points that load a checkpoint (training resume, sampling, tasks):
+the entry-point layer, beside megatron/arguments.py, whose problems exit 2 with one line.
 
 A checkpoint stores its `Config`; model and tokenizer flags left off the command
 line are taken from it (flags given explicitly win), so
@@ -8,14 +9,13 @@ re-sharded checkpoints loadable.
 """
 import argparse
 import math
-import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.arguments import config_from_namespace, fail, world_size_from_env
-from megatron.compat import apply_compat, explicit_dests
+from megatron.arguments import fail, parse_args, world_size_from_env
+from megatron.compat import explicit_dests
 from megatron.config import ConfigError
 from megatron.config.model import ARCHITECTURE_FIELDS, RUN_TIME_FIELDS, SCALING_FIELDS
 from megatron.model import GPTModel
@@ -25,7 +25,7 @@ from megatron.checkpointing.formats import RunState
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.model_file import tokenizer_file_digests
 from megatron.checkpointing.portable import resolve_stored_paths
-from megatron.training.trainer import build_model_chunks
+from megatron.training.parallelize import build_model
 
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads",
                         "max_position_embeddings")
@@ -125,29 +125,20 @@ def parse_inference_args(parser: argparse.ArgumentParser, argv: Optional[List[st
     except (CheckpointError, OSError, RuntimeError) as err:
         fail(str(err).splitlines()[0])
     parser.set_defaults(**checkpoint_defaults(parser, stored))
-    ns = parser.parse_args(argv)
-    try:
+
+    def complete(ns):
         _layout_from_checkpoint(ns, parser, argv, root, one_stage)
-    except (CheckpointError, OSError, RuntimeError) as err:
-        fail(str(err).splitlines()[0])
-    missing = [f"--{n.replace('_', '-')}" for n in REQUIRED_MODEL_FLAGS
-               if getattr(ns, f"model.{n}", None) is None]
-    if missing:
-        fail(f"missing {' '.join(missing)}: the checkpoint in {root} stores no model config; "
-             f"pass them")
-    if getattr(ns, "model.seq_length", None) is None:
-        setattr(ns, "model.seq_length", getattr(ns, "model.max_position_embeddings"))
-    _default_global_batch(ns)
-    if ns.local_rank is not None and "LOCAL_RANK" not in os.environ:
-        os.environ["LOCAL_RANK"] = str(ns.local_rank)
-    try:
-        apply_compat(ns, parser, sys.argv[1:] if argv is None else argv, world_size_from_env())
-        config = config_from_namespace(ns)
-        config.check_layout(world_size_from_env())
-    except (ConfigError, TypeError) as err:
-        fail(str(err))
+        missing = [f"--{n.replace('_', '-')}" for n in REQUIRED_MODEL_FLAGS
+                   if getattr(ns, f"model.{n}", None) is None]
+        if missing:
+            raise ConfigError(f"missing {' '.join(missing)}: the checkpoint in {root} stores "
+                              f"no model config; pass them")
+        if getattr(ns, "model.seq_length", None) is None:
+            setattr(ns, "model.seq_length", getattr(ns, "model.max_position_embeddings"))
+        _default_global_batch(ns)
+
+    config, ns = parse_args(argv, parser, complete=complete)
     config.parallel.sequence_parallel = False
-    config.model.sequence_parallel = False
     # Inference runs whole sequences on every rank: context-parallel ranks (a training
     # run's --context-parallel-size, reused) become more data-parallel ranks.
     config.parallel.context_parallel_size = 1
@@ -264,11 +255,11 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
     (re-sharded in memory when it was saved at another layout).
 
     `vocab_size`: the tokenizer's; the padding rows beyond it get -inf logits."""
-    def provider(**chunk):
-        return GPTModel(config.model, tp_group=pstate.tp_group, parallel_output=parallel_output,
+    def provider(cfg, **chunk):
+        return GPTModel(cfg, tp_group=pstate.tp_group, parallel_output=parallel_output,
                         vocab_limit=vocab_size, expert_groups=pstate.expert_groups(), **chunk)
 
-    models = build_model_chunks(config, pstate, device, provider)
+    models = build_model(config, pstate, device, provider)
     root = config.checkpoint.load
     if pstate.rank == 0:
         print(f" loading checkpoint from {api.summary(root)}", flush=True)
