@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megatron.config.data_paths import parse_data_prefix, parse_split_weights
 from megatron.config.errors import ConfigError, require
 
 
@@ -47,8 +48,6 @@ class DataConfig:
 
     def _check_split_and_paths(self):
         """--split and --data-path parse as the datasets will parse them."""
-        from megatron.data.gpt_dataset import parse_data_prefix, parse_split_weights
-
         try:
             parse_split_weights(self.split)
             if self.data_path:

@@ -12,9 +12,9 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from megatron.config import ConfigError
+from megatron.config.data_paths import left_to_right_sum
 from megatron.data.blended_dataset import BlendedDataset
-from megatron.data.gpt_dataset import (GPTDataset, blended_num_samples, left_to_right_sum,
-                                       open_indexed_dataset)
+from megatron.data.gpt_dataset import GPTDataset, blended_num_samples, open_indexed_dataset
 
 Entry = Tuple[float, float, float, str]  # weight, start, end, prefix
 

@@ -6,6 +6,7 @@ import torch
 import pretrain_gpt
 from megatron.arguments import parse_args
 from megatron.config import ModelConfig
+from megatron.config import data_paths
 from megatron.data import gpt_dataset as gd
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.model import transformer
@@ -148,7 +149,7 @@ def test_blend_weights_are_normalised_with_a_left_to_right_sum():
     for w in weights:
         total += w
     assert total != 1.0  # a compensated sum (math.fsum, Python 3.12's sum) gives exactly 1.0
-    _, normalised = gd.parse_data_prefix([x for w in weights for x in (str(w), "p")])
+    _, normalised = data_paths.parse_data_prefix([x for w in weights for x in (str(w), "p")])
     assert normalised == [w / total for w in weights]
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.config import data_paths
 from megatron.data import gpt_dataset as gd
 from megatron.data import helpers
 from tests.conftest import shared_file
@@ -121,25 +122,25 @@ def fake():
 # ----------------------------------------------------------------------------
 
 def test_split_parsing():
-    assert gd.parse_split_weights("969,30,1") == gd.parse_split_weights("969/30/1")
-    assert gd.parse_split_weights("100") == [1.0, 0.0, 0.0]
-    assert gd.parse_split_weights("8,2") == [0.8, 0.2, 0.0]
+    assert data_paths.parse_split_weights("969,30,1") == data_paths.parse_split_weights("969/30/1")
+    assert data_paths.parse_split_weights("100") == [1.0, 0.0, 0.0]
+    assert data_paths.parse_split_weights("8,2") == [0.8, 0.2, 0.0]
     assert gd.get_train_valid_test_split_("969,30,1", 1000) == [0, 969, 999, 1000]
     # round(10/3) = 3 each -> 9 in total; the shortfall moves every boundary up by one.
     assert gd.get_train_valid_test_split_("1,1,1", 10) == [0, 4, 7, 10]
     assert gd.get_train_valid_test_split_("1,0,0", 7) == [0, 7, 7, 7]
     for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2"):
         with pytest.raises(ValueError, match="--split"):
-            gd.parse_split_weights(bad)
+            data_paths.parse_split_weights(bad)
 
 
 def test_data_prefix_parsing():
-    assert gd.parse_data_prefix(["x"]) == (["x"], [1.0])
-    assert gd.parse_data_prefix(["3", "a", "1", "b"]) == (["a", "b"], [0.75, 0.25])
+    assert data_paths.parse_data_prefix(["x"]) == (["x"], [1.0])
+    assert data_paths.parse_data_prefix(["3", "a", "1", "b"]) == (["a", "b"], [0.75, 0.25])
     with pytest.raises(ValueError, match="weight/prefix pairs"):
-        gd.parse_data_prefix(["1", "a", "b"])
+        data_paths.parse_data_prefix(["1", "a", "b"])
     with pytest.raises(ValueError, match="not a number"):
-        gd.parse_data_prefix(["a", "b"])
+        data_paths.parse_data_prefix(["a", "b"])
     assert gd.blended_num_samples([0.75, 0.25], (1000, 10, 0)) == [[754, 8, 0], [252, 3, 0]]
 
 
