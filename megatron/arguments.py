@@ -18,7 +18,7 @@ from megatron.checkpointing.io import CheckpointError
 from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
-from megatron.config import SECTIONS, Config, ConfigError
+from megatron.config import SECTIONS, Config, ConfigError, MoEConfig
 from megatron.config.model import (GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
                                    ROPE_SCALING_TYPES)
 from megatron.config import moe as moe_choices
@@ -298,11 +298,13 @@ def build_parser(description: str = "Megatron-style GPT pretraining") -> argpars
 
 def config_from_namespace(ns: argparse.Namespace) -> Config:
     """Build (and validate each section of) the Config from parsed flags."""
-    values = {name: {} for name in SECTIONS}
+    values = {name: {} for name in (*SECTIONS, "moe")}
     for dest, value in vars(ns).items():
         section, _, field = dest.partition(".")
         if section in values and value is not None:
             values[section][field] = value
+    moe = MoEConfig(**values.pop("moe"))  # validated even when --num-experts is not given
+    values["model"]["moe"] = moe if moe.enabled else None
     return Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()})
 
 

@@ -38,6 +38,7 @@ from megatron.arguments import build_parser, fail  # noqa: E402
 from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab,  # noqa: E402
                                             load_inference_models, parse_inference_args)
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
+from megatron.files import write_text_durably  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.trainer import is_last_rank, print_rank_0, print_rank_last  # noqa: E402
 from tasks.fairseq_lm.detok import MissingSacremoses, moses_detokenizer  # noqa: E402
@@ -145,13 +146,7 @@ def write_results(path: str, task: str, metrics: Dict[str, float], dataset) -> N
                        "num tokenized tokens": dataset.num_tokenized_tokens})
     else:
         record["num truncated contexts"] = dataset.num_truncated
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_text_durably(path, json.dumps(record, indent=1) + "\n")
 
 
 def check_flags(ns, seq_length: int) -> None:

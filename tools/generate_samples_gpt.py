@@ -33,6 +33,7 @@ from megatron.text_generation import GenerationError, SamplingParams, generate  
 from megatron.training.checkpoint_setup import (build_tokenizer_and_vocab,  # noqa: E402
                                             load_inference_models, parse_inference_args)
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
+from megatron.files import write_text_durably  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 
 
@@ -119,15 +120,6 @@ def format_records(records: List[Dict], unconditional: bool) -> str:
     return "".join(f"\nContext: {r['prompt']}\n\nMegatron-LM: {r['text']}\n" for r in records)
 
 
-def write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> List[Dict]:
     """Run the tool; returns the records (prompt, text, tokens, finished)."""
     parser = get_parser()
@@ -150,7 +142,7 @@ def main(argv=None) -> List[Dict]:
         text = format_records(records, unconditional)
         print(text, flush=True)
         if ns.sample_output_file:
-            write_atomic(ns.sample_output_file, text)
+            write_text_durably(ns.sample_output_file, text)
             print(f" wrote {len(records)} samples to {ns.sample_output_file}", flush=True)
     return records
 

@@ -14,6 +14,12 @@ import os
 import sys
 import sysconfig
 
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from megatron.files import write_durably  # noqa: E402
+
 
 def pydoc_topics():
     try:
@@ -48,16 +54,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max-mb", type=float, default=4.0, help="stop after this many MB of text")
     args = parser.parse_args(argv)
     limit = int(args.max_mb * 1e6)
-    written, docs = 0, 0
-    tmp = args.output + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
-        for text in list(pydoc_topics()) + list(module_docstrings()):
-            if written >= limit:
-                break
-            out.write(json.dumps({"text": text}) + "\n")
-            written += len(text)
-            docs += 1
-    os.replace(tmp, args.output)
+    texts, written = [], 0
+    for text in list(pydoc_topics()) + list(module_docstrings()):
+        if written >= limit:
+            break
+        texts.append(text)
+        written += len(text)
+    write_durably(args.output, lambda out: [out.write((json.dumps({"text": t}) + "\n").encode())
+                                            for t in texts])
+    docs = len(texts)
     print(f"wrote {docs} documents ({written / 1e6:.2f} MB of text) to {args.output}", file=sys.stderr)
     return 0
 

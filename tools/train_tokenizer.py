@@ -13,13 +13,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Iterator, List
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+from megatron.files import write_text_durably  # noqa: E402
 from megatron.tokenizer.gpt2_bpe import EOD_TOKEN  # noqa: E402
 
 MIN_VOCAB = 257  # 256 byte symbols + <|endoftext|>
@@ -82,18 +82,6 @@ def gpt2_files(tokenizer) -> tuple:
     return vocab_text, merges_text
 
 
-def write_atomically(path: str, text: str) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
-
-
 def check_args(args) -> None:
     for path in args.input:
         if not os.path.isfile(path):
@@ -115,8 +103,8 @@ def main(argv=None) -> int:
         return 1
     vocab_text, merges_text = gpt2_files(tokenizer)
     os.makedirs(args.output_dir, exist_ok=True)
-    write_atomically(os.path.join(args.output_dir, "vocab.json"), vocab_text)
-    write_atomically(os.path.join(args.output_dir, "merges.txt"), merges_text)
+    write_text_durably(os.path.join(args.output_dir, "vocab.json"), vocab_text)
+    write_text_durably(os.path.join(args.output_dir, "merges.txt"), merges_text)
     print(f"Wrote {args.output_dir}/vocab.json ({tokenizer.get_vocab_size()} entries) and "
           f"{args.output_dir}/merges.txt", file=sys.stderr)
     return 0

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from megatron.checkpointing import collectives, io
 from megatron.checkpointing.io import CheckpointError
+from megatron.files import file_sha256, fsync_dir, publish
 from megatron.checkpointing.tracker import iteration_dir, write_tracker
 
 # DCP warns at every ShardedTensor (deprecated in favour of DTensor, which cannot express
@@ -109,7 +110,7 @@ def _my_files(directory: str, rank: int) -> list:
 
 def _write_checksums(directory: str, rank: int, group=None) -> None:
     """Each rank hashes what it wrote; rank 0 writes the manifest."""
-    lines = [f"{io.file_sha256(os.path.join(directory, n))}  {n}\n" for n in _my_files(directory, rank)]
+    lines = [f"{file_sha256(os.path.join(directory, n))}  {n}\n" for n in _my_files(directory, rank)]
     gathered = collectives.gather(lines, group)
     if rank == 0:
         text = "".join(line for part in gathered for line in part)
@@ -128,7 +129,7 @@ def verify_checksums(directory: str) -> None:
             file = os.path.join(directory, name)
             if not os.path.isfile(file):
                 problem = f"{file} is missing; the torch_dist checkpoint is incomplete"
-            elif io.file_sha256(file) != digest:
+            elif file_sha256(file) != digest:
                 problem = (f"{file} does not match its checksum in {path}: the file is corrupt; "
                            f"restore it or load an earlier iteration (--no-verify-checkpoint "
                            f"loads it anyway)")
@@ -174,7 +175,7 @@ def write_iteration(root: str, iteration: Optional[int], state: dict, common: di
     if rank == 0:
         io.save_file(common, os.path.join(staging, COMMON))
         io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
-        io.fsync_dir(staging)
+        fsync_dir(staging)
         _publish(root, staging, os.path.join(root, final))
         if iteration is not None:
             write_tracker(root, iteration)
@@ -189,8 +190,7 @@ def _publish(root: str, staging: str, final: str) -> None:
         old = final + ".old.tmp"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(staging, final)
-    io.fsync_dir(root)
+    publish(staging, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -17,40 +17,19 @@ import contextlib
 import errno
 import hashlib
 import os
-import re
 import shutil
 
 import numpy as np
 import torch
 
+from megatron.files import TEMP_FILE, file_sha256, remove_quietly, write_durably
+
 CHECKSUM_SUFFIX = ".sha256"
-_TEMP_FILE = re.compile(r"\.tmp\.(\d+)$")
-_READ_CHUNK = 1 << 22
 CONTENT_DIGEST = "content_sha256"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used or written; the message says why and what to do."""
-
-
-class _HashingWriter:
-    """A file wrapper that hashes what passes through and keeps the first OSError
-    (torch.save replaces it with a generic RuntimeError)."""
-
-    def __init__(self, file):
-        self.file, self.sha256, self.error = file, hashlib.sha256(), None
-
-    def write(self, data) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-        self.sha256.update(data)
-        return written
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 class _CountingSink:
@@ -67,21 +46,6 @@ class _CountingSink:
         pass
 
 
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
 def _no_space(directory: str, needed: int) -> CheckpointError:
     free = shutil.disk_usage(directory).free
     return CheckpointError(f"no space left on device in {directory}: the checkpoint file needs "
@@ -90,32 +54,15 @@ def _no_space(directory: str, needed: int) -> CheckpointError:
 
 
 def _write_durably(path: str, write) -> str:
-    """Run write(file) on ``path.tmp.<pid>``, fsync, rename to ``path``, fsync the directory.
-
-    Returns the sha256 of the bytes written; `write` returns how many bytes it needed
-    when it ran out of space (for the message)."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    """files.write_durably, a full disk (ENOSPC) made one CheckpointError naming what was
+    needed; returns the sha256 of the bytes written."""
     try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            try:
-                write(writer)
-                f.flush()
-                os.fsync(f.fileno())
-            except Exception as err:
-                full = writer.error if writer.error is not None else err
-                if isinstance(full, OSError) and full.errno == errno.ENOSPC:
-                    raise _no_space(directory, _bytes_needed(write)) from None
-                raise
-    except BaseException:
-        _remove(tmp)
+        # a stale sidecar must never describe the new file
+        return write_durably(path, write, invalidates=[path + CHECKSUM_SUFFIX])
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise _no_space(os.path.dirname(path) or ".", _bytes_needed(write)) from None
         raise
-    _remove(path + CHECKSUM_SUFFIX)  # a stale sidecar must never describe the new file
-    os.replace(tmp, path)
-    fsync_dir(directory)
-    return writer.sha256.hexdigest()
 
 
 def _bytes_needed(write) -> int:
@@ -188,9 +135,9 @@ def remove_stale_temp_files(root: str) -> int:
     removed = 0
     for directory, _, names in os.walk(root):
         for name in names:
-            match = _TEMP_FILE.search(name)
+            match = TEMP_FILE.search(name)
             if match and not pid_alive(int(match.group(1))):
-                _remove(os.path.join(directory, name))
+                remove_quietly(os.path.join(directory, name))
                 removed += 1
     return removed
 
@@ -208,14 +155,6 @@ def check_writable(directory: str, flag: str = "--save") -> None:
         with contextlib.suppress(OSError):
             os.remove(probe)
         raise CheckpointError(f"{flag} {directory} is not writable: {err.strerror or err}") from None
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_READ_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def verify_checksum(path: str) -> None:

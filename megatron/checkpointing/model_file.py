@@ -19,6 +19,7 @@ import torch
 from megatron.checkpointing import io, megatron_legacy
 from megatron.checkpointing.experts import rank_dir_name
 from megatron.checkpointing.io import CheckpointError
+from megatron.files import file_sha256
 from megatron.checkpointing.tracker import iteration_dir
 
 MODEL_FILE = "model_optim_rng.pt"
@@ -187,4 +188,4 @@ def tokenizer_file_digests(data_config) -> Dict[str, str]:
 
 @functools.lru_cache(maxsize=16)
 def _cached_sha256(path: str, mtime_ns: int, size: int) -> str:
-    return io.file_sha256(path)
+    return file_sha256(path)

@@ -35,6 +35,7 @@ from megatron.checkpointing.io import save_file
 from megatron.checkpointing.model_file import (MODEL_FILE, from_megatron_layout, is_chunk_key,
                                                read_model_file, to_megatron_layout)
 from megatron.checkpointing.tracker import CHECKPOINT_VERSION, iteration_dir, write_tracker
+from megatron.files import publish
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu.sharding import check_shardable, merge_shards, shard_tensor
@@ -438,7 +439,7 @@ def write_sharded(save: str, full: Flat, stored: dict, target) -> str:
         raise ReshardError(f"{final} already exists; choose another --save directory or "
                            f"remove it")
     os.makedirs(save, exist_ok=True)
-    tmp = os.path.join(save, f".{os.path.basename(final)}.tmp.{os.getpid()}")
+    tmp = os.path.join(save, f".{os.path.basename(final)}.tmp.{os.getpid()}")  # a directory
     sharding = Sharding(stored.get("sharding") or {})
     try:
         for (t, p), flat in shards.items():
@@ -447,7 +448,7 @@ def write_sharded(save: str, full: Flat, stored: dict, target) -> str:
                 os.makedirs(os.path.join(tmp, rank_dir))
                 save_file(target_state(stored, part, tp, pp, sharding, ep, target.etp),
                           os.path.join(tmp, rank_dir, MODEL_FILE))
-        os.replace(tmp, final)
+        publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -31,14 +31,7 @@ class Config:
     hf: Optional[dict] = None
     """The Hugging Face origin of a converted model (architecture, HF config, vocabulary
     rows, tokenizer files, generation config), carried through training so that an
-    export gives back what was converted."""
-    moe: MoEConfig = field(default_factory=MoEConfig)
-
-    def __post_init__(self):
-        if self.moe.enabled and self.model.moe is None:
-            self.model.moe = self.moe  # the model spec carries its MoE section
-        elif self.model.moe is not None:
-            self.moe = self.model.moe
+    export gives back what was converted. (The MoE section is the model spec's: model.moe.)"""
 
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
@@ -179,7 +172,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: dict) -> "Config":
-        """Rebuild from `to_dict()` output, ignoring fields this version does not know."""
+        """Rebuild from `to_dict()` output, ignoring fields this version does not know (and
+        taking the top-level "moe" of configs saved before it moved into the model)."""
+        values = dict(values)
+        model = dict(values.get("model") or {})
+        if not model.get("moe") and (values.get("moe") or {}).get("num_experts"):
+            values["model"] = dict(model, moe=values["moe"])
         kwargs = {"hf": values.get("hf")}
         for name, section in SECTIONS.items():
             known = {sf.name for sf in fields(section)}
@@ -188,5 +186,6 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
-             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-             "logging": LoggingConfig, "moe": MoEConfig}
+            "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+            "logging": LoggingConfig}
+"""Config's sections by name; the flags' "moe" group fills model.moe (arguments.py)."""

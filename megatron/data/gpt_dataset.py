@@ -30,6 +30,7 @@ import torch
 
 from megatron.config.data_paths import parse_data_prefix, parse_split_weights
 from megatron.data import helpers
+from megatron.files import write_durably, write_text_durably
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.indexed_dataset import IndexedDatasetError
 
@@ -437,24 +438,11 @@ def _check_cache_dir(file_prefix: str, data_cache_path: str | None) -> None:
                               f"pass --data-cache-path DIR to keep it elsewhere")
 
 
-def _save_atomic(path: str, write) -> None:
-    """Write through `write(file)` to a temporary name (mode 0666 less the umask), then rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _write_cache(paths, arrays, desc) -> None:
     for key, array in zip(_ARRAY_NAMES, arrays):
-        _save_atomic(paths[key], lambda f, a=array: np.save(f, a, allow_pickle=False))
+        write_durably(paths[key], lambda f, a=array: np.save(f, a, allow_pickle=False))
     # The description goes last: a cache with arrays but no matching description gets rebuilt.
-    _save_atomic(paths["desc"], lambda f: f.write(json.dumps(desc, indent=1).encode()))
+    write_text_durably(paths["desc"], json.dumps(desc, indent=1))
 
 
 def _build_cache_if_needed(paths, desc, data_cache_path, file_prefix, build) -> None:

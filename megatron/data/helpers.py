@@ -24,6 +24,8 @@ from types import ModuleType
 
 import numpy as np
 
+from megatron.files import publish
+
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "helpers.cpp"
 _MODULE_NAME = "megatron_data_helpers"
 _CXX_FLAGS = ["-O3", "-shared", "-std=c++17", "-fPIC", "-ffp-contract=off"]
@@ -64,7 +66,7 @@ def _compile(library: Path) -> None:
         proc = subprocess.run(_compile_command(tmp), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiler exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, library)
+        publish(tmp, str(library))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

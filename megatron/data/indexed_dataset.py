@@ -26,6 +26,9 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron.files import (file_sha256, publish, remove_quietly, temp_name, write_temp,
+                            write_text_durably)
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, M
@@ -222,14 +225,6 @@ class MMapIndexedDataset:
                 and os.path.exists(data_file_path(path_prefix)))
 
 
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 _VERIFIED: dict = {}  # (path, size, mtime) of both files -> True: each process hashes once
 
 
@@ -260,7 +255,7 @@ def check_data_digest(path_prefix: str) -> None:
         raise IndexedDatasetError(f"{sidecar}: no sha256 line for the .bin; regenerate the "
                                   f"dataset or remove the sidecar")
     for ext, expected in digests.items():
-        if _file_sha256(paths[ext]) != expected:
+        if file_sha256(paths[ext]) != expected:
             raise IndexedDatasetError(f"{paths[ext]}: does not match its digest in {sidecar}: it "
                                       f"is corrupt or belongs to another dataset; regenerate the "
                                       f"dataset (or remove the sidecar if another tool rewrote it)")
@@ -278,7 +273,7 @@ class MMapIndexedDatasetBuilder:
         dtype_code(dtype)  # validates
         self._dtype = np.dtype(dtype)
         self._bin_path = os.fspath(bin_path)
-        self._tmp_path = f"{self._bin_path}.tmp{os.getpid()}"
+        self._tmp_path = temp_name(self._bin_path)
         self._file = open(self._tmp_path, "wb", buffering=buffer_bytes)
         self._sha256 = hashlib.sha256()
         self._sizes: List[int] = []
@@ -349,50 +344,41 @@ class MMapIndexedDatasetBuilder:
                 self._write(block)
 
     def finalize(self, idx_path: str) -> None:
-        """Write the index and move both files to their final names."""
+        """Write the index and move both files to their final names (durably, together)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes) > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * self._dtype.itemsize, out=pointers[1:])
         doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
-        tmp_idx = f"{idx_path}.tmp{os.getpid()}"
+
+        def write_index(f):
+            f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self._dtype), len(sizes), len(doc_idx)))
+            for array in (sizes, pointers, doc_idx):
+                f.write(array.tobytes(order="C"))
+        tmp_idx, _ = write_temp(idx_path, write_index)
         try:
-            with open(tmp_idx, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self._dtype), len(sizes),
-                                     len(doc_idx)))
-                f.write(sizes.tobytes(order="C"))
-                f.write(pointers.tobytes(order="C"))
-                f.write(doc_idx.tobytes(order="C"))
-            _remove(self._bin_path + DIGEST_SUFFIX)  # never describe the new file with an old digest
-            os.replace(self._tmp_path, self._bin_path)
-            os.replace(tmp_idx, idx_path)
+            remove_quietly(self._bin_path + DIGEST_SUFFIX)  # never describe the new file with an old digest
+            publish(self._tmp_path, self._bin_path)
+            publish(tmp_idx, idx_path)
         except BaseException:
-            _remove(tmp_idx)
+            remove_quietly(tmp_idx)
             raise
         self._write_digest(idx_path)
 
     def _write_digest(self, idx_path: str) -> None:
         """``prefix.bin.sha256``: the sha256 of the .bin and the .idx in sha256sum format
-        (``sha256sum -c`` checks it), written under a temporary name."""
-        sidecar = self._bin_path + DIGEST_SUFFIX
-        tmp = f"{sidecar}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(f"{self._sha256.hexdigest()}  {os.path.basename(self._bin_path)}\n"
-                    f"{_file_sha256(idx_path)}  {os.path.basename(idx_path)}\n")
-        os.replace(tmp, sidecar)
+        (``sha256sum -c`` checks it)."""
+        write_text_durably(self._bin_path + DIGEST_SUFFIX,
+                           f"{self._sha256.hexdigest()}  {os.path.basename(self._bin_path)}\n"
+                           f"{file_sha256(idx_path)}  {os.path.basename(idx_path)}\n")
 
     def abort(self) -> None:
         """Stop building and delete the temporary data file."""
         self._file.close()
-        _remove(self._tmp_path)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+        remove_quietly(self._tmp_path)
 
 
 def make_builder(out_bin: str, vocab_size: Optional[int] = None,

@@ -90,8 +90,7 @@ def counted_parts(param, grad: torch.Tensor, tp_rank: int, tp: int,
 
 def expert_norm_groups(pstate) -> dict:
     """norm_and_nonfinite's expert arguments for a ParallelState."""
-    return {"expert_mp_group": getattr(pstate, "expert_mp_group", None),
-            "etp_rank": getattr(pstate, "etp_rank", 0)}
+    return {"expert_mp_group": pstate.expert_mp_group, "etp_rank": pstate.etp_rank}
 
 
 def norm_parts(params: List[torch.nn.Parameter], grads: List[torch.Tensor], tp_group,

@@ -221,9 +221,8 @@ def _import_library(name: str, path: Path) -> ModuleType:
 
 
 def _write_stamp(build_dir: Path, key: str) -> None:
-    tmp = build_dir / f"{_STAMP}.tmp{os.getpid()}"
-    tmp.write_text(key + "\n")
-    os.replace(tmp, build_dir / _STAMP)
+    from megatron.files import write_text_durably  # here: setup.py loads this file on its own
+    write_text_durably(str(build_dir / _STAMP), key + "\n")
 
 
 def _compile(name: str, spec: dict, build_dir: Path, verbose: bool) -> ModuleType:

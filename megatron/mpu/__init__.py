@@ -7,13 +7,8 @@ from megatron.mpu.mappings import (
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
-from megatron.mpu.parallel_state import (
-    ParallelState, destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
-    get_data_parallel_world_size, get_embedding_group, get_model_parallel_group,
-    get_parallel_state, get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank,
-    get_pipeline_model_parallel_world_size, get_tensor_model_parallel_group,
-    get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-    initialize_model_parallel, single_process_state)
+from megatron.mpu.parallel_state import (ParallelState, initialize_model_parallel,
+                                         single_process_state)
 from megatron.mpu.random import checkpoint, get_rng_tracker, model_parallel_seed
 from megatron.mpu.topology import ParallelDims
 
@@ -23,11 +18,6 @@ __all__ = [
     "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region",
-    "ParallelState", "destroy_model_parallel", "get_data_parallel_group",
-    "get_data_parallel_rank", "get_data_parallel_world_size", "get_embedding_group",
-    "get_model_parallel_group", "get_parallel_state", "get_pipeline_model_parallel_group",
-    "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size",
-    "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
-    "get_tensor_model_parallel_world_size", "initialize_model_parallel", "single_process_state",
+    "ParallelState", "initialize_model_parallel", "single_process_state",
     "checkpoint", "get_rng_tracker", "model_parallel_seed", "ParallelDims",
 ]

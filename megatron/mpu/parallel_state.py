@@ -1,9 +1,7 @@
 """Process groups of one rank, built from the pure topology in `topology.py`.
 
-Library code receives a `ParallelState` explicitly. The module-level getters
-(`get_tensor_model_parallel_rank()` ...) exist for entry points and tools that
-want Megatron's familiar names; they read the state set by
-`initialize_model_parallel`.
+`initialize_model_parallel` returns a `ParallelState`, which every user receives
+explicitly: there is no module-level state to read back.
 """
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -145,9 +143,6 @@ class ExpertGroups:
         return self.tp_group if self.token_group is None else self.etp_group
 
 
-_STATE: Optional[ParallelState] = None
-
-
 def single_process_state() -> ParallelState:
     """The state of a one-process run without torch.distributed."""
     return ParallelState(dims=ParallelDims(world_size=1))
@@ -171,14 +166,12 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
     expert model-parallel groups).
 
     `timeout` (a timedelta) bounds every operation on them (torch's default otherwise)."""
-    global _STATE
     if not dist.is_initialized():
         if tp * pp * cp * ep != 1:
             raise ValueError(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) x expert ({ep}) "
                              f"parallelism needs torch.distributed with {tp * pp * cp * ep} or "
                              f"more processes; launch with torchrun")
-        _STATE = single_process_state()
-        return _STATE
+        return single_process_state()
     rank = dist.get_rank()
     dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, virtual_pp=virtual_pp,
                         cp=cp, ep=ep, etp=etp)
@@ -204,7 +197,7 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
     if dims.etp != tp:
         etp_group, _ = _my_group(dims.expert_tensor_parallel_groups(), rank, backend, timeout)
         token_group, _ = _my_group(dims.expert_token_groups(), rank, backend, timeout)
-    _STATE = ParallelState(
+    return ParallelState(
         dims=dims, rank=rank, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, mp_group=mp_group,
         embedding_group=emb_group, pp_ranks=pp_ranks, dp_ranks=dp_ranks,
@@ -212,60 +205,3 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, virtual_pp: Optional[int
         ep_rank=ep_rank, edp_rank=edp_rank, ep_group=ep_group, edp_group=edp_group,
         dp_cp_group=dp_cp_group, etp_rank=etp_rank, etp_group=etp_group,
         token_group=token_group, expert_mp_group=expert_mp_group)
-    return _STATE
-
-
-def get_parallel_state() -> ParallelState:
-    if _STATE is None:
-        raise RuntimeError("model parallelism is not initialized: call initialize_model_parallel()")
-    return _STATE
-
-
-def destroy_model_parallel() -> None:
-    global _STATE
-    _STATE = None
-
-
-# Megatron's familiar getters, for entry points and tools.
-def get_tensor_model_parallel_rank() -> int:
-    return get_parallel_state().tp_rank
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    return get_parallel_state().tp_size
-
-
-def get_tensor_model_parallel_group():
-    return get_parallel_state().tp_group
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    return get_parallel_state().pp_rank
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    return get_parallel_state().pp_size
-
-
-def get_pipeline_model_parallel_group():
-    return get_parallel_state().pp_group
-
-
-def get_data_parallel_rank() -> int:
-    return get_parallel_state().dp_rank
-
-
-def get_data_parallel_world_size() -> int:
-    return get_parallel_state().dp_size
-
-
-def get_data_parallel_group():
-    return get_parallel_state().dp_group
-
-
-def get_model_parallel_group():
-    return get_parallel_state().mp_group
-
-
-def get_embedding_group():
-    return get_parallel_state().embedding_group

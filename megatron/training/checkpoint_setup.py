@@ -62,7 +62,7 @@ def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) 
 def checkpoint_defaults(parser: argparse.ArgumentParser, stored: Dict[str, Any]) -> Dict[str, Any]:
     """Parser defaults (dest -> value) for every model and tokenizer flag the checkpoint knows."""
     model, data = stored.get("model", {}), stored.get("data", {})
-    moe = stored.get("moe") or model.get("moe") or {}  # the MoE section of the model spec
+    moe = model.get("moe") or stored.get("moe") or {}  # before it moved into the model: top level
     defaults = {}
     for action in parser._actions:  # argparse has no public list of destinations
         section, _, name = action.dest.partition(".")

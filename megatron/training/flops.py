@@ -46,7 +46,7 @@ def mlp_forward_flops(cfg, tokens: int, moe_layer: bool = False) -> float:
 
 
 def num_moe_layers(cfg) -> int:
-    moe = getattr(cfg, "moe", None)
+    moe = cfg.moe
     return sum(moe.layer_pattern(cfg.num_layers)) if moe is not None and moe.enabled else 0
 
 

@@ -33,7 +33,7 @@ def _rank(rank, world_size):
     from megatron.model import GPTModel
     from megatron.model.context_parallel import split_for_cp
     from megatron.model.transformer import enable_context_parallel
-    from megatron.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron.mpu import initialize_model_parallel
     out = {}
     for comm in ("p2p", "a2a"):
         config = config_for(*FLAGS, "--context-parallel-size", "2", "--cp-comm-type", comm,
@@ -45,7 +45,6 @@ def _rank(rank, world_size):
         positions = torch.arange(256).expand(2, 256)
         out[comm] = _saved_bytes(model, *(split_for_cp(t, pstate.cp_rank, 2)
                                           for t in (tokens, positions)))
-        destroy_model_parallel()
     return out
 
 

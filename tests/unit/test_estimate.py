@@ -117,7 +117,7 @@ def test_pipeline_stage_params_and_activations(pp_rank):
 
 def _two_ranks(rank, world_size):
     """TP = 2 (with and without SP) then DP = 2 with the distributed optimizer."""
-    from megatron.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron.mpu import initialize_model_parallel
     out = {}
     for name, flags in (("tp", ("--tensor-model-parallel-size", "2")),
                         ("tp-sp", ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
@@ -127,10 +127,8 @@ def _two_ranks(rank, world_size):
         pstate = initialize_model_parallel(2, 1)
         params, acts = measured_stage(config, 0, 1, pstate.tp_group)
         out[name] = {"params": params, "activations": acts, **measured_state(config, pstate)}
-        destroy_model_parallel()
     config = config_for("--use-distributed-optimizer", world_size=2)
     out["dp-distopt"] = measured_state(config, initialize_model_parallel(1, 1))
-    destroy_model_parallel()
     return out
 
 

@@ -83,10 +83,9 @@ def test_moe_memory_one_process():
 
 
 def _two_ranks(rank, world_size, flags, tp, ep, etp):
-    from megatron.mpu import destroy_model_parallel, initialize_model_parallel
+    from megatron.mpu import initialize_model_parallel
     config = config_for(*MOE, *flags, world_size=2)
     out = measured(config, initialize_model_parallel(tp, 1, ep=ep, etp=etp))
-    destroy_model_parallel()
     return out
 
 

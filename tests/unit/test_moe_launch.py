@@ -10,7 +10,6 @@ import pytest
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron.mpu import parallel_state
 from megatron.pipeline.schedule import chunk_layers
 from megatron.training.initialize import initialize_distributed
 from megatron.training.memory import GiB, Layout, estimate, stage_expert_params, stage_params
@@ -75,7 +74,6 @@ def test_megatron_lm_mixtral_launch_sets_up_at_world_32(tmp_path, monkeypatch, t
     assert tokenizer.vocab_size == 80
 
     world = RecordedWorld(monkeypatch, WORLD)
-    monkeypatch.setattr(parallel_state, "_STATE", parallel_state._STATE)  # restored after
     stages = {}
     for rank in range(WORLD):
         world.rank = rank

@@ -221,7 +221,8 @@ def _check_full_disk(directory):
 
 def test_full_disk_simulated(tmp_path, monkeypatch):
     real_open = open
-    monkeypatch.setattr(checkpoint_io, "open", lambda p, m="r": _FullDisk(real_open(p, m), 50_000),
+    import megatron.files  # where checkpoint files are opened for writing
+    monkeypatch.setattr(megatron.files, "open", lambda p, m="r": _FullDisk(real_open(p, m), 50_000),
                         raising=False)
     _check_full_disk(str(tmp_path))
 

@@ -7,6 +7,7 @@ from typing import Dict
 import torch
 
 from megatron.checkpointing.hf import ConversionError
+from megatron.files import publish
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -91,7 +92,7 @@ def write_hf_dir(directory: str, config: dict, weights: Dict[str, torch.Tensor],
                 _write_json(os.path.join(tmp, name), content)
         if os.path.isdir(directory):
             os.rmdir(directory)
-        os.replace(tmp, directory)
+        publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,6 +16,7 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.config import moe as moe_config
 from megatron.mpu.mappings import (all_to_all, gather_from_sequence_parallel_region, group_size,
                                    reduce_scatter_to_sequence_parallel_region)
 
@@ -93,4 +94,6 @@ def alltoall_dispatch(x, probs, routing_map, experts, groups):
     return unpermute(back, token, probs[token, expert], x.shape[0])
 
 
-DISPATCHERS = {"allgather": allgather_dispatch, "alltoall": alltoall_dispatch}
+DISPATCHERS = {name: globals()[f"{name}_dispatch"] for name in moe_config.DISPATCHERS}
+"""--moe-token-dispatcher-type's function by name: each of config/moe.py's DISPATCHERS is
+`<name>_dispatch` here (adding one: its name there, its function here)."""

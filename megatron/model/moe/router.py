@@ -15,7 +15,7 @@ gradient (scaled like the main loss) into the graph. Their values (without their
 coefficients) are recorded for the log line.
 """
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,26 @@ from megatron.mpu.layers import init_normal, set_parallel_attributes
 from megatron.mpu.mappings import all_reduce, group_size
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+class Router(Protocol):
+    """What the MoE layer (layer.py) needs of a router; TopKRouter below is ours."""
+
+    metrics: Dict[str, torch.Tensor]
+    """Sums over this step's micro batches of what the log line reports (load_balancing_loss,
+    z_loss without their coefficients; tokens per expert), reset by collect_moe_metrics."""
+    cp_group: Optional[object]
+    """The context-parallel group its losses are counted over (enable_context_parallel)."""
+    expert_bias: Optional[torch.Tensor]
+    """A persistent buffer of per-expert score offsets (aux-loss-free balancing), or None;
+    update_expert_bias moves it after each step from local_tokens_per_expert."""
+
+    def __call__(self, x: torch.Tensor, seq_shape: Tuple[int, int]) -> Tuple[torch.Tensor,
+                                                                              torch.Tensor]:
+        """x [T, h] (T = s x b tokens, sequence-major; `seq_shape` = (s, b)) -> (probs,
+        routing_map), both [T, E]: each token's combine weight for its selected experts (0
+        elsewhere, in x's dtype or the router dtype) and the selection (bool). Auxiliary
+        losses ride on the returned tensors' autograd (AuxLossScaler), never change them."""
 
 
 class AuxLossScaler(torch.autograd.Function):
