@@ -164,14 +164,15 @@ def test_auto_attention_rule_per_isa(monkeypatch):
     explicit path with it; otherwise that path."""
     import torch
     from megatron import fused
+    from megatron.fused import attention
     short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1030, 1, 2, 16)
-    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
+    monkeypatch.setattr(attention, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
     expected = {"avx512": (True, True, True), "avx2": (True, False, True),
                 "baseline": (False, False, False), "not built": (False, False, False)}
     for isa, (want_short, want_long, want_dropout) in expected.items():
-        monkeypatch.setattr(fused, "cpu_kernels_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(attention, "cpu_kernels_isa", lambda isa=isa: isa)
         assert fused.causal_attention_preferred(short, short, short) is want_short, isa
         assert fused.causal_attention_preferred(long_, long_, long_) is want_long, isa
         assert fused.causal_attention_preferred(long_, long_, long_, 0.1) is want_dropout, isa
-    monkeypatch.setattr(fused, "causal_attention_fusable", lambda q, k, v, p=0.0: False)
+    monkeypatch.setattr(attention, "causal_attention_fusable", lambda q, k, v, p=0.0: False)
     assert not fused.causal_attention_preferred(short, short, short)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron import fused
+from megatron.fused import norms, paths
 from tests.fused_checks import (DTYPES, TOLERANCE, kernels,  # noqa: F401 (loads them)
                                 outputs_and_grads, rel_err)
 
@@ -122,7 +123,7 @@ def test_fusion_false_takes_plain_path(monkeypatch):
     assert "ScaledMaskedSoftmax" not in type(plain_y.grad_fn).__name__
     x = torch.randn(2, 3, 8, requires_grad=True)
     w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
-    monkeypatch.setattr(fused, "layer_norm_preferred", lambda x, w, b: True)  # as on CUDA
+    monkeypatch.setattr(norms, "layer_norm_preferred", lambda x, w, b: True)  # as on CUDA
     assert "LayerNormFunction" in fused.layer_norm(x, w, b, 1e-5).grad_fn.name()  # C++ node
     plain = fused.layer_norm(x, w, b, 1e-5, fusion=False)
     assert "LayerNormFunction" not in plain.grad_fn.name()
@@ -406,7 +407,7 @@ def test_fast_cpu_dropout_statistics_gradient_and_reproducibility():
 def test_norm_paths_are_announced_once(capsys, monkeypatch):
     """The log names the path each norm takes, once per path: our kernel with the CPU's
     instruction set, or the plain path and why."""
-    monkeypatch.setattr(fused, "_ANNOUNCED", set())
+    monkeypatch.setattr(paths, "_ANNOUNCED", set())
     x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
     for _ in range(2):
         fused.layer_norm(x, w, b, 1e-5)

@@ -1,0 +1,99 @@
+"""Element-wise fusions: bias + GeLU, dropout, bias + dropout + add, and the cross
+entropy's exp_sum_.
+
+bias_gelu (tanh-approximated GeLU of y + bias) has a CPU kernel: one pass forward,
+one pass backward that also sums the bias gradient; it computes tanh through
+exp (0.5 u (1 + tanh z) = u * sigmoid(2 z)), within a few ulp of torch's GeLU.
+Elsewhere it is plain PyTorch (on CUDA `F.gelu` is one fused kernel already).
+exp_sum_ (the cross entropy's softmax numerator, in place) has a CPU kernel too.
+
+dropout (and bias_dropout_add) with fusion on a CPU draws its keep-mask with
+one `rand_like` comparison, about twice as fast as `F.dropout`'s Bernoulli
+sampling there; the masks differ from `F.dropout`'s but come from the same
+generator, so activation recomputation reproduces them. On CUDA `F.dropout`
+is already a fused kernel and is used as is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.fused import kernels as fused_kernels
+from megatron.fused.paths import KERNEL_DTYPES, _ext
+
+
+class FusedBiasGeLU(torch.autograd.Function):
+    """tanh-approximated GeLU of y + bias in one pass (CPU kernel); saves y and the bias
+    (not their sum) and sums the bias gradient in the same pass as dy."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        shape = y.shape
+        y2 = y.reshape(-1, shape[-1]).contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        out = _ext(y).bias_gelu_forward(y2, bias)
+        ctx.save_for_backward(y2, bias)
+        ctx.shape = shape
+        return out.view(shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        y2, bias = ctx.saved_tensors
+        dy, dbias = _ext(y2).bias_gelu_backward(grad.reshape(y2.shape).contiguous(), y2, bias)
+        return dy.view(ctx.shape), dbias
+
+
+def bias_gelu_fusable(y, bias) -> bool:
+    """The CPU kernel applies: y on a CPU, float32/bfloat16/float16, bias None or [hidden]
+    of y's dtype."""
+    if y.device.type != "cpu" or y.dtype not in KERNEL_DTYPES or y.dim() < 1:
+        return False
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != y.shape[-1]
+                             or bias.dtype != y.dtype or bias.device != y.device):
+        return False
+    module = fused_kernels.get_extension("cpu")
+    return module is not None and hasattr(module, "bias_gelu_forward")
+
+
+def bias_gelu(bias, y, fusion=True):
+    """tanh-approximated GeLU of y + bias (bias may be None)."""
+    if fusion and bias_gelu_fusable(y, bias):
+        return FusedBiasGeLU.apply(y, bias)
+    return F.gelu(y if bias is None else y + bias, approximate="tanh")
+
+
+def dropout(x, prob, training, fusion=True):
+    """Inverted dropout: zero each element with probability `prob`, scale the rest."""
+    if not training or prob == 0.0:
+        return x
+    if not fusion or x.device.type != "cpu" or prob >= 1.0:
+        return F.dropout(x, p=prob, training=True)
+    keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= prob
+    return x * keep * (1.0 / (1.0 - prob))
+
+
+def bias_dropout_add(x, bias, residual, prob, training, fusion=True):
+    """residual + dropout(x + bias)."""
+    if bias is not None:
+        x = x + bias
+    return residual + dropout(x, prob, training, fusion)
+
+
+def _plain_exp_sum_(x, row_max):
+    if row_max is None:
+        row_max = x.amax(dim=-1).float()
+    x.sub_(row_max.unsqueeze(-1)).exp_()
+    return row_max, x.sum(dim=-1, dtype=torch.float32)
+
+
+def exp_sum_(x, row_max=None, fusion=True):
+    """x [rows, n] <- exp(x - row_max[:, None]), in place; returns (row_max, row sums of
+    the result), both float32 [rows]. `row_max` None: each row's own max. The softmax of
+    the cross entropy without a second logits-sized tensor; on CPUs one pass per row
+    (`exp_sum_` kernel) instead of four over the whole tensor."""
+    module = fused_kernels.get_extension("cpu") if x.device.type == "cpu" else None
+    if (fusion and module is not None and hasattr(module, "exp_sum_") and x.dim() == 2
+            and x.is_contiguous() and x.dtype in KERNEL_DTYPES):
+        return module.exp_sum_(x, None if row_max is None else row_max.float().contiguous())
+    return _plain_exp_sum_(x, row_max)
