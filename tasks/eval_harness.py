@@ -76,73 +76,74 @@ def _stop_at(text: str, until: Sequence[str]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
+class HarnessModel:
+    """A loaded GPT (one pipeline stage, any TP) as an lm-evaluation-harness model (its
+    methods; `harness_model_class` puts them on lm_eval's LM)."""
+
+    def __init__(self, model, tokenizer, seq_length: int, stride: int, batch_size: int):
+        super().__init__()
+        self.model, self.tokenizer = model, tokenizer
+        self.seq_length, self.stride, self.batch_size = seq_length, stride, batch_size
+        self.eod = tokenizer.eod
+
+    def _score(self, samples: List[Sample]) -> List[Tuple[float, bool]]:
+        out = []
+        for batch in _batched(samples, self.batch_size):
+            out += score_samples(self.model, batch)
+        return out
+
+    def _pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:  # word-boundary spaces belong to the continuation
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        ids = self.tokenizer.tokenize(context) if context else [self.eod]
+        return ids, self.tokenizer.tokenize(continuation)
+
+    def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
+        pairs = [self._pair(*req.args) for req in requests]
+        too_long = [len(c) for _, c in pairs if not 0 < len(c) <= self.seq_length]
+        if too_long:
+            raise ValueError(f"a continuation has {too_long[0]} tokens; it must have "
+                             f"1..{self.seq_length} (--seq-length)")
+        examples = LambadaExamples(pairs, self.seq_length, self.eod)
+        return self._score([examples[i] for i in range(len(examples))])
+
+    def loglikelihood_rolling(self, requests) -> List[float]:
+        results = []
+        for req in requests:
+            ids = self.tokenizer.tokenize(req.args[0])
+            if not ids:
+                results.append(0.0)
+                continue
+            samples = [LambadaExamples([([self.eod], ids[:1])], self.seq_length, self.eod)[0]]
+            if len(ids) > 1:
+                windows = WikitextWindows(ids, self.seq_length, self.stride, self.eod, len(ids))
+                samples += [windows[i] for i in range(len(windows))]
+            results.append(sum(lp for lp, _ in self._score(samples)))
+        return results
+
+    def generate_until(self, requests) -> List[str]:
+        return [self._generate_one(*req.args) for req in requests]
+
+    def _generate_one(self, context: str, gen_kwargs: Dict) -> str:
+        kwargs = dict(gen_kwargs or {})
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_positions = self.model.cfg.max_position_embeddings
+        new_tokens = min(int(kwargs.get("max_gen_toks", 256)), max_positions - 1)
+        ids = (self.tokenizer.tokenize(context) or [self.eod])[-(max_positions - new_tokens):]
+        sampling = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
+        params = dict(temperature=float(kwargs.get("temperature", 1.0)),
+                      top_k=int(kwargs.get("top_k") or 0),
+                      top_p=float(kwargs.get("top_p") or 0.0)) if sampling else {"greedy": True}
+        out = generate(self.model, self.tokenizer, [ids], new_tokens, **params)[0]
+        return _stop_at(self.tokenizer.detokenize(out), until)
+
+
 def harness_model_class():
     """The `lm_eval` model class, built on first use: lm_eval is an optional dependency."""
     from lm_eval.api.model import LM
-
-    class MegatronLM(LM):
-        """A loaded GPT (one pipeline stage, any TP) as an lm-evaluation-harness model."""
-
-        def __init__(self, model, tokenizer, seq_length: int, stride: int, batch_size: int):
-            super().__init__()
-            self.model, self.tokenizer = model, tokenizer
-            self.seq_length, self.stride, self.batch_size = seq_length, stride, batch_size
-            self.eod = tokenizer.eod
-
-        def _score(self, samples: List[Sample]) -> List[Tuple[float, bool]]:
-            out = []
-            for batch in _batched(samples, self.batch_size):
-                out += score_samples(self.model, batch)
-            return out
-
-        def _pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
-            spaces = len(context) - len(context.rstrip(" "))
-            if spaces:  # word-boundary spaces belong to the continuation
-                context, continuation = context[:-spaces], context[-spaces:] + continuation
-            ids = self.tokenizer.tokenize(context) if context else [self.eod]
-            return ids, self.tokenizer.tokenize(continuation)
-
-        def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
-            pairs = [self._pair(*req.args) for req in requests]
-            too_long = [len(c) for _, c in pairs if not 0 < len(c) <= self.seq_length]
-            if too_long:
-                raise ValueError(f"a continuation has {too_long[0]} tokens; it must have "
-                                 f"1..{self.seq_length} (--seq-length)")
-            examples = LambadaExamples(pairs, self.seq_length, self.eod)
-            return self._score([examples[i] for i in range(len(examples))])
-
-        def loglikelihood_rolling(self, requests) -> List[float]:
-            results = []
-            for req in requests:
-                ids = self.tokenizer.tokenize(req.args[0])
-                if not ids:
-                    results.append(0.0)
-                    continue
-                samples = [LambadaExamples([([self.eod], ids[:1])], self.seq_length, self.eod)[0]]
-                if len(ids) > 1:
-                    windows = WikitextWindows(ids, self.seq_length, self.stride, self.eod, len(ids))
-                    samples += [windows[i] for i in range(len(windows))]
-                results.append(sum(lp for lp, _ in self._score(samples)))
-            return results
-
-        def generate_until(self, requests) -> List[str]:
-            return [self._generate_one(*req.args) for req in requests]
-
-        def _generate_one(self, context: str, gen_kwargs: Dict) -> str:
-            kwargs = dict(gen_kwargs or {})
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_positions = self.model.cfg.max_position_embeddings
-            new_tokens = min(int(kwargs.get("max_gen_toks", 256)), max_positions - 1)
-            ids = (self.tokenizer.tokenize(context) or [self.eod])[-(max_positions - new_tokens):]
-            sampling = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
-            params = dict(temperature=float(kwargs.get("temperature", 1.0)),
-                          top_k=int(kwargs.get("top_k") or 0),
-                          top_p=float(kwargs.get("top_p") or 0.0)) if sampling else {"greedy": True}
-            out = generate(self.model, self.tokenizer, [ids], new_tokens, **params)[0]
-            return _stop_at(self.tokenizer.detokenize(out), until)
-
-    return MegatronLM
+    return type("MegatronLM", (HarnessModel, LM), {})
 
 
 def get_parser():
