@@ -34,6 +34,24 @@ def have_mcore() -> bool:
     return mcore_dir() is not None
 
 
+def run_mcore_script(script: str, payload=None):
+    """Run `script` in a child Python that sees Megatron-Core's `megatron.core` beside our
+    package (without the CPU patches; for pure code such as TransformerConfig's checks, the
+    rank math or the expert-bias update) and return the JSON it prints last; `payload` goes
+    to its stdin as JSON. Importing megatron.core changes our package's path, so never in
+    the pytest process."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    prelude = f"import megatron\nmegatron.__path__.append({mcore_dir()!r})\n"
+    env = dict(os.environ, PYTHONPATH=root, PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", prelude + script], capture_output=True,
+                          text=True, env=env, timeout=300, input=json.dumps(payload))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def import_mcore():
     import megatron
     path = mcore_dir()

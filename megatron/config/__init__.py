@@ -100,6 +100,12 @@ class Config:
         ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
         require(ffn % etp == 0, f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
                                 f"--expert-tensor-parallel-size ({etp})")
+        default = " (the default: --tensor-model-parallel-size)" \
+            if p.expert_tensor_parallel_size is None else ""
+        require(etp == 1 or not self.model.add_bias_linear,
+                f"experts with linear biases need --expert-tensor-parallel-size 1, got {etp}"
+                f"{default}, as in Megatron-Core; pass --expert-tensor-parallel-size 1 or "
+                f"--disable-bias-linear")
 
     def _check_step_schedule(self, dp: int) -> None:
         """Each scheduled batch is whole micro batches x DP; the largest is the global batch
@@ -140,7 +146,7 @@ class Config:
                 f"ALiBi (--position-embedding-type alibi) is not supported with "
                 f"--context-parallel-size {cp}; use rope")
         require(kind != "p2p" or m.window_size is None,
-                f"--window-size with --cp-comm-type p2p is not supported; use --cp-comm-type a2a")
+                "--window-size with --cp-comm-type p2p is not supported; use --cp-comm-type a2a")
         require(kind != "p2p" or m.attention_dropout == 0,
                 f"--attention-dropout {m.attention_dropout} with --cp-comm-type p2p is not "
                 f"supported; use --attention-dropout 0 or --cp-comm-type a2a")

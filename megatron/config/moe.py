@@ -97,6 +97,8 @@ class MoEConfig:
         if isinstance(self.moe_layer_freq, str):
             self.moe_layer_freq = parse_layer_freq(self.moe_layer_freq)
         if self.num_experts is None:
+            require(self.moe_ffn_hidden_size is None,
+                    "--moe-ffn-hidden-size needs --num-experts (it is the width of each expert)")
             return
         require(self.num_experts > 0, f"--num-experts must be positive, got {self.num_experts}")
         require(0 < self.moe_router_topk <= self.num_experts,
@@ -118,19 +120,37 @@ class MoEConfig:
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         require(self.moe_aux_loss_coeff >= 0 and (self.moe_z_loss_coeff or 0) >= 0,
                 "--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
-        require(not (self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff),
-                "--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff; set it to 0")
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             value = getattr(self, name)
             require(value is None or value > 0,
                     f"--{name.replace('_', '-')} must be positive, got {value}")
+        self._check_routing()
         self._check_groups()
+
+    def _check_routing(self):
+        """The routing settings Megatron-Core's TransformerConfig refuses."""
+        score, kind = self.moe_router_score_function, self.moe_router_load_balancing_type
+        require(not (kind == "sinkhorn" and self.moe_aux_loss_coeff),
+                "--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff; set it to 0")
+        require(not (kind == "sinkhorn" and self.moe_expert_capacity_factor is not None),
+                "--moe-expert-capacity-factor works with --moe-router-load-balancing-type "
+                "aux_loss, seq_aux_loss or none, not sinkhorn (as in Megatron-Core)")
+        require(not self.moe_router_enable_expert_bias or score == "sigmoid",
+                f"--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                f"(got {score}), as in Megatron-Core's aux-loss-free routing")
+        require(not (self.moe_router_topk == 1 and score == "softmax" and kind != "sinkhorn"
+                     and not self.moe_router_pre_softmax),
+                "--moe-router-topk 1 with --moe-router-score-function softmax needs "
+                "--moe-router-pre-softmax: a softmax over the one selected logit is 1, so the "
+                "router would get no gradient from the loss (Megatron-Core refuses it too)")
 
     def _check_groups(self):
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         if not group_topk:
             return
-        require(groups is not None and groups > 0 and self.num_experts % groups == 0,
+        require(groups is not None, "--moe-router-group-topk needs --moe-router-num-groups "
+                                    "(the expert groups of group-limited routing)")
+        require(groups > 0 and self.num_experts % groups == 0,
                 f"--moe-router-num-groups ({groups}) must divide --num-experts ({self.num_experts})")
         require(0 < group_topk <= groups and self.moe_router_topk % group_topk == 0,
                 f"--moe-router-group-topk ({group_topk}) must be in [1, {groups}] and divide "

@@ -396,7 +396,8 @@ def test_megatron_args_carry_the_moe_model_both_ways():
     from megatron.checkpointing.megatron_legacy import megatron_args, stored_config_from_args
     from megatron.mpu.parallel_state import single_process_state
     cfg = parse("--moe-layer-freq", "([0]*1+[1]*1)*2", "--moe-router-topk", "1",
-                "--moe-aux-loss-coeff", "0.01", "--moe-shared-expert-intermediate-size", "32")
+                "--moe-router-pre-softmax", "--moe-aux-loss-coeff", "0.01",
+                "--moe-shared-expert-intermediate-size", "32")
     args = megatron_args(cfg, single_process_state(), 3, 6, 0)
     assert (args.num_experts, args.moe_router_topk, args.moe_layer_freq) == (8, 1, [0, 1, 0, 1])
     assert args.moe_aux_loss_coeff == 0.01 and args.moe_shared_expert_intermediate_size == 32
@@ -407,3 +408,4 @@ def test_megatron_args_carry_the_moe_model_both_ways():
     assert MoEConfig(**moe).layer_pattern(4) == [0, 1, 0, 1]
     dense = megatron_args(parse_args(BASE[:-2])[0], single_process_state(), 3, 6, 0)
     assert dense.num_experts is None and "moe" not in stored_config_from_args(dense)["model"]
+
