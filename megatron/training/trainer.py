@@ -123,12 +123,13 @@ class Trainer:
         losses = self._run_schedule(iterators, num_micro_batches, False)
         moe_metrics = collect_moe_metrics(self.models, self.pstate, num_micro_batches)
         self._reduce_grads()
+        # Megatron-Core's finalize_model_grads: every step, before the optimizer may skip
+        update_expert_bias(self.models, self.pstate)
         self.timers.start("optimizer")
         applied, grad_norm, overflow = self.optimizer.step()  # applied == not overflow
         self.timers.stop("optimizer")
         if applied:
             self.scheduler.step(self.microbatches.global_batch_size)
-            update_expert_bias(self.models, self.pstate)
         losses = average_losses(losses)
         if losses:  # the last stage reports them, with the MoE fields
             losses.update(moe_metrics)

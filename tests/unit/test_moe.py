@@ -14,6 +14,7 @@ from megatron.model.moe.layer import MoELayer
 from megatron.mpu.parallel_state import ExpertGroups
 from megatron.mpu.topology import ParallelDims
 from tests.gpt_setup import assert_exits_2_with_one_line
+from tests.mcore_setup import have_mcore, run_mcore_script
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--train-iters", "10",
@@ -409,3 +410,103 @@ def test_megatron_args_carry_the_moe_model_both_ways():
     dense = megatron_args(parse_args(BASE[:-2])[0], single_process_state(), 3, 6, 0)
     assert dense.num_experts is None and "moe" not in stored_config_from_args(dense)["model"]
 
+
+MCORE_FINALIZE = """
+import importlib, json, sys, torch
+from megatron.core import parallel_state
+finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+torch.distributed.all_reduce = lambda *a, **k: None  # one rank: the TP x DP x CP sum is itself
+parallel_state.get_tensor_and_data_parallel_group = lambda **k: None
+payload = json.load(sys.stdin)
+
+class Router(torch.nn.Module):  # what finalize_model_grads reads of its TopKRouter
+    def __init__(self, experts):
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(experts))
+        self.register_buffer("local_tokens_per_expert", torch.zeros(experts), persistent=False)
+
+class Config:
+    moe_router_enable_expert_bias = True
+    moe_router_bias_update_rate = payload["rate"]
+    moe_router_load_balancing_type = "aux_loss"
+
+steps = payload["counts"]  # [step][layer][expert]
+model = [torch.nn.Sequential(*[Router(len(steps[0][0])) for _ in steps[0]])]
+biases = []
+for counts in steps:  # its schedules run finalize_model_grads before the optimizer step
+    for router, tokens in zip(model[0], counts):
+        router.local_tokens_per_expert += torch.tensor(tokens)  # TopKRouter._apply_expert_bias
+    finalize._update_router_expert_bias(model, Config)
+    finalize.reset_model_temporary_tensors(Config, model)
+    biases.append([router.expert_bias.tolist() for router in model[0]])
+print(json.dumps(biases))
+"""
+
+
+def _record_bias_updates(monkeypatch):
+    """Per training step, whether the optimizer skipped it; per expert-bias update, the tokens
+    each router's forwards routed, and its counts and bias as the update found and left them."""
+    from megatron.model.moe.layer import moe_layers
+    from megatron.training import trainer
+    steps, skipped, routed = [], [], {}
+    real_update, real_step, real_forward = (trainer.update_expert_bias,
+                                            trainer.Trainer.train_step, R.TopKRouter.forward)
+
+    def update(models, pstate):
+        routers = [layer.router for layer in moe_layers(models)]
+        found = [(r.local_tokens_per_expert.clone(), r.expert_bias.clone()) for r in routers]
+        real_update(models, pstate)
+        steps.append(dict(found=found, routed=[routed.pop(id(r)) for r in routers],
+                          left=[(r.local_tokens_per_expert.clone(), r.expert_bias.clone())
+                                for r in routers]))
+
+    def train_step(self, iterators):
+        out = real_step(self, iterators)
+        skipped.append(out[2])
+        return out
+
+    def forward(self, x, seq_shape):
+        probs, routing_map = real_forward(self, x, seq_shape)
+        if self.training and torch.is_grad_enabled():
+            routed[id(self)] = routed.get(id(self), 0) + routing_map.sum(dim=0).float()
+        return probs, routing_map
+    monkeypatch.setattr(trainer, "update_expert_bias", update)
+    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(R.TopKRouter, "forward", forward)
+    return steps, skipped
+
+
+def test_expert_bias_moves_every_step_skipped_or_not_as_megatron_cores(monkeypatch):
+    """fp16 from a loss scale of 2^24: the first steps overflow and are skipped, the later
+    ones apply. Megatron-Core updates the expert bias in finalize_model_grads, before the
+    optimizer decides to skip, and then resets the counts; so here every step's bias is
+    what its _update_router_expert_bias gives from that step's tokens alone (no carry-over
+    from a skipped step), and bias and counts stay float32 in the fp16 model. With
+    megatron-core installed its own finalize code gives the whole chain of biases."""
+    import pretrain_gpt
+    from tests.gpt_setup import one_thread
+    from tests.unit.test_launch_compat import TINY
+    steps, skipped = _record_bias_updates(monkeypatch)
+    with one_thread():
+        pretrain_gpt.main(TINY + [
+            "--num-layers", "2", "--global-batch-size", "4", "--train-iters", "8",
+            "--num-experts", "4", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias", "--fp16", "--initial-loss-scale", str(2 ** 24),
+            "--hysteresis", "1"])
+    assert True in skipped and False in skipped, skipped
+    assert len(steps) == len(skipped) == 8, "one expert-bias update per step"
+    for step in steps:
+        for (counts, bias), routed, (left, _) in zip(step["found"], step["routed"], step["left"]):
+            assert torch.equal(counts, routed) and counts.sum() == 4 * 16 * 2  # tokens x top-2
+            assert counts.dtype == bias.dtype == torch.float32 and not left.any()
+    for step, after in zip(steps, steps[1:] + [None]):
+        for i, (counts, bias) in enumerate(step["found"]):
+            moved = R.updated_expert_bias(counts, bias, 1e-3)
+            assert torch.equal(step["left"][i][1], moved) and (
+                after is None or torch.equal(after["found"][i][1], moved))
+    if not have_mcore():
+        return
+    theirs = run_mcore_script(MCORE_FINALIZE, {"rate": 1e-3, "counts": [
+        [counts.tolist() for counts, _ in step["found"]] for step in steps]})
+    ours = [[bias.tolist() for _, bias in step["left"]] for step in steps]
+    assert ours == theirs

@@ -16,7 +16,7 @@ import torch
 
 from megatron.model.moe.dispatcher import DISPATCHERS
 from megatron.model.moe.experts import Experts, SharedExpert
-from megatron.model.moe.router import TopKRouter
+from megatron.model.moe.router import TopKRouter, updated_expert_bias
 from megatron.mpu.mappings import (all_reduce, gather_from_sequence_parallel_region, group_rank,
                                    group_size, scatter_to_sequence_parallel_region)
 
@@ -118,13 +118,18 @@ def _loss_names(moe) -> set:
 
 @torch.no_grad()
 def update_expert_bias(models, pstate) -> None:
-    """Aux-loss-free balancing after each step: move each expert's bias by the update
-    rate towards the mean load (tokens of the step summed over DP and CP)."""
-    for layer in moe_layers(models):
-        router = layer.router
-        if router.expert_bias is None:
-            continue
-        counts = all_reduce(router.local_tokens_per_expert.clone(), pstate.dp_cp_group)
-        offset = counts.mean() - counts
-        router.expert_bias += torch.sign(offset) * router.moe.moe_router_bias_update_rate
+    """Aux-loss-free balancing after every step, applied or skipped (Megatron-Core's
+    _update_router_expert_bias in finalize_model_grads): this step's tokens per expert of
+    every MoE layer of this rank, summed over DP and CP in one all-reduce (the TP ranks
+    route the same tokens, so Megatron-Core's sum over TP too scales every count alike),
+    move each bias (updated_expert_bias) and are reset for the next step."""
+    routers = [layer.router for layer in moe_layers(models)
+               if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    counts = all_reduce(torch.stack([r.local_tokens_per_expert for r in routers]),
+                        pstate.dp_cp_group)
+    rate = routers[0].moe.moe_router_bias_update_rate
+    for router, tokens in zip(routers, counts):
+        router.expert_bias.copy_(updated_expert_bias(tokens, router.expert_bias, rate))
         router.local_tokens_per_expert.zero_()

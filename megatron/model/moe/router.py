@@ -36,7 +36,8 @@ class Router(Protocol):
     """The context-parallel group its losses are counted over (enable_context_parallel)."""
     expert_bias: Optional[torch.Tensor]
     """A persistent buffer of per-expert score offsets (aux-loss-free balancing), or None;
-    update_expert_bias moves it after each step from local_tokens_per_expert."""
+    update_expert_bias moves it after every step, applied or skipped, from
+    local_tokens_per_expert (both stay float32 in an fp16/bf16 model)."""
 
     def __call__(self, x: torch.Tensor, seq_shape: Tuple[int, int]) -> Tuple[torch.Tensor,
                                                                               torch.Tensor]:
@@ -209,6 +210,14 @@ def z_loss(logits, coeff: float):
     return torch.logsumexp(logits, dim=-1).square().mean() * coeff
 
 
+def updated_expert_bias(tokens_per_expert, expert_bias, rate: float):
+    """Aux-loss-free balancing (arXiv 2408.15664), Megatron-Core's get_updated_expert_bias:
+    each expert's bias moves by `rate` towards the mean load, up when it took fewer tokens
+    than the mean, down when more, not at all on a tie. [..., E] -> [..., E]."""
+    average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+    return expert_bias + torch.sign(average - tokens_per_expert) * rate
+
+
 class TopKRouter(torch.nn.Module):
     """Gating linear (E x h, replicated) and the routing of one MoE layer."""
 
@@ -229,10 +238,22 @@ class TopKRouter(torch.nn.Module):
                                  persistent=False)
         else:
             self.expert_bias = None
+            self.local_tokens_per_expert = None
         self.metrics = {}
         """Sums over this step's micro batches: load_balancing_loss, z_loss, tokens."""
         self.cp_group = None
         """The context-parallel group (set by enable_context_parallel)."""
+
+    def _apply(self, fn, *args, **kwargs):
+        """Module.to / .half keep the balancing buffers float32, as Megatron-Core's
+        _maintain_float32_expert_bias does: 1e-3 steps of the bias and token counts above
+        2048 are not exact in fp16 or bf16 (and counts over 65504 overflow fp16)."""
+        super()._apply(fn, *args, **kwargs)
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                setattr(self, name, buffer.float())
+        return self
 
     def gating(self, x):
         dtype = _DTYPES.get(self.moe.moe_router_dtype, x.dtype)
