@@ -35,6 +35,14 @@ class OneLineParser(argparse.ArgumentParser):
         fail(message, self.prog)
 
 
+class _JoinWords(argparse.Action):
+    """nargs="+" values joined by spaces: a quoted list and the shell's word-split form of it
+    (an unquoted `${ARGS[@]}` expansion) are the same value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, " ".join(values))
+
+
 def _flag(group, name, section, field=None, **kwargs):
     field = field or name.lstrip("-").replace("-", "_")
     if kwargs.get("action") not in ("store_true", "store_false", "store_const") and "choices" not in kwargs:
@@ -169,7 +177,8 @@ def _add_training_args(parser):
     _flag(g, "--global-batch-size", "training", type=int, default=None)
     _flag(g, "--rampup-batch-size", "training", type=int, nargs=3, default=None,
           metavar=("START", "INCR", "SAMPLES"))
-    _flag(g, "--step-batch-size-schedule", "training", default=None)
+    _flag(g, "--step-batch-size-schedule", "training", nargs="+", action=_JoinWords,
+          default=None)
     _flag(g, "--train-iters", "training", type=int, default=None)
     _flag(g, "--train-samples", "training", type=int, default=None)
     _flag(g, "--seed", "training", type=int, default=1234)

@@ -113,7 +113,8 @@ HELP = {
     "--global-batch-size": "samples per optimizer step over all DP ranks",
     "--rampup-batch-size": "grow the global batch from START by INCR over SAMPLES samples",
     "--step-batch-size-schedule": "global batch as a step function of consumed tokens: "
-                                  "\"0:16 2.4B:320\" (TOKENS may end in K, M, B, T)",
+                                  "\"0:16 2.4B:320\" (TOKENS may end in K, M, B, T; "
+                                  "quoted or as separate words)",
     "--train-iters": "optimizer steps to train (or --train-samples)",
     "--train-samples": "samples to train on (or --train-iters)",
     "--seed": "random seed (default 1234)",

@@ -71,6 +71,22 @@ def test_step_batch_size_schedule_matches_a_hand_computed_table():
     assert total_iterations(c) == 10  # 2 x 5 + 4 x 3 + 8 x 2 = 38 samples
 
 
+def test_step_batch_size_schedule_word_split_is_the_same_schedule():
+    """A launch script that keeps the flag in a bash array and expands it unquoted (as
+    Megatron-LM's examples expand their argument arrays) hands the schedule over as words."""
+    import subprocess
+    script = 'ARGS=(--step-batch-size-schedule "0:2 1K:4, 2K:8" --global-batch-size 8); ' \
+             'printf "%s\\n" ${ARGS[@]}'
+    words = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert words[:5] == ["--step-batch-size-schedule", "0:2", "1K:4,", "2K:8",
+                         "--global-batch-size"]
+    quoted = parse("--step-batch-size-schedule", "0:2 1K:4, 2K:8", "--global-batch-size", "8")
+    split = parse(*words)
+    assert split.training == quoted.training
+    assert split.training.step_batch_size_schedule == "0:2 1K:4, 2K:8"
+
+
 def test_step_batch_size_schedule_errors_are_one_line(capsys):
     for flags, words in ((["0:2 x:4"], "'x:4' is not TOKENS:BATCH"),
                          (["16:2"], "start at 0"),
@@ -178,7 +194,6 @@ def test_multilingual_validation_groups_are_evaluated_and_logged_each(tmp_path, 
 def test_deepspeed_example_falls_back_to_torchrun_without_the_launcher(tmp_path):
     """examples/deepspeed_zero1_gpt.sh without `deepspeed` on PATH says in one line how to
     get it and launches the same flags with torchrun."""
-    import os
     import subprocess
     from tests.conftest import ROOT
     from tests.unit.test_examples import STUB
