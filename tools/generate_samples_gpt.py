@@ -91,7 +91,7 @@ def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams,
     batch (samples done, new tokens per second)."""
     batch_size = config.training.micro_batch_size
     max_positions = config.model.max_position_embeddings
-    records, started = [], time.time()
+    records, started, capped = [], time.time(), False
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         longest = max(max(len(tokenizer.tokenize(p)), 1) for p in batch)
@@ -99,6 +99,12 @@ def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams,
             raise GenerationError(f"a prompt has {longest} tokens; the model takes at most "
                                   f"{max_positions} positions (--max-position-embeddings)")
         new_tokens = min(ns.out_seq_length, max_positions - longest)
+        if new_tokens < ns.out_seq_length and not capped:
+            capped = True
+            _say(f" > --out-seq-length {ns.out_seq_length} exceeds the position limit: a prompt "
+                 f"and its continuation share --max-position-embeddings ({max_positions}) "
+                 f"positions, so a sample gets at most {max_positions} minus its batch's "
+                 f"longest prompt new tokens ({new_tokens} here)")
         outputs = generate(model, tokenizer, batch, new_tokens, greedy=params.greedy,
                            top_k=params.top_k, top_p=params.top_p,
                            temperature=params.temperature, seed=config.training.seed + start,
@@ -107,10 +113,14 @@ def sample_all(model, tokenizer, prompts: List[str], ns, params: SamplingParams,
             records.append({"prompt": prompt, "text": tokenizer.detokenize(ids), "tokens": ids,
                             "finished": len(ids) < new_tokens})
         rate = sum(len(r["tokens"]) for r in records) / max(time.time() - started, 1e-9)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f" generated {len(records)}/{len(prompts)} samples | {rate:.1f} tokens/s",
-                  file=sys.stderr, flush=True)
+        _say(f" generated {len(records)}/{len(prompts)} samples | {rate:.1f} tokens/s")
     return records
+
+
+def _say(line: str) -> None:
+    """A progress or notice line on stderr (stdout holds the samples), from rank 0."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def format_records(records: List[Dict], unconditional: bool) -> str:

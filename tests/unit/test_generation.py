@@ -197,6 +197,21 @@ def test_tool_unconditional_jsonl(checkpoint, tmp_path):
     assert all(r["length"] <= 5 for r in lines)
 
 
+def test_tool_says_once_that_out_seq_length_exceeds_the_position_limit(checkpoint, capsys):
+    """64 positions: --out-seq-length 100 cannot be met after any prompt; one notice says so
+    (not one per batch), and each sample still fills the positions its prompt leaves."""
+    root, _ = checkpoint
+    records = generate_samples_gpt.main(["--load", str(root), "--prompt", "x", "--prompt",
+                                         "Once upon", "--out-seq-length", "100", "--greedy"])
+    assert [len(r["tokens"]) for r in records] == [63, 55]
+    err = capsys.readouterr().err
+    assert err.count("exceeds the position limit") == 1, err
+    assert " > --out-seq-length 100 exceeds the position limit" in err
+    assert "--max-position-embeddings (64)" in err and "(63 here)" in err
+    generate_samples_gpt.main(["--load", str(root), "--prompt", "x", "--out-seq-length", "63"])
+    assert "position limit" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, code, message", [
     (["--prompt", "a", "--top_k", "3", "--top_p", "0.5"], 2, "cannot both"),
     ([], 2, "nothing to generate"),
