@@ -4,8 +4,8 @@
 --zero-stage 1 --distributed-backend gloo` on CPU: the launcher passes --local_rank and
 sets the rendezvous environment; ZeRO 1 runs as our distributed optimizer. The run trains
 and saves, a second launch resumes from the checkpoint, and the resumed losses are those
-of the same 4 iterations in one process. Skipped when DeepSpeed is not installed
-(tests/run_tests.sh installs it).
+of the same 4 iterations in one process; each launch prints every line of its start-up once,
+not once per rank. Skipped when DeepSpeed is not installed (tests/run_tests.sh installs it).
 """
 import json
 import os
@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from tests.conftest import ROOT
+from tests.distributed.test_launch_notices import assert_each_line_once
 from tests.gpt_setup import losses, one_thread
 
 pytestmark = pytest.mark.skipif(shutil.which("deepspeed") is None,
@@ -52,11 +53,13 @@ def test_deepspeed_launcher_trains_saves_and_resumes(tmp_path):
     import pretrain_gpt
     save = str(tmp_path / "ckpt")
     first = launch(tmp_path, "--train-iters", "4", "--save", save, "--exit-interval", "2")
-    assert "ZeRO stage 1 runs as --use-distributed-optimizer" in first
+    assert first.count("ZeRO stage 1 runs as --use-distributed-optimizer") == 1
     assert len(logged_losses(first)) == 2
     resumed = launch(tmp_path, "--train-iters", "4", "--save", save, "--load", save)
     assert f" loading checkpoint from {save} at iteration 2 (format torch, saved at TP 1 x " \
            f"PP 1)" in resumed
+    for out in (first, resumed):  # start-up notices once per launch, not once per rank
+        assert_each_line_once(out)
     assert " training from iteration 2 to 4" in resumed
     with one_thread():
         whole = losses(pretrain_gpt.main(TINY + ["--train-iters", "4", "--micro-batch-size", "1",
