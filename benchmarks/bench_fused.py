@@ -216,7 +216,7 @@ ATTENTION_SHAPES = ((256, 8, 8, 32), (512, 4, 8, 64), (1024, 2, 16, 64), (2048, 
                     (4096, 1, 8, 64))
 
 
-def bench_attention(repeat: int, dropout: float) -> None:
+def bench_attention(repeat: int, dropout: float, max_seq: int = None) -> None:
     """Causal self-attention forward+backward from the views of a fused QKV projection: our
     CPU kernel against what auto runs otherwise, SDPA without dropout, and with dropout
     the explicit path (fused softmax and dropout; SDPA with dropout on a CPU is unfused
@@ -224,6 +224,8 @@ def bench_attention(repeat: int, dropout: float) -> None:
     from megatron.config import ModelConfig
     from megatron.model.transformer import CoreAttention
     for s, b, heads, dim in ATTENTION_SHAPES:
+        if max_seq is not None and s > max_seq:
+            continue
         qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
         cfg = ModelConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
                           seq_length=s, max_position_embeddings=s, padded_vocab_size=64,
@@ -292,6 +294,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
                                            "cross_entropy", "attention", "attention_dropout"),
                         help="time one CPU benchmark only (CUDA ones run in full)")
+    parser.add_argument("--max-seq", type=int, default=None,
+                        help="time attention up to this sequence length only (a smoke test)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -305,10 +309,10 @@ def main() -> None:
     if args.only in (None, "cross_entropy"):
         bench_cross_entropy(args.repeat)
     if args.only in (None, "attention"):
-        bench_attention(args.repeat, 0.0)
+        bench_attention(args.repeat, 0.0, args.max_seq)
     if args.only in (None, "attention_dropout"):
         model_parallel_seed(1234, 0)
-        bench_attention(args.repeat, 0.1)
+        bench_attention(args.repeat, 0.1, args.max_seq)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
 

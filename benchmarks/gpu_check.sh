@@ -14,7 +14,7 @@ PYTHON=${PYTHON:-python}
 if [[ "${GPU_CHECK_TOY:-0}" == 1 ]]; then
     STEP=(--device cpu --layers 2 --hidden 64 --heads 4 --seq 64 --batch 2 --vocab 512
           --reps 2 --steps 1 --warmup 1)
-    FUSED=(--repeat 1 --threads 1)
+    FUSED=(--repeat 1 --threads 1 --max-seq 512)
     LIMIT=120
 else
     STEP=(--device cuda --bf16 --layers 24 --hidden 2048 --heads 16 --seq 2048
