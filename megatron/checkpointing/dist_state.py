@@ -1,9 +1,11 @@
 """This rank's model and optimizer tensors as torch.distributed.checkpoint ShardedTensors.
 
-`Entries` lists every parameter of the rank's model chunks with its Megatron-Core key
-(mcore_keys.py) and its placement in the global tensor (dist_regions.py). From them:
+`Entries` lists every tensor of the rank's model chunks that a checkpoint holds (the
+parameters and the persistent buffers, such as the routers' expert bias, Megatron-Core's
+`decoder.layers.mlp.router.expert_bias` [L, E]) with its Megatron-Core key (mcore_keys.py)
+and its placement in the global tensor (dist_regions.py). From them:
 
-- model regions: the weights (views of the parameters);
+- model regions: the weights and buffers (views of the live tensors);
 - optimizer regions, keys `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>`, in
   model space, so that they re-shard like the weights: the regular optimizer holds whole
   shards, the distributed optimizer its flat pieces (cut into rectangles).
@@ -27,24 +29,33 @@ FP32 = "fp32_param"
 
 @dataclass
 class Entry:
-    param: torch.nn.Parameter
+    tensor: torch.Tensor
+    """A parameter or a persistent buffer (or, for whole models, its full tensor)."""
     place: Placement
     head_copy: bool
+    buffer: bool = False
+    """A persistent buffer: checkpoints saved before buffers were may lack it."""
 
 
 def model_entries(models, pstate, num_layers: int) -> List[Entry]:
-    """Every parameter of this rank's chunks, in the chunks' order."""
+    """Every checkpoint tensor of this rank's chunks (GPTModel.checkpoint_tensors), in the
+    chunks' order."""
     entries = []
     for model in models:
-        global_name = {id(p): name for name, p in model.global_parameter_names().items()}
         meta = model.sharding_metadata()
         stacked = stacks_layers(model.cfg)
-        for name, param in model.named_parameters():
-            key, layer = mcore_key(global_name[id(param)], stacked)
-            place = placement(key, layer, num_layers, tuple(param.shape), meta[name],
+        for name, tensor in model.checkpoint_tensors().items():
+            key, layer = mcore_key(model.global_name(name), stacked)
+            place = placement(key, layer, num_layers, tuple(tensor.shape), meta[name],
                               *split_of(meta[name], pstate))
-            entries.append(Entry(param, place, bool(getattr(param, "shared_embedding", False))))
+            entries.append(Entry(tensor, place, bool(getattr(tensor, "shared_embedding", False)),
+                                 not isinstance(tensor, torch.nn.Parameter)))
     return entries
+
+
+def buffer_keys(entries: List[Entry]) -> List[str]:
+    """The keys of the persistent buffers among `entries`."""
+    return sorted({e.place.key for e in entries if e.buffer})
 
 
 def split_of(meta: dict, pstate) -> Tuple[int, int, int]:
@@ -64,14 +75,14 @@ def _add(regions: dict, shapes: dict, key: str, shape, pieces) -> None:
 
 
 def model_state(entries: List[Entry], rank: int, world: int, saving: bool) -> dict:
-    """{key: ShardedTensor} of the weights (views of the parameters)."""
+    """{key: ShardedTensor} of the weights (views of the parameters and buffers)."""
     regions, shapes = {}, {}
     for e in entries:
         if saving and e.head_copy:
             continue
-        zeros = (0,) * e.param.dim()
+        zeros = (0,) * e.tensor.dim()
         _add(regions, shapes, e.place.key, e.place.global_shape,
-             split_regions(e.place, e.param.detach(), zeros))
+             split_regions(e.place, e.tensor.detach(), zeros))
     return sharded_tensors(regions, shapes, rank, world)
 
 
@@ -89,7 +100,7 @@ class OptimizerTensors:
 
     def __init__(self, optimizer, entries: List[Entry], moments: List[str], fresh: bool):
         self.optimizer, self.moments, self.fresh = optimizer, moments, fresh
-        self.by_param = {id(e.param): e for e in entries}
+        self.by_param = {id(e.tensor): e for e in entries}
         self.tensors: Dict[int, Dict[str, torch.Tensor]] = {}
         """Distributed: piece number -> {name: flat}; regular: param index -> {name: shard}."""
         units = optimizer.pieces if optimizer.is_distributed else optimizer.model_params

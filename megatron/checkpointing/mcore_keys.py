@@ -20,11 +20,12 @@ With dense and MoE layers mixed (--moe-layer-freq a list or above 1) Megatron-Co
 layer on its own, `decoder.layers.<g>.self_attention.linear_qkv.weight` without the layer
 axis (`stacks_layers`), as its TransformerBlock.sharded_state_dict does.
 
-MoE layers: `mlp.router.weight` [L, E, h]; the stacked experts `mlp.experts.linear_fc1.X`
-are Megatron-Core's `decoder.layers.mlp.experts.experts.linear_fc1.X` of shape
-[L, E, ...]: the key and layout that its SequentialMLP, GroupedMLP and TEGroupedMLP share,
-the global expert index being the offset along the axis after the layer axis;
-`shared_experts` keep their names.
+MoE layers: `mlp.router.weight` [L, E, h], and the persistent buffer `mlp.router.expert_bias`
+[L, E] (float32) under the same name, as Megatron-Core's TopKRouter state dict has it; the
+stacked experts `mlp.experts.linear_fc1.X` are Megatron-Core's
+`decoder.layers.mlp.experts.experts.linear_fc1.X` of shape [L, E, ...]: the key and layout
+that its SequentialMLP, GroupedMLP and TEGroupedMLP share, the global expert index being
+the offset along the axis after the layer axis; `shared_experts` keep their names.
 
 The fused QKV rows (query groups of [q heads, k, v]) and the gated MLP's [gate; up] rows
 are the same in both. A name Megatron-Core lacks (e.g. BLOOM's embedding layer norm) keeps

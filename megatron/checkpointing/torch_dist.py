@@ -9,7 +9,9 @@
 
 Every rank writes only its own chunks, with global offsets from the sharding metadata, under
 Megatron-Core's keys (mcore_keys.py, dist_state.py); replicas (DP, replicated parameters) are
-written once. At load every rank asks for the chunks of the layout it runs, whatever the saved
+written once. Persistent buffers are saved as the parameters are (the routers' expert bias:
+Megatron-Core's `decoder.layers.mlp.router.expert_bias`, [L, E]); one that a checkpoint lacks
+(saved before they were) keeps its initial value, with a notice. At load every rank asks for the chunks of the layout it runs, whatever the saved
 TP / PP / DP / virtual-PP layout was, and reads only those: weights and optimizer state
 (fp32 main parameters, both Adam moments, distributed-optimizer pieces) re-shard alike. The
 RNG state is restored when the layout is unchanged. How the directory's files are read,
@@ -74,9 +76,8 @@ class TorchDistFormat:
                                   f"model without one")
         full: Flat = {}
         entries, model = _full_entries(_model_config(config), full)
-        state = dist_state.model_state(entries, 0, 1, saving=False)
-        check_keys(state, SafeReader(found.directory).read_metadata(), found.directory,
-                   "a model weight")
+        saved = SafeReader(found.directory).read_metadata()
+        state = weights_to_read(entries, found.directory, saved, 0, 1)
         load_sharded(found.directory, state)
         stored = dict(common, release=found.release, sharding=model.sharding_metadata())
         stored.setdefault("iteration", found.iteration)
@@ -94,7 +95,7 @@ class TorchDistFormat:
                                   f"another --save directory or remove it")
         config = dict(stored.get("config") or {})
         entries, model = _full_entries(_model_config(config), dict(full))
-        missing = sorted(set(n for n, _ in model.named_parameters()) - set(full))
+        missing = sorted(set(model.checkpoint_tensors()) - set(full))
         if missing:
             raise CheckpointError(f"the checkpoint lacks {missing[0]} of the model of its config")
         parallel = dict(config.get("parallel", {}), tensor_model_parallel_size=1,
@@ -203,11 +204,10 @@ def _fill(found: Found, run: RunState, saved_optim: Optional[dict]):
     tensors: (those tensors, not yet given to the optimizer, whether they include the fp32
     main parameters); (None, False) without."""
     directory, tensors, have_fp32 = found.directory, None, False
-    state, _ = sharded_state(run, saving=False, with_optimizer=False)
+    entries = dist_state.model_entries(run.models, run.pstate, run.config.model.num_layers)
     metadata = SafeReader(directory).read_metadata()
-    check_keys(state, metadata, directory, "a model weight")
+    state = weights_to_read(entries, directory, metadata, collectives.rank(), collectives.world())
     if saved_optim is not None:  # the moments saved, not those of this fresh optimizer
-        entries = dist_state.model_entries(run.models, run.pstate, run.config.model.num_layers)
         tensors = dist_state.OptimizerTensors(run.optimizer, entries, saved_optim["moments"],
                                               fresh=True)
         optim_state = tensors.state(collectives.rank(), collectives.world(), saving=False)
@@ -233,15 +233,29 @@ def _restore_rng(common: dict, run: RunState) -> None:
               "starts from the seed", flush=True)
 
 
+def weights_to_read(entries, directory: str, saved, rank: int, world: int) -> dict:
+    """{key: ShardedTensor} of the weights and buffers of `entries` to read from `directory`,
+    checked against its DCP metadata `saved`. A persistent buffer it lacks (saved before
+    buffers were saved, or by a model without them) keeps the value it has, with a notice."""
+    state = dist_state.model_state(entries, rank, world, saving=False)
+    absent = [k for k in dist_state.buffer_keys(entries) if k not in saved.state_dict_metadata]
+    if absent and rank == 0:
+        print(f" > torch_dist: {directory} holds no {', '.join(absent)} (a buffer, such as the "
+              f"expert bias, that older checkpoints lack): it keeps its initial value",
+              flush=True)
+    state = {k: v for k, v in state.items() if k not in absent}
+    check_keys(state, saved, directory, "a model weight")
+    return state
+
+
 # -- the weights alone, and whole models ---------------------------------------------
 def load_model_weights(directory: str, models, num_layers: int, pstate) -> None:
     """Only the weights of a torch_dist iteration directory (ours or Megatron-Core's), at this
     run's layout: collective over all ranks."""
     with collectives.process_group():
         entries = dist_state.model_entries(models, pstate, num_layers)
-        state = dist_state.model_state(entries, collectives.rank(), collectives.world(),
-                                       saving=False)
-        check_keys(state, SafeReader(directory).read_metadata(), directory, "a model weight")
+        state = weights_to_read(entries, directory, SafeReader(directory).read_metadata(),
+                                collectives.rank(), collectives.world())
         with torch.no_grad():
             load_sharded(directory, state)
 
@@ -278,14 +292,16 @@ def _model_config(config: dict) -> ModelConfig:
 
 
 def _full_entries(cfg: ModelConfig, full: Flat):
-    """Entries over the full tensors `full` (filled with empties from the meta model)."""
+    """Entries over the full tensors `full` of every checkpoint tensor (those it lacks added
+    as zeros: the initial value of the buffers)."""
     model = GPTModel(cfg, device="meta")
     meta = model.sharding_metadata()
     entries = []
-    for name, param in model.named_parameters():
-        full[name] = torch.empty(param.shape, dtype=torch.float32) if name not in full \
-            else full[name]
+    for name, tensor in model.checkpoint_tensors().items():
+        if name not in full:
+            full[name] = torch.zeros(tensor.shape, dtype=torch.float32)
         key, layer = mcore_key(name, stacks_layers(cfg))
         entries.append(dist_state.Entry(full[name], placement(
-            key, layer, cfg.num_layers, tuple(param.shape), meta[name], 0, 1), False))
+            key, layer, cfg.num_layers, tuple(tensor.shape), meta[name], 0, 1), False,
+            not isinstance(tensor, torch.nn.Parameter)))
     return entries, model

@@ -134,21 +134,31 @@ class GPTModel(torch.nn.Module):
         return self.word_embeddings_for_head.weight
 
     # -- initialisation ----------------------------------------------------
-    def global_parameter_names(self) -> Dict[str, torch.nn.Parameter]:
-        """Parameters keyed by layout-independent names (global layer numbers,
-        the head copy named as the embedding it mirrors)."""
+    def global_name(self, name: str) -> str:
+        """The layout-independent name of the state-dict entry `name` (global layer
+        numbers, the head copy named as the embedding it mirrors)."""
+        if name.startswith("word_embeddings_for_head."):
+            return WORD_EMBEDDINGS
         offset = self.language_model.encoder.layer_offset
+        return re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{int(m.group(1)) + offset}.", name)
 
-        def rename(name):
-            if name.startswith("word_embeddings_for_head."):
-                return WORD_EMBEDDINGS
-            return re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{int(m.group(1)) + offset}.", name)
+    def global_parameter_names(self) -> Dict[str, torch.nn.Parameter]:
+        """Parameters keyed by their global names (`global_name`)."""
+        return {self.global_name(name): p for name, p in self.named_parameters()}
 
-        return {rename(name): p for name, p in self.named_parameters()}
+    def checkpoint_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor a checkpoint holds, by state-dict name: the parameters, then the
+        persistent buffers (the routers' expert bias). Non-persistent buffers (position
+        tables, ALiBi slopes, token counts) are rebuilt, never saved."""
+        persistent = self.state_dict(keep_vars=True)
+        tensors: Dict[str, torch.Tensor] = dict(self.named_parameters())
+        tensors.update((name, b) for name, b in self.named_buffers() if name in persistent)
+        return tensors
 
     def sharding_metadata(self) -> Dict[str, dict]:
-        """{state-dict name: how it is split over TP} (megatron.mpu.sharding)."""
-        return {name: parameter_meta(p) for name, p in self.named_parameters()}
+        """{state-dict name: how it is split over TP} (megatron.mpu.sharding) of every
+        checkpoint tensor; buffers are replicated."""
+        return {name: parameter_meta(t) for name, t in self.checkpoint_tensors().items()}
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self.global_parameter_names(), seed, self.tp_group,

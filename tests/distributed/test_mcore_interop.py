@@ -8,7 +8,10 @@ initialised Megatron-Core model with `dist_checkpointing.load` and gives our log
 both ways for an MoE GPT at EP 2 (4 experts with biases, top 2, Megatron-Core's SequentialMLP:
 expert tensors `decoder.layers.mlp.experts.experts.*` of shape [layers, experts, ...]), and for
 one whose first layer is dense (--moe-layer-freq [0, 1]: every layer keyed on its own,
-`decoder.layers.1.mlp.experts.experts.*` of shape [experts, ...]).
+`decoder.layers.1.mlp.experts.experts.*` of shape [experts, ...]), and for one with an expert
+bias (sigmoid scores, aux-loss-free balancing: the router's persistent buffer
+`decoder.layers.mlp.router.expert_bias` [layers, experts], given seeded non-zero values so
+that a bias left at zero changes the routing and the logits).
 """
 import os
 
@@ -45,9 +48,19 @@ def _our_model(tp: int):
     return model.eval(), pstate
 
 
-def _mcore_moe(seed: int, freq=1):
+def _expert_bias(layer: int) -> torch.Tensor:
+    return torch.randn(EXPERTS, generator=torch.Generator().manual_seed(11 + layer)) * 0.05
+
+
+def _bias_settings(bias: bool) -> dict:
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) \
+        if bias else {}
+
+
+def _mcore_moe(seed: int, freq=1, bias=False):
     """Megatron-Core's MoE GPT (local spec, SequentialMLP experts with biases) at EP 2; with
-    `freq` a list, dense and MoE layers mixed (its block spec: one layer spec each)."""
+    `freq` a list, dense and MoE layers mixed (its block spec: one layer spec each); with
+    `bias` an expert bias of sigmoid scores."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
@@ -63,7 +76,7 @@ def _mcore_moe(seed: int, freq=1):
                             activation_func=lambda x: F.gelu(x, approximate="tanh"),
                             num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=32,
                             expert_model_parallel_size=EP, moe_token_dispatcher_type="allgather",
-                            moe_layer_freq=freq)
+                            moe_layer_freq=freq, **_bias_settings(bias))
     spec = (get_gpt_layer_local_spec(num_experts=EXPERTS) if freq == 1
             else get_gpt_decoder_block_spec(cfg, use_transformer_engine=False))
     return GPTModel(cfg, spec, vocab_size=VOCAB,
@@ -71,7 +84,7 @@ def _mcore_moe(seed: int, freq=1):
                     parallel_output=False).eval()
 
 
-def _our_moe(freq=1):
+def _our_moe(freq=1, bias=False):
     from megatron.config import ModelConfig, MoEConfig
     from megatron.model import GPTModel
     from megatron.mpu.parallel_state import initialize_model_parallel
@@ -80,23 +93,27 @@ def _our_moe(freq=1):
                       seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
                       hidden_dropout=0.0, attention_dropout=0.0,
                       moe=MoEConfig(num_experts=EXPERTS, moe_router_topk=2,
-                                    moe_ffn_hidden_size=32, moe_layer_freq=freq))
+                                    moe_ffn_hidden_size=32, moe_layer_freq=freq,
+                                    **_bias_settings(bias)))
     model = GPTModel(cfg, tp_group=pstate.tp_group, expert_groups=pstate.expert_groups(),
                      parallel_output=False)
     return model.eval(), pstate
 
 
-MOE_CASES = {"moe-ep2": 1, "mixed-ep2": [0, 1]}
-"""--moe-layer-freq of each MoE case: every layer MoE (Megatron-Core stacks the layers along a
-leading axis), or a dense first layer (it keys each layer on its own, decoder.layers.<g>.*)."""
+MOE_CASES = {"moe-ep2": (1, False), "mixed-ep2": ([0, 1], False), "bias-ep2": (1, True)}
+"""(--moe-layer-freq, expert bias) of each MoE case: every layer MoE (Megatron-Core stacks the
+layers along a leading axis), or a dense first layer (it keys each layer on its own,
+decoder.layers.<g>.*); an expert bias in every layer."""
 
 
 def _moe_both_ways(workdir, tokens, positions, case: str) -> dict:
     """An MoE GPT at EP 2: Megatron-Core's checkpoint into ours, ours into Megatron-Core."""
     from megatron.checkpointing import torch_dist
     from megatron.core import dist_checkpointing, parallel_state
-    freq = MOE_CASES[case]
-    theirs = _mcore_moe(seed=1, freq=freq)
+    freq, bias = MOE_CASES[case]
+    theirs = _mcore_moe(seed=1, freq=freq, bias=bias)
+    for i, layer in enumerate(theirs.decoder.layers if bias else []):
+        layer.mlp.router.expert_bias.copy_(_expert_bias(i))
     mcore_dir = os.path.join(workdir, f"mcore-{case}")
     if torch.distributed.get_rank() == 0:
         os.makedirs(mcore_dir)
@@ -104,15 +121,17 @@ def _moe_both_ways(workdir, tokens, positions, case: str) -> dict:
     dist_checkpointing.save(theirs.sharded_state_dict(), mcore_dir)
     with torch.no_grad():
         their_logits = theirs(tokens, positions, None)
-    ours, pstate = _our_moe(freq)
+    ours, pstate = _our_moe(freq, bias)
     torch_dist.load_model_weights(mcore_dir, [ours], LAYERS, pstate)
     with torch.no_grad():
         our_logits = ours(tokens, positions)
     out = {f"mcore->ours {case}": (our_logits - their_logits).abs().max().item()}
+    if bias:
+        out[f"zero bias differs {case}"] = _without_bias(ours, tokens, positions, their_logits)
     ours_dir = os.path.join(workdir, f"ours-{case}", "iter_0000001")
     torch_dist.save_model_weights(ours_dir, [ours], LAYERS, pstate)
     parallel_state.destroy_model_parallel()
-    fresh = _mcore_moe(seed=2, freq=freq)
+    fresh = _mcore_moe(seed=2, freq=freq, bias=bias)
     with torch.no_grad():
         out[f"fresh differs {case}"] = (fresh(tokens, positions, None)
                                         - our_logits).abs().max().item()
@@ -121,6 +140,20 @@ def _moe_both_ways(workdir, tokens, positions, case: str) -> dict:
         out[f"ours->mcore {case}"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
     parallel_state.destroy_model_parallel()
     return out
+
+
+@torch.no_grad()
+def _without_bias(ours, tokens, positions, their_logits) -> float:
+    """How far our logits are from Megatron-Core's with the loaded expert bias zeroed (what a
+    load that dropped it gave: the bias matters to this test)."""
+    routers = [layer.mlp.router for layer in ours.language_model.encoder.layers]
+    kept = [router.expert_bias.clone() for router in routers]
+    for router in routers:
+        router.expert_bias.zero_()
+    far = (ours(tokens, positions) - their_logits).abs().max().item()
+    for router, bias in zip(routers, kept):
+        router.expert_bias.copy_(bias)
+    return far
 
 
 def _tokens():
@@ -182,3 +215,5 @@ def test_logits_equal_after_loading(direction, case, spawn2):
     for rank, result in enumerate(spawn2):
         assert result[f"{direction} {case}"] < 1e-6, (rank, result)
         assert result[f"fresh differs {case}"] > 1e-3  # the load did change the model
+        if MOE_CASES.get(case, (1, False))[1]:  # and the expert bias changes the routing
+            assert result[f"zero bias differs {case}"] > 1e-3, (rank, result)

@@ -19,8 +19,9 @@ from typing import Optional
 
 from megatron.checkpointing.fairseq import FairseqError, files, mapping
 from megatron.checkpointing.hf import common as c
-from megatron.checkpointing.hf.convert import (VocabOptions, build_config, check_target_layout,
-                                               read_full_model, sharding_for, write_release)
+from megatron.checkpointing.hf.convert import (TrackedTensors, VocabOptions, build_config,
+                                               check_target_layout, read_full_model,
+                                               sharding_for, write_release)
 from megatron.checkpointing.hf.layouts import pad_rows
 from megatron.checkpointing.tracker import TRACKER
 from megatron.config import Config
@@ -107,9 +108,12 @@ def megatron_to_fairseq(load: str, save: str) -> str:
                            f"settings); only such checkpoints convert back")
     cfg = Config.from_dict(stored).model
     rows = entry["vocab_rows"]
-    flat = {n: t[:rows] if n in (c.WORD, c.OUTPUT) else t for n, t in full.items()}
+    flat = TrackedTensors({n: t[:rows] if n in (c.WORD, c.OUTPUT) else t
+                           for n, t in full.items()})
+    model = mapping.to_fairseq(flat, cfg)
+    flat.refuse_unused("fairseq's transformer_lm", FairseqError)
     args = argparse.Namespace(**entry["args"]) if entry.get("args") else None
-    state = {"args": args, "cfg": entry.get("cfg"), "model": mapping.to_fairseq(flat, cfg),
+    state = {"args": args, "cfg": entry.get("cfg"), "model": model,
              "optimizer_history": entry.get("optimizer_history") or [],
              "extra_state": {}, "last_optimizer_state": None}
     os.makedirs(save, exist_ok=True)

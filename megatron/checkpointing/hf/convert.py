@@ -171,8 +171,9 @@ def read_full_model(load: str):
     return full, resolve_stored_paths(copy.deepcopy(stored["config"]), load)
 
 
-class _Tracked(dict):
-    """A state dict that remembers which tensors were read."""
+class TrackedTensors(dict):
+    """A state dict that remembers which tensors an export read, so that one it could not
+    carry is refused rather than dropped (`refuse_unused`)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -181,6 +182,14 @@ class _Tracked(dict):
     def __getitem__(self, name):
         self.used.add(name)
         return super().__getitem__(name)
+
+    def refuse_unused(self, target: str, error=ConversionError) -> None:
+        """One line naming a tensor that the export to `target` did not read."""
+        unused = sorted(set(self) - self.used)
+        if unused:
+            raise error(f"{len(unused)} tensors have no counterpart in {target}, e.g. "
+                        f"{unused[0]}: {target} cannot carry them; keep the model as a torch "
+                        f"or torch_dist checkpoint, which hold every tensor")
 
 
 def _tokenizer_size(data, load: str) -> int:
@@ -222,12 +231,10 @@ def megatron_to_hf(load: str, save: str, vocab_size: Optional[int] = None) -> st
     full, stored = read_full_model(load)
     arch, hf, rows, files_dir = hf_target(stored, load, vocab_size)
     cfg = Config.from_dict(stored).model
-    flat = _Tracked({name: t[:rows] if name in (WORD, OUTPUT) else t for name, t in full.items()})
+    flat = TrackedTensors({name: t[:rows] if name in (WORD, OUTPUT) else t
+                           for name, t in full.items()})
     weights = FAMILIES[arch].to_hf(flat, hf, cfg)
-    unused = sorted(set(flat) - flat.used)
-    if unused:
-        raise ConversionError(f"{len(unused)} tensors have no Hugging Face counterpart in "
-                              f"{arch}, e.g. {unused[0]}")
+    flat.refuse_unused(f"Hugging Face's {arch}")
     generation = (stored.get("hf") or {}).get("generation_config") or generation_config(None, hf)
     write_hf_dir(save, hf, weights, files_dir, {GENERATION_CONFIG: generation})
     return save
