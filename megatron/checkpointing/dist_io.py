@@ -117,11 +117,23 @@ def _write_checksums(directory: str, rank: int, group=None) -> None:
         io.write_text(os.path.join(directory, CHECKSUMS), text)
 
 
-def verify_checksums(directory: str) -> None:
-    """Every rank checks its share of the files in the manifest; any mismatch stops all."""
+def written_here(common: dict) -> bool:
+    """Whether a common.pt is this framework's (it carries our digest, config or counters).
+    Megatron-Core's (`{}` from `dist_checkpointing.save`, Megatron-LM's args and schedule
+    from a training run) carries none: like Megatron-LM's legacy files it is read unverified,
+    and its directory has no manifest."""
+    return any(key in common for key in (io.CONTENT_DIGEST, "config", "consumed_train_samples"))
+
+
+def verify_checksums(directory: str, required: bool = True) -> None:
+    """Every rank checks its share of the files in the manifest; any mismatch stops all.
+    Without a manifest: refused when `required` (a checkpoint of ours), else nothing to do."""
     path = os.path.join(directory, CHECKSUMS)
     problem = None
-    if os.path.isfile(path):
+    if not os.path.isfile(path) and required:
+        problem = (f"{path} is missing, so the torch_dist checkpoint's files cannot be verified; "
+                   f"restore it, or pass --no-verify-checkpoint to load them unverified")
+    elif os.path.isfile(path):
         with open(path) as f:
             entries = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
         rank, world = collectives.rank(), collectives.world()
@@ -196,7 +208,8 @@ def _publish(root: str, staging: str, final: str) -> None:
 
 
 def read_common(directory: str, verify: bool) -> dict:
-    common = io.load_file(os.path.join(directory, COMMON), verify)
+    common = io.load_file(os.path.join(directory, COMMON), verify,
+                          foreign=lambda state: not written_here(state))
     if not isinstance(common, dict):
         raise CheckpointError(f"{directory}/{COMMON} holds a {type(common).__name__}, not a "
                               f"dict")

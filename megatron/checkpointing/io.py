@@ -7,8 +7,9 @@ or the new complete file. Each file gets a ``<name>.sha256`` sidecar in
 is verified at load when present. Each file also carries ``content_sha256``, a digest
 of everything it holds (tensor bytes, shapes, dtypes and plain values, walked in key
 order), so a file whose sidecar is lost is still verified; a file with neither is
-refused unless --no-verify-checkpoint (files written by Megatron-LM carry neither and
-are read unverified, as there is nothing to check them against). A full disk (ENOSPC)
+refused unless --no-verify-checkpoint (files written by Megatron-LM, and Megatron-Core's
+torch_dist common.pt, carry neither and are read unverified, as there is nothing to check
+them against). A full disk (ENOSPC)
 becomes one CheckpointError naming the directory and the bytes needed; the partial
 file is removed. Temporary files left by killed saves (of processes that no longer
 exist) are removed at the next save.
@@ -18,6 +19,7 @@ import errno
 import hashlib
 import os
 import shutil
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -170,9 +172,12 @@ def verify_checksum(path: str) -> None:
                               f"(--no-verify-checkpoint loads it anyway)")
 
 
-def load_file(path: str, verify: bool = True, mmap: bool = False):
+def load_file(path: str, verify: bool = True, mmap: bool = False,
+              foreign: Optional[Callable[[dict], bool]] = None):
     """torch.load(weights_only=True) of a checkpoint file, with megatron_legacy's allowlist
-    (argparse.Namespace, numpy RNG states); any problem is a one-line CheckpointError."""
+    (argparse.Namespace, numpy RNG states); any problem is a one-line CheckpointError.
+    `foreign(state)`: whether a file without sidecar or digest was written by another
+    framework, and so is read unverified (default: by Megatron-LM, is_megatron_file)."""
     from megatron.checkpointing.megatron_legacy import UnusableCheckpoint, safe_load
     if os.path.isdir(path) or not os.path.exists(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
@@ -189,20 +194,22 @@ def load_file(path: str, verify: bool = True, mmap: bool = False):
         raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first}); it is "
                               f"truncated, corrupt or not a torch checkpoint") from None
     if verify and not os.path.isfile(path + CHECKSUM_SUFFIX):
-        verify_content(path, state)
+        verify_content(path, state, foreign)
     return state
 
 
-def verify_content(path: str, state) -> None:
-    """A file without a sidecar: check its in-file digest; refuse one that has none
-    (unless Megatron-LM wrote it: it never carries one)."""
+def verify_content(path: str, state, foreign: Optional[Callable[[dict], bool]] = None) -> None:
+    """A file without a sidecar: check its in-file digest; refuse one that has none, unless
+    another framework wrote it (`foreign`, default Megatron-LM's files): theirs never carry
+    one, and there is nothing to check them against."""
     from megatron.checkpointing.megatron_legacy import is_megatron_file
+    foreign = foreign or is_megatron_file
     if isinstance(state, dict) and CONTENT_DIGEST in state:
         if content_digest(state) != state[CONTENT_DIGEST]:
             raise CheckpointError(f"{path} does not match the digest it carries (and its "
                                   f"{CHECKSUM_SUFFIX} sidecar is missing): the file is corrupt; "
                                   f"restore it or load an earlier iteration")
-    elif not (isinstance(state, dict) and is_megatron_file(state)):
+    elif not (isinstance(state, dict) and foreign(state)):
         raise CheckpointError(f"{path} has no checksum sidecar ({os.path.basename(path)}"
                               f"{CHECKSUM_SUFFIX}) and no in-file digest, so it cannot be "
                               f"verified; restore the sidecar, or pass --no-verify-checkpoint "

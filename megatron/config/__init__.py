@@ -140,7 +140,7 @@ class Config:
                 f"ALiBi (--position-embedding-type alibi) is not supported with "
                 f"--context-parallel-size {cp}; use rope")
         require(kind != "p2p" or m.window_size is None,
-                f"--window-size with --cp-comm-type p2p is not supported; use --cp-comm-type a2a")
+                "--window-size with --cp-comm-type p2p is not supported; use --cp-comm-type a2a")
         require(kind != "p2p" or m.attention_dropout == 0,
                 f"--attention-dropout {m.attention_dropout} with --cp-comm-type p2p is not "
                 f"supported; use --attention-dropout 0 or --cp-comm-type a2a")
@@ -181,7 +181,8 @@ class Config:
         kwargs = {"hf": values.get("hf")}
         for name, section in SECTIONS.items():
             known = {sf.name for sf in fields(section)}
-            kwargs[name] = section(**{k: v for k, v in values.get(name, {}).items() if k in known})
+            if values.get(name) is not None:  # else the default (a config from Megatron's args)
+                kwargs[name] = section(**{k: v for k, v in values[name].items() if k in known})
         return cls(**kwargs)
 
 

@@ -99,10 +99,12 @@ def _run_state(trainer: Trainer) -> RunState:
 def _load(trainer: Trainer, config, pstate) -> None:
     """Resume (or start fine-tuning) from --load, with Megatron's two log lines."""
     root, state = config.checkpoint.load, trainer.state
-    if api.detect(root) is None:
+    found = api.detect(root)
+    if found is None:
         print_rank_0(f" no checkpoint found at {root}; starting from scratch")
         return
-    print_rank_0(f" loading checkpoint from {api.summary(root)}")
+    for line in api.loading_lines(found):
+        print_rank_0(line)
     state.iteration, state.consumed_train, state.consumed_valid = api.load(
         root, _run_state(trainer))
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {state.iteration}")

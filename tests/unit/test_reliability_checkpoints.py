@@ -131,6 +131,8 @@ LOAD_CASES = [
      "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
     ("nan weight", nan_weight, [], "parameter language_model.encoder.layers.1.mlp.dense_4h_to_h.weight "
      "holds 1 nan/inf values"),
+    ("no tracker beside the iteration", lambda r: os.remove(r / "latest_checkpointed_iteration.txt"),
+     [], f"holds {ITER} but no latest_checkpointed_iteration.txt; pass --load "),
     ("hidden size", None, ["--hidden-size", "64"], "--hidden-size 64 does not match"),
     ("heads", None, ["--num-attention-heads", "2"], "--num-attention-heads 2 does not match"),
     ("layers", None, ["--num-layers", "4"], "--num-layers 4 does not match"),
@@ -302,10 +304,69 @@ def test_merge_mp_partitions_checks_every_shape(saved, tmp_path, capsys):
     encoder["layers.1.mlp.dense_h_to_4h.weight"] = encoder["layers.1.mlp.dense_h_to_4h.weight"][:100]
     checkpoint_io.save_file(state, model_file(root))
     capsys.readouterr()
-    assert merge_mp_partitions.main(["--load", str(root), "--save", str(tmp_path / "bad")]) == 1
+    assert merge_mp_partitions.main(["--load", str(root), "--save", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "layers.1.mlp.dense_h_to_4h.weight: the merged checkpoint " \
         "has shape (100, 32)" in err and "needs (128, 32)" in err, err
+
+
+@pytest.mark.parametrize("damage, words", [
+    (tracker_names_another_iteration, "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
+    (nan_weight, "parameter language_model.encoder.layers.1.mlp.dense_4h_to_h.weight holds 1 "
+                 "nan/inf values"),
+    (flip_bytes, "does not match its checksum"),
+    (flip_tensor_bytes_without_sidecar, "does not match the digest it carries"),
+], ids=["iteration", "nan weight", "flipped bytes", "flipped, no sidecar"])
+def test_merge_mp_partitions_runs_the_load_checks(saved, tmp_path, capsys, damage, words):
+    """What --load refuses, merge_mp_partitions refuses: one line, exit 2, nothing written."""
+    from tools import merge_mp_partitions
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved[0] / "ckpt", root)
+    damage(root)
+    capsys.readouterr()
+    for fmt in ("torch", "torch_dist"):
+        out = tmp_path / f"out-{fmt}"
+        assert merge_mp_partitions.main(["--load", str(root), "--save", str(out),
+                                         "--ckpt-format", fmt]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+        assert not out.exists()
+
+
+def test_an_iteration_directory_given_itself_resumes_as_its_root(saved, capsys):
+    from tests.gpt_setup import losses
+    out, prefix = saved
+    longer = ["--override-opt_param-scheduler"]  # 3 iterations, where 2 were planned
+    via_root = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", out / "ckpt", *longer,
+                                           iters=3))
+    capsys.readouterr()
+    given = out / "ckpt" / ITER
+    direct = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", given, *longer, iters=3))
+    assert [h["iteration"] for h in direct.history] == [3]
+    assert losses(direct) == losses(via_root)
+    assert f" > {given} has no latest_checkpointed_iteration.txt: it is loaded as one torch " \
+           f"checkpoint directory, iteration 2" in capsys.readouterr().out
+
+
+def test_torch_dist_of_ours_without_its_manifest_is_refused(tmp_path, capsys):
+    """Our torch_dist checkpoint always has checksums.sha256; one without it is refused (unless
+    --no-verify-checkpoint), whereas Megatron-Core's, which never has one, loads."""
+    prefix = byte_dataset(tmp_path)
+    root = tmp_path / "dist"
+    flags = ["--ckpt-format", "torch_dist"]
+    pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--save", root, iters=2))
+    os.remove(root / ITER / "checksums.sha256")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--load", root, iters=3))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{root / ITER / 'checksums.sha256'} is missing, so the torch_dist checkpoint's files " \
+           f"cannot be verified" in err, err
+    state = pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--load", root,
+                                        "--no-verify-checkpoint", "--override-opt_param-scheduler",
+                                        iters=3))
+    assert [h["iteration"] for h in state.history] == [3]
 
 
 def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
