@@ -17,6 +17,7 @@ from megatron.model import GPTModel  # noqa: E402
 from megatron.model.context_parallel import split_batch_for_cp  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
 from megatron.training.checkpoint_setup import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
+from megatron.checkpointing import api  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
@@ -128,7 +129,8 @@ def setup(argv=None):
     config, _ = parse_args(argv, parser=parser, required=REQUIRED)
     tokenizer = build_tokenizer_and_vocab(config, stored)
     if stored:
-        carry_origin(config, stored, config.checkpoint.load, int(os.environ.get("RANK", "0")))
+        root = api.found_or_error(config.checkpoint.load).root  # also for --load DIR/iter_N
+        carry_origin(config, stored, root, int(os.environ.get("RANK", "0")))
     return config, tokenizer
 
 
