@@ -17,6 +17,7 @@
     collectives.py      barriers and gathers that also run in one plain process
     rng.py              the RNG state a checkpoint carries
     model_file.py       one rank's model_optim_rng.pt: paths, Megatron's nested layout, checks
+    finite.py           nan/inf refused at load: weights and optimizer state, named
     megatron_legacy.py  Megatron-LM files read and written in their format (versions 0 to 3)
     reshard.py          whole models from per-rank files and cut for another TP / PP / EP
     experts.py          expert parallelism in per-rank files (EP merge / split, expert TP)

@@ -28,7 +28,7 @@ from megatron.checkpointing.formats import Counters, Flat, Found, RunState, Targ
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.mcore_keys import mcore_key, stacks_layers
 from megatron.checkpointing.megatron_legacy import stored_config_from_args
-from megatron.checkpointing.model_file import finite_model_state
+from megatron.checkpointing.finite import check_finite_optimizer, finite_model_state
 from megatron.checkpointing.reshard import WORD
 from megatron.checkpointing.rng import rng_state, set_rng_state
 from megatron.checkpointing.tracker import CHECKPOINT_VERSION, iteration_dir
@@ -189,6 +189,7 @@ def _load(found: Found, run: RunState) -> Counters:
         load = (dist_state.load_distributed if run.optimizer.is_distributed
                 else dist_state.load_regular)
         load(run.optimizer, tensors, saved_optim, have_fp32)
+        check_finite_optimizer(run.optimizer, run.models, found.root)
         run.scheduler.load_state_dict(common["opt_param_scheduler"])
     _restore_rng(common, run)
     return (int(common["iteration"]), int(common.get("consumed_train_samples", 0)),

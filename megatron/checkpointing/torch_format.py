@@ -29,8 +29,9 @@ from typing import Any, Dict, Optional
 from megatron.checkpointing import collectives, io, megatron_legacy, reshard
 from megatron.checkpointing.formats import Counters, Found, RunState, Target
 from megatron.checkpointing.io import CheckpointError
-from megatron.checkpointing.model_file import (check_layout, finite_model_state,
-                                               first_rank_file, is_chunk_key, load_into_models,
+from megatron.checkpointing.finite import check_finite_optimizer, finite_model_state
+from megatron.checkpointing.model_file import (check_layout, first_rank_file, is_chunk_key,
+                                               load_into_models,
                                                model_key, rank_file, read_model_file, shard_files,
                                                shard_path, sharding_of, tokenizer_file_digests,
                                                to_megatron_layout)
@@ -238,6 +239,7 @@ def _load_optimizer(found: Found, state: dict, run: RunState) -> None:
     except (ValueError, KeyError, IndexError) as err:
         raise CheckpointError(f"optimizer state in {found.root} does not fit this run: "
                               f"{str(err).splitlines()[0]}") from err
+    check_finite_optimizer(optimizer, run.models, found.root)
 
 
 def _rank_dir(found: Found, pstate) -> str:

@@ -17,7 +17,7 @@ from megatron.checkpointing import io as checkpoint_io
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.megatron_legacy import safe_load
 from tests.gpt_setup import one_thread
-from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
+from tests.reliability_setup import byte_dataset, tiny_argv
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +105,14 @@ def tracker_names_another_iteration(root):
     (root / "latest_checkpointed_iteration.txt").write_text("6")
 
 
+def nan_adam_state(root, kind="exp_avg", value=float("nan")):
+    """One nan in the Adam state of a parameter (a valid sidecar: the state is the problem)."""
+    state = safe_load(model_file(root))
+    moments = state["optimizer"]["optimizer"]["state"]
+    moments[sorted(moments)[0]][kind].view(-1)[5] = value
+    checkpoint_io.save_file(state, model_file(root))
+
+
 def nan_weight(root):
     state = safe_load(model_file(root))
     state["model"]["language_model"]["encoder"]["layers.1.mlp.dense_4h_to_h.weight"][3, 1] = float("nan")
@@ -131,6 +139,11 @@ LOAD_CASES = [
      "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
     ("nan weight", nan_weight, [], "parameter language_model.encoder.layers.1.mlp.dense_4h_to_h.weight "
      "holds 1 nan/inf values"),
+    ("nan in the adam state", nan_adam_state, [], "optimizer state exp_avg of "
+     "language_model.embedding.word_embeddings.weight holds 1 nan/inf values"),
+    ("inf in the adam state", lambda r: nan_adam_state(r, "exp_avg_sq", float("inf")), [],
+     "optimizer state exp_avg_sq of language_model.embedding.word_embeddings.weight holds 1 "
+     "nan/inf values"),
     ("no tracker beside the iteration", lambda r: os.remove(r / "latest_checkpointed_iteration.txt"),
      [], f"holds {ITER} but no latest_checkpointed_iteration.txt; pass --load "),
     ("hidden size", None, ["--hidden-size", "64"], "--hidden-size 64 does not match"),
@@ -158,6 +171,7 @@ def test_every_load_problem_is_one_line_exit_2(saved, tmp_path, capsys, name, da
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert words in err, err
+    assert "check the model flags" not in err, err  # never re-worded as a flag mismatch
     assert not (root / "pwned").exists()
 
 
@@ -369,6 +383,33 @@ def test_torch_dist_of_ours_without_its_manifest_is_refused(tmp_path, capsys):
     assert [h["iteration"] for h in state.history] == [3]
 
 
+def test_nan_in_torch_dist_optimizer_state_is_refused_at_load(tmp_path, capsys):
+    """A torch_dist checkpoint whose Adam state holds a nan (re-written through DCP's own
+    converters): refused at load naming the state, not trained on."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    prefix = byte_dataset(tmp_path)
+    root, flags = tmp_path / "dist", ["--ckpt-format", "torch_dist", "--no-verify-checkpoint"]
+    pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--save", root, iters=2))
+    directory, full = root / ITER, tmp_path / "full.pt"
+    dcp_to_torch_save(directory, full)
+    state = torch.load(full, weights_only=True)
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight"
+    state[key].view(-1)[7] = float("nan")
+    torch.save(state, full)
+    for name in os.listdir(directory):
+        if name.endswith(".distcp") or name == ".metadata":
+            os.remove(directory / name)
+    torch_save_to_dcp(full, directory)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--load", root,
+                                    "--override-opt_param-scheduler", iters=3))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "optimizer state exp_avg of language_model.encoder.layers." in err, err
+    assert "mlp.dense_4h_to_h.weight holds 1 nan/inf values" in err, err
+
+
 def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
     """A GPT-2-sized checkpoint with a byte-level tokenizer (same tokenizer type stored)."""
     from megatron.arguments import parse_args
@@ -446,7 +487,8 @@ def test_fuzzed_checkpoint_mutations_are_refused(saved, tmp_path, capsys):
     a nan/inf weight, a stored iteration other than the tracker's): each is one CheckpointError
     line, or (a flip that left the content whole) loads exactly the original tensors."""
     from megatron.checkpointing import api
-    from megatron.checkpointing.model_file import finite_model_state, from_megatron_layout
+    from megatron.checkpointing.finite import finite_model_state
+    from megatron.checkpointing.model_file import from_megatron_layout
     from megatron.checkpointing.torch_format import read_rank_file
     from megatron.mpu import single_process_state
     out, _ = saved
