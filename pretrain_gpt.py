@@ -21,7 +21,7 @@ from megatron.checkpointing import api  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.pretrain import owned_run_paths, pretrain  # noqa: E402
+from megatron.training.pretrain import check_run_paths, held_save_lock, pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
 
@@ -140,15 +140,16 @@ def main(argv=None):
         return _run(argv)
     except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError,
             PermissionError) as err:
-        fail(str(err))
+        fail(str(err), agreed=getattr(err, "agreed", False))
     except RUN_FAILURES as err:
         exit_on_run_failure(err)
 
 
 def _run(argv):
     config, tokenizer = setup(argv)
-    with owned_run_paths(config):
-        pstate, device = initialize_distributed(config)
+    check_run_paths(config)
+    pstate, device = initialize_distributed(config)
+    with held_save_lock(config):
         if config.training.fp16 and device.type == "cpu":
             print_rank_0(" WARNING: --fp16 on a CPU runs 7-10x slower than fp32 (no fp16 matmul "
                          "kernels); use --bf16 or fp32")

@@ -14,7 +14,8 @@
   what the formats share:
     tracker.py          latest_checkpointed_iteration.txt and iteration directories
     io.py               durable files: temp name + fsync + rename, sha256 sidecars, ENOSPC
-    collectives.py      barriers and gathers that also run in one plain process
+    collectives.py      barriers and gathers that also run in one plain process; `agreed`:
+                        a failure on one rank raised on every rank (no rank left in a barrier)
     rng.py              the RNG state a checkpoint carries
     model_file.py       one rank's model_optim_rng.pt: paths, Megatron's nested layout, checks
     finite.py           nan/inf refused at load: weights and optimizer state, named

@@ -31,7 +31,14 @@ CONTENT_DIGEST = "content_sha256"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used or written; the message says why and what to do."""
+    """A checkpoint cannot be used or written; the message says why and what to do.
+
+    `agreed`: every rank of the run raises it together (collectives.agreed), so the entry
+    point lets rank 0 alone print it, and every rank exits 2."""
+
+    def __init__(self, message: str = "", agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 class _CountingSink:
@@ -48,11 +55,14 @@ class _CountingSink:
         pass
 
 
-def _no_space(directory: str, needed: int) -> CheckpointError:
-    free = shutil.disk_usage(directory).free
-    return CheckpointError(f"no space left on device in {directory}: the checkpoint file needs "
-                           f"{needed} bytes and {free} are free; the partial file was removed and "
-                           f"the previous checkpoint stays the one to resume from")
+def no_space(directory: str, needed: int, what: str = "the checkpoint file",
+             removed: str = "the partial file was removed", freed: int = 0) -> CheckpointError:
+    """The one line of a full disk (ENOSPC): what needed how many bytes, how many are free
+    (plus `freed`, what the clean-up gives back), what was removed."""
+    free = shutil.disk_usage(directory).free + freed
+    return CheckpointError(f"no space left on device (ENOSPC) in {directory}: {what} needs "
+                           f"{needed} bytes and {free} are free; {removed} and the previous "
+                           f"checkpoint stays the one to resume from")
 
 
 def _write_durably(path: str, write) -> str:
@@ -63,7 +73,7 @@ def _write_durably(path: str, write) -> str:
         return write_durably(path, write, invalidates=[path + CHECKSUM_SUFFIX])
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise _no_space(os.path.dirname(path) or ".", _bytes_needed(write)) from None
+            raise no_space(os.path.dirname(path) or ".", _bytes_needed(write)) from None
         raise
 
 

@@ -86,16 +86,17 @@ class TorchFormat:
         return {"files": files, "stale_shards": stale, "tracker": pstate.rank == 0}
 
     def write(self, root: str, iteration: int, snapshot: dict) -> None:
-        for path, obj in snapshot["files"]:
-            io.save_file(obj, path)
-        if snapshot["stale_shards"] is not None:
-            directory, size = snapshot["stale_shards"]
-            for stale in shard_files(directory, from_rank=size):
-                os.remove(stale)  # shards of a larger DP size saved here before
-        collectives.barrier()
-        if snapshot["tracker"]:
-            write_tracker(root, iteration)
-        collectives.barrier()
+        what = f"saving iteration {iteration} to {root}"
+        with collectives.agreed(what):  # a failure anywhere (a full disk) stops every rank
+            for path, obj in snapshot["files"]:
+                io.save_file(obj, path)
+            if snapshot["stale_shards"] is not None:
+                directory, size = snapshot["stale_shards"]
+                for stale in shard_files(directory, from_rank=size):
+                    os.remove(stale)  # shards of a larger DP size saved here before
+        with collectives.agreed(what):
+            if snapshot["tracker"]:
+                write_tracker(root, iteration)
 
     # -- load -------------------------------------------------------------------------
     def load(self, found: Found, run: RunState) -> Counters:

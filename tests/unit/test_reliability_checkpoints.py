@@ -17,7 +17,7 @@ from megatron.checkpointing import io as checkpoint_io
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.megatron_legacy import safe_load
 from tests.gpt_setup import one_thread
-from tests.reliability_setup import byte_dataset, tiny_argv
+from tests.reliability_setup import byte_dataset, small_tmpfs, tiny_argv, tree_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -244,15 +244,34 @@ def test_full_disk_simulated(tmp_path, monkeypatch):
 
 
 def test_full_disk_on_a_small_tmpfs(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (the simulated ENOSPC test covers it)")
-    try:
-        _check_full_disk(str(mount))
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    with small_tmpfs(tmp_path / "small", 256 * 1024) as mount:
+        _check_full_disk(mount)
+
+
+def test_torch_dist_full_disk_on_a_small_tmpfs(tmp_path):
+    """A tmpfs with room for one torch_dist checkpoint and a half: the second save ends the
+    run in one line naming ENOSPC (exit 2), its staging directory is gone, and the first
+    checkpoint is still the tracked, verified one to resume from."""
+    from tests.reliability_setup import run_entry
+    prefix = byte_dataset(tmp_path)
+    flags = ["--ckpt-format", "torch_dist", "--save-interval", "1", "--num-workers", "0"]
+    pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--save",
+                                tmp_path / "sized", iters=1))
+    room = 3 * tree_bytes(tmp_path / "sized") // 2
+    with small_tmpfs(tmp_path / "small", room - room % 4096) as mount:
+        save = os.path.join(mount, "ckpt")
+        rc, err, _ = run_entry(tiny_argv(prefix, tmp_path / "cache", *flags, "--save", save,
+                                         iters=2), timeout=120)
+        assert rc == 2 and len(err) == 1, (rc, err)
+        assert err[0].startswith(f"pretrain_gpt.py: error: no space left on device (ENOSPC) in "
+                                 f"{save}: .iter_0000002.torch_dist.tmp (rank 0's torch_dist "
+                                 f"files) needs "), err
+        assert "the staging directory was removed" in err[0], err
+        assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+        assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "1"
+        state = pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags[:2], "--load",
+                                            save, "--override-opt_param-scheduler", iters=2))
+        assert [h["iteration"] for h in state.history] == [2]  # resumed from the verified one
 
 
 def _save_forever(root, iteration, trainer, config, pstate):
