@@ -90,12 +90,17 @@ def _untracked(directory: str, model: Optional[dict]) -> Optional[Found]:
 
 
 def _refuse_untracked_iterations(root: str) -> None:
-    held = sorted(name for name in os.listdir(root) if named_iteration(name)
+    """A directory without a tracker that holds checkpoint directories is never taken for an
+    empty one: refused, naming the one to pass (the latest iteration, else the first)."""
+    held = sorted(name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))
                   and detect_directory(os.path.join(root, name)) is not None)
     if held:
+        iterations = sorted((named_iteration(name)[0], name) for name in held
+                            if named_iteration(name))
+        chosen = iterations[-1][1] if iterations else held[0]
         raise CheckpointError(f"{root} holds {', '.join(held)} but no {TRACKER}; pass --load "
-                              f"{os.path.join(root, held[-1])} to load that iteration, or "
-                              f"restore the tracker")
+                              f"{os.path.join(root, chosen)} to load that checkpoint directory, "
+                              f"or restore the tracker")
 
 
 def notice(found: Found) -> Optional[str]:

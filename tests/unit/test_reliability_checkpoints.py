@@ -146,6 +146,9 @@ LOAD_CASES = [
      "nan/inf values"),
     ("no tracker beside the iteration", lambda r: os.remove(r / "latest_checkpointed_iteration.txt"),
      [], f"holds {ITER} but no latest_checkpointed_iteration.txt; pass --load "),
+    ("a checkpoint directory of another name, no tracker", lambda r: (
+        os.remove(r / "latest_checkpointed_iteration.txt"), os.rename(r / ITER, r / "best")),
+     [], "holds best but no latest_checkpointed_iteration.txt; pass --load "),
     ("hidden size", None, ["--hidden-size", "64"], "--hidden-size 64 does not match"),
     ("heads", None, ["--num-attention-heads", "2"], "--num-attention-heads 2 does not match"),
     ("layers", None, ["--num-layers", "4"], "--num-layers 4 does not match"),
