@@ -17,10 +17,11 @@ from megatron.model import GPTModel  # noqa: E402
 from megatron.model.context_parallel import split_batch_for_cp  # noqa: E402
 from megatron.mpu.mappings import all_reduce, group_size  # noqa: E402
 from megatron.training.checkpoint_setup import build_tokenizer_and_vocab, stored_defaults  # noqa: E402
+from megatron.checkpointing import api  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.pretrain import owned_run_paths, pretrain  # noqa: E402
+from megatron.training.pretrain import check_run_paths, held_save_lock, pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
 
@@ -128,7 +129,8 @@ def setup(argv=None):
     config, _ = parse_args(argv, parser=parser, required=REQUIRED)
     tokenizer = build_tokenizer_and_vocab(config, stored)
     if stored:
-        carry_origin(config, stored, config.checkpoint.load, int(os.environ.get("RANK", "0")))
+        root = api.found_or_error(config.checkpoint.load).root  # also for --load DIR/iter_N
+        carry_origin(config, stored, root, int(os.environ.get("RANK", "0")))
     return config, tokenizer
 
 
@@ -138,15 +140,16 @@ def main(argv=None):
         return _run(argv)
     except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError,
             PermissionError) as err:
-        fail(str(err))
+        fail(str(err), agreed=getattr(err, "agreed", False))
     except RUN_FAILURES as err:
         exit_on_run_failure(err)
 
 
 def _run(argv):
     config, tokenizer = setup(argv)
-    with owned_run_paths(config):
-        pstate, device = initialize_distributed(config)
+    check_run_paths(config)
+    pstate, device = initialize_distributed(config)
+    with held_save_lock(config):
         if config.training.fp16 and device.type == "cpu":
             print_rank_0(" WARNING: --fp16 on a CPU runs 7-10x slower than fp32 (no fp16 matmul "
                          "kernels); use --bf16 or fp32")

@@ -22,24 +22,35 @@ def temp_name(path: str) -> str:
     return f"{path}.tmp.{os.getpid()}"
 
 
-class HashingWriter:
-    """A file wrapper that hashes what passes through and keeps the first OSError (torch.save
-    replaces it with a generic RuntimeError)."""
+class KeepsWriteError:
+    """A file wrapper that keeps the first OSError a write met (torch.save replaces it with a
+    generic RuntimeError, which no longer says ENOSPC)."""
 
     def __init__(self, file):
-        self.file, self.sha256, self.error = file, hashlib.sha256(), None
+        self.file, self.error = file, None
 
     def write(self, data) -> int:
         try:
-            written = self.file.write(data)
+            return self.file.write(data)
         except OSError as err:
             self.error = self.error or err
             raise
-        self.sha256.update(data)
-        return written
 
     def flush(self) -> None:
         self.file.flush()
+
+
+class HashingWriter(KeepsWriteError):
+    """A file wrapper that hashes what passes through and keeps the first OSError."""
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        written = super().write(data)
+        self.sha256.update(data)
+        return written
 
 
 def fsync_dir(directory: str) -> None:

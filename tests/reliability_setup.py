@@ -1,4 +1,5 @@
 """A tiny byte-level GPT run (no reference data needed), shared by the reliability tests."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -33,6 +34,28 @@ def tiny_argv(prefix, cache, *extra, iters=4, layers=2, hidden=32, heads=4, seq=
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
             "--num-workers", "0", "--data-cache-path", str(cache), "--hidden-dropout", "0",
             "--attention-dropout", "0", "--use-cpu-initialization", "--seed", "1234", *map(str, extra)]
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory, size: int):
+    """A tmpfs of `size` bytes mounted on `directory` for the block (a real full disk: we run
+    as root here); the test is skipped, with one line, where mounting is not allowed."""
+    import pytest
+    os.makedirs(directory, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(directory)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(mounted.stderr.strip() or 'mount failed')})")
+    try:
+        yield str(directory)
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def tree_bytes(directory) -> int:
+    """The bytes of the files under `directory`."""
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(directory)
+               for n in names)
 
 
 def one_thread_env():
@@ -90,12 +113,13 @@ def session_processes(sid: int) -> list:
 
 
 # Run pretrain_gpt.py with a disk that fills up after 100 kB of checkpoint data
-# (the real ENOSPC code path of megatron.checkpointing.io; argv from the command line).
+# (the real ENOSPC code path of megatron.files, where checkpoint files are opened for
+# writing, and of megatron.checkpointing.io; argv from the command line).
 FULL_DISK_RUN = """
 import errno, sys
 sys.argv[0] = "pretrain_gpt.py"
 import pretrain_gpt
-from megatron.checkpointing import io
+from megatron import files
 
 class Full:
     def __init__(self, f): self.f, self.room = f, 100_000
@@ -109,6 +133,6 @@ class Full:
     def __exit__(self, *exc): self.f.close()
 
 real_open = open
-io.open = lambda path, mode="r": Full(real_open(path, mode))
+files.open = lambda path, mode="r": Full(real_open(path, mode))
 pretrain_gpt.main(sys.argv[1:])
 """

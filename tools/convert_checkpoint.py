@@ -6,6 +6,9 @@
     python tools/convert_checkpoint.py --from fairseq --to megatron --load DIR/model.pt \\
         --save CKPT [--fairseq-dict dict.txt --vocab-file encoder.json --merge-file vocab.bpe]
     python tools/convert_checkpoint.py --from megatron --to fairseq --load CKPT --save DIR
+    python tools/convert_checkpoint.py --from megatron --to hf --load MCORE_DIR --save HF_DIR \
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 16 \
+        --hf-vocab-size 128    # a checkpoint that stores no configuration: its model flags
 
 fairseq: a single model.pt or its model-parallel partitions DIR/model-model_part-K.pt
 (--load DIR/model.pt or DIR finds them) with the dict.txt beside it; the rows stay in
@@ -34,6 +37,7 @@ from megatron.checkpointing.hf.convert import (VocabOptions, hf_to_megatron,  # 
                                                megatron_to_hf)
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.reshard import ReshardError  # noqa: E402
+from megatron.training.checkpoint_setup import model_from_flags  # noqa: E402
 
 DIRECTIONS = {("hf", "megatron"), ("megatron", "hf"), ("fairseq", "megatron"),
               ("megatron", "fairseq")}
@@ -69,14 +73,14 @@ def get_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def convert(args) -> str:
+def convert(args, model=None) -> str:
     if (args.source, args.target) not in DIRECTIONS:
         raise ConversionError(f"--from {args.source} --to {args.target}: convert between hf "
                               f"or fairseq and megatron")
     if args.target == "fairseq":
         return megatron_to_fairseq(args.load, args.save)
     if args.target == "hf":
-        return megatron_to_hf(args.load, args.save, args.hf_vocab_size)
+        return megatron_to_hf(args.load, args.save, args.hf_vocab_size, model)
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConversionError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")
@@ -87,10 +91,20 @@ def convert(args) -> str:
     return hf_to_megatron(args.load, args.save, tp, pp, args.seq_length, vocab)
 
 
+def parse(argv=None):
+    """(args, model): --from megatron also takes Megatron's model flags (--num-layers, ...)
+    for a checkpoint that stores no configuration (a bare Megatron-Core directory)."""
+    parser = get_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.source != "megatron":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args, model_from_flags(rest, "convert_checkpoint.py") if rest else None
+
+
 def main(argv=None) -> int:
-    args = get_parser().parse_args(argv)
+    args, model = parse(argv)
     try:
-        path = convert(args)
+        path = convert(args, model)
     except (ConversionError, ReshardError, CheckpointError, OSError, KeyError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         print(f"convert_checkpoint.py: error: {message}", file=sys.stderr)

@@ -8,10 +8,14 @@ between the torch and torch_dist formats (the input's format is detected).
         --target-expert-tensor-parallel-size 1
     python tools/merge_mp_partitions.py --load CKPT --save OUT --ckpt-format torch_dist
 
-The input is only read; the output is written under a temporary name and renamed. Any
-registered format reads and writes through the front door (megatron/checkpointing/api.py:
-`convert`); how shards are merged and split: megatron/checkpointing/reshard.py (weights and
-counters; no optimizer state).
+The input is only read, and checked as --load checks it (digests, the stored iteration
+against the tracker, finite values); the output is written under a temporary name and
+renamed. A checkpoint that stores no configuration (a bare directory of Megatron-Core's
+`dist_checkpointing.save`) is given its model flags, as Megatron-LM's tool is
+(--num-layers, --hidden-size, --num-attention-heads, --max-position-embeddings, ...).
+Problems are one line and exit 2. Any registered format reads and writes through the front
+door (megatron/checkpointing/api.py: `convert`); how shards are merged and split:
+megatron/checkpointing/reshard.py (weights and counters; no optimizer state).
 """
 import argparse
 import os
@@ -25,6 +29,7 @@ from megatron.checkpointing import api  # noqa: E402
 from megatron.checkpointing.formats import Target  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.reshard import ReshardError  # noqa: E402
+from megatron.training.checkpoint_setup import model_from_flags  # noqa: E402
 
 
 def get_args(argv=None):
@@ -46,12 +51,11 @@ def get_args(argv=None):
                         help="accepted for Megatron compatibility (GPT only)")
     args, rest = parser.parse_known_args(argv)
     # Megatron-LM's invocation also passes the model, tokenizer and source-layout flags
-    # (--tensor-model-parallel-size, --num-layers, --vocab-file, ...). The checkpoint
-    # holds what re-sharding needs; those flags are checked to be valid training flags
-    # (a typo is still an error) and otherwise not needed.
-    if rest:
-        from megatron.arguments import build_parser
-        build_parser("merge_mp_partitions.py (Megatron flags)").parse_args(rest)
+    # (--tensor-model-parallel-size, --num-layers, --vocab-file, ...): checked to be valid
+    # training flags (a typo is still an error); the model flags describe a checkpoint that
+    # stores no configuration (a bare Megatron-Core directory), otherwise the stored one is
+    # used.
+    args.model = model_from_flags(rest, "merge_mp_partitions.py") if rest else None
     return args
 
 
@@ -60,10 +64,11 @@ def main(argv=None) -> int:
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     ep, etp = args.target_expert_model_parallel_size, args.target_expert_tensor_parallel_size
     try:
-        path = api.convert(args.load, args.save, args.ckpt_format, Target(tp, pp, ep, etp))
+        path = api.convert(args.load, args.save, args.ckpt_format, Target(tp, pp, ep, etp),
+                           args.model)
     except (ReshardError, CheckpointError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 1
+        return 2
     layout = ("torch_dist" if args.ckpt_format == "torch_dist"
               else f"TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''}"
                    f"{f' ETP={etp}' if etp not in (None, tp) else ''}")

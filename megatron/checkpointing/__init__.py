@@ -14,9 +14,11 @@
   what the formats share:
     tracker.py          latest_checkpointed_iteration.txt and iteration directories
     io.py               durable files: temp name + fsync + rename, sha256 sidecars, ENOSPC
-    collectives.py      barriers and gathers that also run in one plain process
+    collectives.py      barriers and gathers that also run in one plain process; `agreed`:
+                        a failure on one rank raised on every rank (no rank left in a barrier)
     rng.py              the RNG state a checkpoint carries
     model_file.py       one rank's model_optim_rng.pt: paths, Megatron's nested layout, checks
+    finite.py           nan/inf refused at load: weights and optimizer state, named
     megatron_legacy.py  Megatron-LM files read and written in their format (versions 0 to 3)
     reshard.py          whole models from per-rank files and cut for another TP / PP / EP
     experts.py          expert parallelism in per-rank files (EP merge / split, expert TP)

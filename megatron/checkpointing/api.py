@@ -1,6 +1,7 @@
 """The front door to checkpoints: every save, load, detection and conversion goes through here.
 
-    detect(root)                    -> Found (format, iteration directory) or None
+    detect(root)                    -> Found (format, iteration directory) or None; `root` may
+                                       be an iteration directory itself (`notice`)
     save(root, iteration, run)      write an iteration in --ckpt-format (collective)
     load(root, run)                 restore the latest iteration at this run's layout (collective)
     stored_state(root)              its config, layout and counters (no tensors)
@@ -12,6 +13,7 @@ formats.CheckpointFormat, in detection order (the first whose `detect` claims an
 directory holds it). Adding a format is its module and one line here. `--universal-checkpoint`
 (universal.py) and `--async-save` (async_save.py) are wrappers that any format takes.
 """
+import dataclasses
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,7 +21,7 @@ from megatron.checkpointing import collectives, megatron_lm, torch_dist, torch_f
 from megatron.checkpointing.formats import (CheckpointFormat, Counters, Flat, Found, RunState,
                                             Target)
 from megatron.checkpointing.io import CheckpointError
-from megatron.checkpointing.tracker import TRACKER, iteration_dir, read_tracker
+from megatron.checkpointing.tracker import TRACKER, iteration_dir, named_iteration, read_tracker
 
 FORMATS: List[CheckpointFormat] = [
     torch_dist.FORMAT,
@@ -50,12 +52,16 @@ def detect_directory(directory: str) -> Optional[CheckpointFormat]:
     return None
 
 
-def detect(root: str) -> Optional[Found]:
+def detect(root: str, model: Optional[dict] = None) -> Optional[Found]:
     """The latest iteration under the checkpoint directory `root` and its format; None when
-    `root` holds no checkpoint (no tracker)."""
+    `root` holds no checkpoint. Without a tracker, `root` may be one iteration directory
+    itself (a run's iter_XXXXXXX or release, or a bare directory of Megatron-Core's
+    `dist_checkpointing.save`): Found.tracked is then False (see `notice`). A directory that
+    holds iteration directories but no tracker is refused, never taken for an empty one.
+    `model`: Found.model, the caller's model flags for a checkpoint that stores none."""
     tracked = read_tracker(root)
     if tracked is None:
-        return None
+        return _untracked(root, model)
     directory = iteration_dir(root, *tracked)
     fmt = detect_directory(directory)
     if fmt is None:
@@ -63,7 +69,46 @@ def detect(root: str) -> Optional[Found]:
         raise CheckpointError(f"{os.path.join(root, TRACKER)} names {directory}, which holds "
                               f"no checkpoint of a known format (found {listed}): the checkpoint "
                               f"is incomplete; restore it or fix the tracker")
-    return Found(fmt, root, directory, *tracked)
+    return Found(fmt, root, directory, *tracked, model=model)
+
+
+def _untracked(directory: str, model: Optional[dict]) -> Optional[Found]:
+    """A `directory` without a tracker: an iteration directory given itself, or None."""
+    if not os.path.isdir(directory):
+        return None
+    fmt = detect_directory(directory)
+    if fmt is None:
+        _refuse_untracked_iterations(directory)
+        return None
+    named = named_iteration(directory)
+    root = os.path.dirname(os.path.normpath(directory)) if named else directory
+    found = Found(fmt, root, directory, *(named or (0, False)), tracked=False, model=model)
+    if named is None:
+        stored = fmt.stored_state(found).get("iteration")
+        found = dataclasses.replace(found, iteration=int(stored or 0))
+    return found
+
+
+def _refuse_untracked_iterations(root: str) -> None:
+    """A directory without a tracker that holds checkpoint directories is never taken for an
+    empty one: refused, naming the one to pass (the latest iteration, else the first)."""
+    held = sorted(name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))
+                  and detect_directory(os.path.join(root, name)) is not None)
+    if held:
+        iterations = sorted((named_iteration(name)[0], name) for name in held
+                            if named_iteration(name))
+        chosen = iterations[-1][1] if iterations else held[0]
+        raise CheckpointError(f"{root} holds {', '.join(held)} but no {TRACKER}; pass --load "
+                              f"{os.path.join(root, chosen)} to load that checkpoint directory, "
+                              f"or restore the tracker")
+
+
+def notice(found: Found) -> Optional[str]:
+    """The one-line notice of a checkpoint given as an iteration directory (None otherwise)."""
+    if found.tracked:
+        return None
+    return (f" > {found.directory} has no {TRACKER}: it is loaded as one {found.format.name} "
+            f"checkpoint directory, iteration {found.iteration}")
 
 
 def check_format(found: Found, ckpt) -> Found:
@@ -106,27 +151,33 @@ def stored_state(root: str) -> Dict[str, Any]:
     return found.format.stored_state(found)
 
 
-def found_or_error(root: str) -> Found:
-    found = detect(root)
+def found_or_error(root: str, model: Optional[dict] = None) -> Found:
+    found = detect(root, model)
     if found is None:
         raise CheckpointError(f"no checkpoint at {root}: {os.path.join(root, TRACKER)} is "
-                              f"missing; pass the --save directory of a training run")
+                              f"missing; pass the --save directory of a training run (or one "
+                              f"of its iteration directories)")
     return found
 
 
-def summary(root: str) -> str:
-    """"<root> at iteration N (format ..., saved at TP t x PP p)" for the loading lines."""
-    found = found_or_error(root)
+def loading_lines(found: Found) -> List[str]:
+    """What an entry point prints before it loads `found`: the notice of a directory given
+    without a tracker, then " loading checkpoint from <root> at iteration N (format ...,
+    saved at TP t x PP p)"."""
     parallel = found.format.stored_state(found).get("parallel") or {}
     tp, pp = (parallel.get(f"{k}_model_parallel_size", "?") for k in ("tensor", "pipeline"))
     kind = "release" if found.release else found.format.name
-    return f"{root} at iteration {found.iteration} (format {kind}, saved at TP {tp} x PP {pp})"
+    line = (f" loading checkpoint from {found.directory if not found.tracked else found.root} "
+            f"at iteration {found.iteration} (format {kind}, saved at TP {tp} x PP {pp})")
+    return [text for text in (notice(found), line) if text]
 
 
-def read_model(root: str) -> Tuple[Flat, Dict[str, Any]]:
+def read_model(root: str, model: Optional[dict] = None) -> Tuple[Flat, Dict[str, Any]]:
     """The whole model of the latest iteration under `root` (full tensors, global layer
-    numbers) and its stored state, whatever its format. One process."""
-    found = found_or_error(root)
+    numbers) and its stored state, whatever its format, checked as --load checks it (digests,
+    the stored iteration, finite values). `model`: ModelConfig fields for a checkpoint that
+    stores no configuration (Found.model). One process."""
+    found = found_or_error(root, model)
     with collectives.process_group():
         return found.format.read_model(found)
 
@@ -140,10 +191,12 @@ def write_model(save: str, full: Flat, stored: Dict[str, Any], name: str = "torc
         return fmt.write_model(save, full, stored, target)
 
 
-def convert(load: str, save: str, name: str, target: Target = Target()) -> str:
+def convert(load: str, save: str, name: str, target: Target = Target(),
+            model: Optional[dict] = None) -> str:
     """The latest iteration under `load` re-sharded to `target` and written as format `name`
-    under `save` (weights and counters; the input is only read)."""
-    found = found_or_error(load)
+    under `save` (weights and counters; the input is only read and checked as by
+    `read_model`; `model` as there)."""
+    found = found_or_error(load, model)
     fmt = format_named(name)
     if os.path.realpath(load) == os.path.realpath(save):
         raise CheckpointError(f"--save {save} is the --load directory; write the converted "

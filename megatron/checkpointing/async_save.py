@@ -45,6 +45,7 @@ from megatron.checkpointing.api import format_named
 from megatron.checkpointing.dist_regions import sharded_tensors
 from megatron.checkpointing.formats import RunState
 from megatron.checkpointing.io import CheckpointError
+from megatron.lifetime import die_with_parent
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -235,10 +236,10 @@ class AsyncSaver:
             raise CheckpointError(f"the checkpoint writer (--async-save) of iteration "
                                   f"{iteration} died with exit status {code} before the write "
                                   f"was complete; the tracker names the previous checkpoint")
-        if reply[0] != "done":
+        if reply[0] != "done":  # ("error", line, whether every writer failed alike)
             self._close()
             raise CheckpointError(f"writing checkpoint iteration {iteration} in the background "
-                                  f"(--async-save) failed: {reply[1]}")
+                                  f"(--async-save) failed: {reply[1]}", agreed=reply[2])
 
     def _close(self) -> None:
         if self._finalizer is not None:
@@ -265,24 +266,6 @@ def _shut_down(proc, to_writer, from_writer, buffers) -> None:
 
 
 # -- the writer process -------------------------------------------------------------
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux); elsewhere a thread watches."""
-    parent = os.getppid()
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
-            raise OSError(ctypes.get_errno(), "prctl")
-    except (OSError, AttributeError):
-        def watch():
-            while os.getppid() == parent:
-                threading.Event().wait(0.1)
-            os._exit(1)
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 class _Writer:
     def __init__(self):
         self.buffers: Dict[str, torch.Tensor] = {}
@@ -318,7 +301,7 @@ def _numel(shape) -> int:
 
 
 def _writer_main(read_fd: int, write_fd: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(19)  # training comes first on shared cores
@@ -336,7 +319,7 @@ def _writer_main(read_fd: int, write_fd: int) -> None:
                 reply = writer.handle(message)
             except Exception as err:  # reported to the training rank, then this writer ends
                 text = " ".join(f"{type(err).__name__}: {err}".split())
-                pickle.dump(("error", text), up)
+                pickle.dump(("error", text, getattr(err, "agreed", False)), up)
                 up.flush()
                 return
             if reply is not None:

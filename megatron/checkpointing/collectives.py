@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron.checkpointing.io import CheckpointError
+
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -28,12 +30,35 @@ def gather(obj, group=None) -> Optional[list]:
     return out
 
 
-def all_gather(obj) -> list:
+def all_gather(obj, group=None) -> list:
     if not dist.is_initialized():
         return [obj]
-    out = [None] * world()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+@contextlib.contextmanager
+def agreed(what: str, group=None):
+    """A block that every rank of `group` runs (some with nothing to do) and that must not
+    fail on some ranks only: they would go on to wait in a collective for the rank that
+    left. When the block raises anywhere, every rank raises one CheckpointError with the
+    same line (a CheckpointError's own, else "<what> failed on rank R: <type>: ...") and
+    `agreed=True`, which entry points let rank 0 alone print. Collective."""
+    problem = None
+    try:
+        yield
+    except Exception as err:  # every failure is told to the peers, typed or not
+        if not dist.is_initialized():
+            raise
+        line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        typed = isinstance(err, CheckpointError)
+        problem = (typed, line if typed else
+                   f"{what} failed on rank {rank()}: {type(err).__name__}: {line}")
+    problems = [p for p in all_gather(problem, group) if p is not None]
+    if problems:
+        typed = [line for is_typed, line in problems if is_typed]
+        raise CheckpointError((typed or [problems[0][1]])[0], agreed=True) from None
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ writes them: how they are recognised, read safely, checksummed, staged and publi
 A directory is written under a staging name and renamed when complete and fsynced
 (`write_iteration`); the format that uses these files is torch_dist.py.
 """
+import contextlib
+import errno
 import json
 import os
 import pickle
@@ -22,11 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from megatron.checkpointing import collectives, io
 from megatron.checkpointing.io import CheckpointError
-from megatron.files import file_sha256, fsync_dir, publish
+from megatron.files import KeepsWriteError, file_sha256, fsync_dir, publish
 from megatron.checkpointing.tracker import iteration_dir, write_tracker
 
 # DCP warns at every ShardedTensor (deprecated in favour of DTensor, which cannot express
@@ -108,20 +112,28 @@ def _my_files(directory: str, rank: int) -> list:
     return sorted(names + ([".metadata"] if rank == 0 else []))
 
 
-def _write_checksums(directory: str, rank: int, group=None) -> None:
-    """Each rank hashes what it wrote; rank 0 writes the manifest."""
-    lines = [f"{file_sha256(os.path.join(directory, n))}  {n}\n" for n in _my_files(directory, rank)]
-    gathered = collectives.gather(lines, group)
-    if rank == 0:
-        text = "".join(line for part in gathered for line in part)
-        io.write_text(os.path.join(directory, CHECKSUMS), text)
+def _checksum_lines(directory: str, rank: int) -> list:
+    """This rank's manifest lines: the sha256 of the files it wrote."""
+    return [f"{file_sha256(os.path.join(directory, n))}  {n}\n" for n in _my_files(directory, rank)]
 
 
-def verify_checksums(directory: str) -> None:
-    """Every rank checks its share of the files in the manifest; any mismatch stops all."""
+def written_here(common: dict) -> bool:
+    """Whether a common.pt is this framework's (it carries our digest, config or counters).
+    Megatron-Core's (`{}` from `dist_checkpointing.save`, Megatron-LM's args and schedule
+    from a training run) carries none: like Megatron-LM's legacy files it is read unverified,
+    and its directory has no manifest."""
+    return any(key in common for key in (io.CONTENT_DIGEST, "config", "consumed_train_samples"))
+
+
+def verify_checksums(directory: str, required: bool = True) -> None:
+    """Every rank checks its share of the files in the manifest; any mismatch stops all.
+    Without a manifest: refused when `required` (a checkpoint of ours), else nothing to do."""
     path = os.path.join(directory, CHECKSUMS)
     problem = None
-    if os.path.isfile(path):
+    if not os.path.isfile(path) and required:
+        problem = (f"{path} is missing, so the torch_dist checkpoint's files cannot be verified; "
+                   f"restore it, or pass --no-verify-checkpoint to load them unverified")
+    elif os.path.isfile(path):
         with open(path) as f:
             entries = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
         rank, world = collectives.rank(), collectives.world()
@@ -161,25 +173,103 @@ def write_iteration(root: str, iteration: Optional[int], state: dict, common: di
                     final: Optional[str] = None, group=None) -> None:
     """Collective over `group` (default: all ranks): the DCP files of `state`, rank 0's
     `common`, the rename, the tracker (without an `iteration`: to `root/final`, no tracker).
-    Call `prepare_iteration` first, while no other save runs."""
+    Call `prepare_iteration` first, while no other save runs. A failure on any rank (a full
+    disk: ENOSPC named) is raised on every rank alike (collectives.agreed), after the staging
+    directory is removed: the previous checkpoint stays the tracked one."""
     final = final or os.path.basename(iteration_dir(root, iteration))
     rank, staging = collectives.rank(), staging_dir(root, final)
-    if rank == 0:
-        os.makedirs(staging)
-    collectives.barrier(group)
-    dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True,
-                                                    single_file_per_rank=True),
-             planner=DefaultSavePlanner(), process_group=group,
-             no_dist=not dist.is_initialized())
-    _write_checksums(staging, rank, group)
-    if rank == 0:
-        io.save_file(common, os.path.join(staging, COMMON))
-        io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
-        fsync_dir(staging)
-        _publish(root, staging, os.path.join(root, final))
-        if iteration is not None:
-            write_tracker(root, iteration)
-    collectives.barrier(group)
+    what = f"saving {os.path.join(root, final)}"
+    try:
+        with collectives.agreed(what, group):
+            if rank == 0:
+                os.makedirs(staging)
+        with collectives.agreed(what, group):
+            _dcp_save(state, root, staging, group)
+            lines = _checksum_lines(staging, rank)
+        gathered = collectives.gather(lines, group)
+        with collectives.agreed(what, group):
+            if rank == 0:
+                _finish(root, staging, final, iteration, common, gathered)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _finish(root: str, staging: str, final: str, iteration: Optional[int], common: dict,
+            checksums: list) -> None:
+    """Rank 0: the manifest, common.pt and metadata.json, then the rename and the tracker."""
+    io.write_text(os.path.join(staging, CHECKSUMS), "".join(line for part in checksums
+                                                            for line in part))
+    io.save_file(common, os.path.join(staging, COMMON))
+    io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
+    fsync_dir(staging)
+    _publish(root, staging, os.path.join(root, final))
+    if iteration is not None:
+        write_tracker(root, iteration)
+
+
+class _KeepingFileSystem(FileSystem):
+    """DCP's file system, whose streams keep the first OSError a write met (files.
+    KeepsWriteError): torch.save inside DCP turns a full disk into 'unexpected pos'."""
+
+    def __init__(self):
+        super().__init__()
+        self.streams = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            kept = _Kept(stream)
+            self.streams.append(kept)
+            yield kept
+
+
+class _Kept(KeepsWriteError):
+    """A DCP stream that keeps its first OSError; everything else is the stream's."""
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def _dcp_save(state: dict, root: str, staging: str, group) -> None:
+    """dcp.save into `staging`; a full disk on this rank (however DCP reports it) becomes
+    io.no_space's line, other DCP failures one line naming the rank and the error."""
+    writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True)
+    writer.fs = _KeepingFileSystem()
+    try:
+        dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
+                 no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        errors = [s.error for s in writer.fs.streams if s.error is not None]
+        failures = getattr(err, "failures", {}) or {}
+        errors += [failure[0] for failure in failures.values()]
+        if any(getattr(e, "errno", None) == errno.ENOSPC for e in errors):
+            what = f"{os.path.basename(staging)} (rank {collectives.rank()}'s torch_dist files)"
+            raise io.no_space(root, _local_bytes(state), what, "the staging directory was "
+                              "removed", freed=_tree_bytes(staging)) from None
+        first = errors[0] if failures or errors else err
+        raise CheckpointError(f"torch.distributed.checkpoint could not write {staging}: "
+                              f"{type(first).__name__}: {str(first).strip().splitlines()[0]}"
+                              ) from None
+
+
+def _local_bytes(state: dict) -> int:
+    """The bytes of this rank's chunks in `state` (what its .distcp files hold)."""
+    total = 0
+    for value in state.values():
+        shards = value.local_shards() if hasattr(value, "local_shards") else [value]
+        total += sum(s.tensor.nbytes if hasattr(s, "tensor") else getattr(s, "nbytes", 0)
+                     for s in shards)
+    return total
+
+
+def _tree_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(directory)
+               for n in names if os.path.isfile(os.path.join(d, n)))
 
 
 def _publish(root: str, staging: str, final: str) -> None:
@@ -196,7 +286,8 @@ def _publish(root: str, staging: str, final: str) -> None:
 
 
 def read_common(directory: str, verify: bool) -> dict:
-    common = io.load_file(os.path.join(directory, COMMON), verify)
+    common = io.load_file(os.path.join(directory, COMMON), verify,
+                          foreign=lambda state: not written_here(state))
     if not isinstance(common, dict):
         raise CheckpointError(f"{directory}/{COMMON} holds a {type(common).__name__}, not a "
                               f"dict")

@@ -7,10 +7,14 @@ and tool goes through the object it found. Wrappers that any format takes: `--as
 (async_save.py: `snapshot` in the training process, `write` in a writer process) and
 `--universal-checkpoint` (universal.py: `read_model`, re-cut for this rank).
 """
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
+
+from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.tracker import TRACKER
 
 Flat = Dict[str, torch.Tensor]
 """Parameters by our global names (`language_model.encoder.layers.<global layer>.…`)."""
@@ -38,10 +42,29 @@ class Found:
 
     format: "CheckpointFormat"
     root: str
+    """The checkpoint directory: where the tracker is (or would be), and what the paths that
+    a checkpoint stores relative to itself are relative to."""
     directory: str
     """The iteration directory (iter_XXXXXXX, release, or a bare directory given itself)."""
     iteration: int
     release: bool = False
+    tracked: bool = True
+    """False: `directory` was given itself, without a tracker (a run's iter_XXXXXXX, or a bare
+    directory of Megatron-Core's `dist_checkpointing.save`); `iteration` is then its name's,
+    else the one it stores (0 when it stores none)."""
+    model: Optional[dict] = None
+    """ModelConfig fields that the caller gives (a tool's model flags), for a checkpoint that
+    stores no model configuration."""
+
+    def check_iteration(self, stored, path: str) -> None:
+        """Refuse a file that holds another iteration than the tracker (or the directory's
+        name) says this is: a mixed-up directory, never loaded as the iteration it claims."""
+        if self.release or stored is None or int(stored) == self.iteration:
+            return
+        claim = f"{TRACKER} says" if self.tracked else "its directory name says"
+        raise CheckpointError(f"{path} holds iteration {int(stored)} but {claim} "
+                              f"{self.iteration}: the directory was mixed up; fix the tracker "
+                              f"or restore {os.path.basename(self.directory)}")
 
 
 @dataclass(frozen=True)
@@ -95,7 +118,8 @@ class CheckpointFormat(Protocol):
 
     def read_model(self, found: Found) -> Tuple[Flat, Dict[str, Any]]:
         """The whole model as full (TP 1) tensors with global layer numbers, and the stored
-        state (as `stored_state`, plus `sharding`: each parameter's sharding metadata)."""
+        state (as `stored_state`, plus `sharding`: each parameter's sharding metadata),
+        refused as `load` refuses (digests, `found.check_iteration`, nan/inf values)."""
 
     def write_model(self, save: str, full: Flat, stored: Dict[str, Any],
                     target: Target) -> str:

@@ -7,8 +7,9 @@ or the new complete file. Each file gets a ``<name>.sha256`` sidecar in
 is verified at load when present. Each file also carries ``content_sha256``, a digest
 of everything it holds (tensor bytes, shapes, dtypes and plain values, walked in key
 order), so a file whose sidecar is lost is still verified; a file with neither is
-refused unless --no-verify-checkpoint (files written by Megatron-LM carry neither and
-are read unverified, as there is nothing to check them against). A full disk (ENOSPC)
+refused unless --no-verify-checkpoint (files written by Megatron-LM, and Megatron-Core's
+torch_dist common.pt, carry neither and are read unverified, as there is nothing to check
+them against). A full disk (ENOSPC)
 becomes one CheckpointError naming the directory and the bytes needed; the partial
 file is removed. Temporary files left by killed saves (of processes that no longer
 exist) are removed at the next save.
@@ -18,6 +19,7 @@ import errno
 import hashlib
 import os
 import shutil
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -29,7 +31,14 @@ CONTENT_DIGEST = "content_sha256"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used or written; the message says why and what to do."""
+    """A checkpoint cannot be used or written; the message says why and what to do.
+
+    `agreed`: every rank of the run raises it together (collectives.agreed), so the entry
+    point lets rank 0 alone print it, and every rank exits 2."""
+
+    def __init__(self, message: str = "", agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 class _CountingSink:
@@ -46,11 +55,14 @@ class _CountingSink:
         pass
 
 
-def _no_space(directory: str, needed: int) -> CheckpointError:
-    free = shutil.disk_usage(directory).free
-    return CheckpointError(f"no space left on device in {directory}: the checkpoint file needs "
-                           f"{needed} bytes and {free} are free; the partial file was removed and "
-                           f"the previous checkpoint stays the one to resume from")
+def no_space(directory: str, needed: int, what: str = "the checkpoint file",
+             removed: str = "the partial file was removed", freed: int = 0) -> CheckpointError:
+    """The one line of a full disk (ENOSPC): what needed how many bytes, how many are free
+    (plus `freed`, what the clean-up gives back), what was removed."""
+    free = shutil.disk_usage(directory).free + freed
+    return CheckpointError(f"no space left on device (ENOSPC) in {directory}: {what} needs "
+                           f"{needed} bytes and {free} are free; {removed} and the previous "
+                           f"checkpoint stays the one to resume from")
 
 
 def _write_durably(path: str, write) -> str:
@@ -61,7 +73,7 @@ def _write_durably(path: str, write) -> str:
         return write_durably(path, write, invalidates=[path + CHECKSUM_SUFFIX])
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise _no_space(os.path.dirname(path) or ".", _bytes_needed(write)) from None
+            raise no_space(os.path.dirname(path) or ".", _bytes_needed(write)) from None
         raise
 
 
@@ -170,9 +182,12 @@ def verify_checksum(path: str) -> None:
                               f"(--no-verify-checkpoint loads it anyway)")
 
 
-def load_file(path: str, verify: bool = True, mmap: bool = False):
+def load_file(path: str, verify: bool = True, mmap: bool = False,
+              foreign: Optional[Callable[[dict], bool]] = None):
     """torch.load(weights_only=True) of a checkpoint file, with megatron_legacy's allowlist
-    (argparse.Namespace, numpy RNG states); any problem is a one-line CheckpointError."""
+    (argparse.Namespace, numpy RNG states); any problem is a one-line CheckpointError.
+    `foreign(state)`: whether a file without sidecar or digest was written by another
+    framework, and so is read unverified (default: by Megatron-LM, is_megatron_file)."""
     from megatron.checkpointing.megatron_legacy import UnusableCheckpoint, safe_load
     if os.path.isdir(path) or not os.path.exists(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
@@ -189,20 +204,22 @@ def load_file(path: str, verify: bool = True, mmap: bool = False):
         raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first}); it is "
                               f"truncated, corrupt or not a torch checkpoint") from None
     if verify and not os.path.isfile(path + CHECKSUM_SUFFIX):
-        verify_content(path, state)
+        verify_content(path, state, foreign)
     return state
 
 
-def verify_content(path: str, state) -> None:
-    """A file without a sidecar: check its in-file digest; refuse one that has none
-    (unless Megatron-LM wrote it: it never carries one)."""
+def verify_content(path: str, state, foreign: Optional[Callable[[dict], bool]] = None) -> None:
+    """A file without a sidecar: check its in-file digest; refuse one that has none, unless
+    another framework wrote it (`foreign`, default Megatron-LM's files): theirs never carry
+    one, and there is nothing to check them against."""
     from megatron.checkpointing.megatron_legacy import is_megatron_file
+    foreign = foreign or is_megatron_file
     if isinstance(state, dict) and CONTENT_DIGEST in state:
         if content_digest(state) != state[CONTENT_DIGEST]:
             raise CheckpointError(f"{path} does not match the digest it carries (and its "
                                   f"{CHECKSUM_SUFFIX} sidecar is missing): the file is corrupt; "
                                   f"restore it or load an earlier iteration")
-    elif not (isinstance(state, dict) and is_megatron_file(state)):
+    elif not (isinstance(state, dict) and foreign(state)):
         raise CheckpointError(f"{path} has no checksum sidecar ({os.path.basename(path)}"
                               f"{CHECKSUM_SUFFIX}) and no in-file digest, so it cannot be "
                               f"verified; restore the sidecar, or pass --no-verify-checkpoint "

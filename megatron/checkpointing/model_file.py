@@ -18,6 +18,7 @@ import torch
 
 from megatron.checkpointing import io, megatron_legacy
 from megatron.checkpointing.experts import rank_dir_name
+from megatron.checkpointing.finite import finite_model_state
 from megatron.checkpointing.io import CheckpointError
 from megatron.files import file_sha256
 from megatron.checkpointing.tracker import iteration_dir
@@ -133,29 +134,24 @@ def read_model_file(path: str, verify: bool = True, mmap: bool = False) -> dict:
     return megatron_legacy.drop_megatron_only(state)
 
 
-def finite_model_state(flat: Dict[str, torch.Tensor], root: str) -> Dict[str, torch.Tensor]:
-    """`flat` itself, once every floating-point tensor in it is finite (else CheckpointError
-    naming the first parameter holding nan/inf)."""
-    for name, tensor in flat.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and \
-                not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointError(f"checkpoint {root}: parameter {name} holds {bad} nan/inf "
-                                  f"values; the run that saved it had diverged: load an earlier "
-                                  f"iteration")
-    return flat
-
-
 def load_into_models(state: dict, models, root: str) -> None:
     """Each chunk's weights from a rank file's state (strict; finite values only)."""
     for i, model in enumerate(models):
         try:
             flat = from_megatron_layout(state[model_key(i, len(models))])
-            model.load_state_dict(finite_model_state(flat, root), strict=True)
+        except (KeyError, AttributeError, TypeError) as err:
+            raise _misfit(root, err) from None
+        finite_model_state(flat, root)  # the file's own problem, never taken for the flags'
+        try:
+            model.load_state_dict(flat, strict=True)
         except (KeyError, RuntimeError, AttributeError, TypeError) as err:
-            first = (str(err).strip().splitlines() or [repr(err)])[0]
-            raise CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
-                                  f"({first}); check the model flags") from None
+            raise _misfit(root, err) from None
+
+
+def _misfit(root: str, err: Exception) -> CheckpointError:
+    first = (str(err).strip().splitlines() or [repr(err)])[0]
+    return CheckpointError(f"checkpoint {root} does not fit the model built from the flags "
+                           f"({first}); check the model flags")
 
 
 def check_layout(state: dict, pstate, num_chunks: int, root: str) -> None:

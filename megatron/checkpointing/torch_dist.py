@@ -30,6 +30,8 @@ from megatron.checkpointing.formats import Counters, Flat, Found, RunState, Targ
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.mcore_keys import mcore_key, stacks_layers
 from megatron.checkpointing.megatron_legacy import stored_config_from_args
+from megatron.checkpointing.finite import check_finite_optimizer, finite_model_state
+from megatron.checkpointing.reshard import WORD
 from megatron.checkpointing.rng import rng_state, set_rng_state
 from megatron.checkpointing.tracker import CHECKPOINT_VERSION, iteration_dir
 from megatron.config import ModelConfig
@@ -68,18 +70,16 @@ class TorchDistFormat:
         return _load(found, run)
 
     def read_model(self, found: Found):
-        common = self.stored_state(found)
-        config = common["config"]
-        if not config:
-            raise CheckpointError(f"{found.directory} stores no model configuration (no config "
-                                  f"or args in {dist_io.COMMON}); it cannot be read as a whole "
-                                  f"model without one")
+        common = verified_common(found, verify=True)
+        metadata = SafeReader(found.directory).read_metadata()
+        config = stored_config(common) or _given_config(found, metadata)
         full: Flat = {}
         entries, model = _full_entries(_model_config(config), full)
-        saved = SafeReader(found.directory).read_metadata()
-        state = weights_to_read(entries, found.directory, saved, 0, 1)
+        state = weights_to_read(entries, found.directory, metadata, 0, 1)
         load_sharded(found.directory, state)
-        stored = dict(common, release=found.release, sharding=model.sharding_metadata())
+        finite_model_state(full, found.root)
+        stored = dict(common, config=config, release=found.release,
+                      sharding=model.sharding_metadata())
         stored.setdefault("iteration", found.iteration)
         return full, stored
 
@@ -166,10 +166,7 @@ def common_state(iteration: int, run: RunState, with_optimizer: bool,
 # -- load ---------------------------------------------------------------------------
 def _load(found: Found, run: RunState) -> Counters:
     ckpt, directory = run.config.checkpoint, found.directory
-    if ckpt.verify_checkpoint:
-        dist_io.verify_checksums(directory)
-    common = read_common(directory, ckpt.verify_checkpoint) \
-        if os.path.isfile(os.path.join(directory, dist_io.COMMON)) else {}
+    common = verified_common(found, ckpt.verify_checkpoint)
     ours = "consumed_train_samples" in common
     saved_optim = common.get("optimizer")
     with_optimizer = (ours and not ckpt.no_load_optim and not ckpt.finetune and not found.release
@@ -193,10 +190,23 @@ def _load(found: Found, run: RunState) -> Counters:
         load = (dist_state.load_distributed if run.optimizer.is_distributed
                 else dist_state.load_regular)
         load(run.optimizer, tensors, saved_optim, have_fp32)
+        check_finite_optimizer(run.optimizer, run.models, found.root)
         run.scheduler.load_state_dict(common["opt_param_scheduler"])
     _restore_rng(common, run)
     return (int(common["iteration"]), int(common.get("consumed_train_samples", 0)),
             int(common.get("consumed_valid_samples", 0)))
+
+
+def verified_common(found: Found, verify: bool) -> dict:
+    """The iteration's common.pt ({} when it has none), checked as every load checks it:
+    with `verify` the manifest and the file's digest (Megatron-Core's carry neither and are
+    read unverified, see dist_io.written_here), and always its iteration. Collective."""
+    path = os.path.join(found.directory, dist_io.COMMON)
+    common = read_common(found.directory, verify) if os.path.isfile(path) else {}
+    if verify:
+        dist_io.verify_checksums(found.directory, required=dist_io.written_here(common))
+    found.check_iteration(common.get("iteration"), path)
+    return common
 
 
 def _fill(found: Found, run: RunState, saved_optim: Optional[dict]):
@@ -281,6 +291,21 @@ def stored_config(common: dict) -> dict:
     if common.get("args") is not None:
         return stored_config_from_args(common["args"])
     return {}
+
+
+def _given_config(found: Found, metadata) -> dict:
+    """The configuration of a checkpoint that stores none: the caller's model flags
+    (Found.model), the vocabulary's rows read from the embedding's shape."""
+    if not found.model:
+        raise CheckpointError(f"{found.directory} stores no model configuration (no config or "
+                              f"args in {dist_io.COMMON}); pass its model flags (--num-layers, "
+                              f"--hidden-size, --num-attention-heads, --max-position-embeddings, "
+                              f"...) as to Megatron-LM's tools")
+    model = dict(found.model)
+    embedding = metadata.state_dict_metadata.get(mcore_key(WORD)[0])
+    if not model.get("padded_vocab_size") and embedding is not None:
+        model["padded_vocab_size"] = int(embedding.size[0])
+    return {"model": model}
 
 
 def _model_config(config: dict) -> ModelConfig:

@@ -29,13 +29,14 @@ from typing import Any, Dict, Optional
 from megatron.checkpointing import collectives, io, megatron_legacy, reshard
 from megatron.checkpointing.formats import Counters, Found, RunState, Target
 from megatron.checkpointing.io import CheckpointError
+from megatron.checkpointing.finite import check_finite_optimizer, finite_model_state
 from megatron.checkpointing.model_file import (check_layout, first_rank_file, is_chunk_key,
                                                load_into_models,
                                                model_key, rank_file, read_model_file, shard_files,
                                                shard_path, sharding_of, tokenizer_file_digests,
                                                to_megatron_layout)
 from megatron.checkpointing.rng import current_device_states, rng_state, set_rng_state
-from megatron.checkpointing.tracker import (CHECKPOINT_VERSION, TRACKER, iteration_dir,
+from megatron.checkpointing.tracker import (CHECKPOINT_VERSION, iteration_dir,
                                            write_tracker)
 from megatron.optimizer.distributed import merge_optimizer_shards
 
@@ -85,16 +86,17 @@ class TorchFormat:
         return {"files": files, "stale_shards": stale, "tracker": pstate.rank == 0}
 
     def write(self, root: str, iteration: int, snapshot: dict) -> None:
-        for path, obj in snapshot["files"]:
-            io.save_file(obj, path)
-        if snapshot["stale_shards"] is not None:
-            directory, size = snapshot["stale_shards"]
-            for stale in shard_files(directory, from_rank=size):
-                os.remove(stale)  # shards of a larger DP size saved here before
-        collectives.barrier()
-        if snapshot["tracker"]:
-            write_tracker(root, iteration)
-        collectives.barrier()
+        what = f"saving iteration {iteration} to {root}"
+        with collectives.agreed(what):  # a failure anywhere (a full disk) stops every rank
+            for path, obj in snapshot["files"]:
+                io.save_file(obj, path)
+            if snapshot["stale_shards"] is not None:
+                directory, size = snapshot["stale_shards"]
+                for stale in shard_files(directory, from_rank=size):
+                    os.remove(stale)  # shards of a larger DP size saved here before
+        with collectives.agreed(what):
+            if snapshot["tracker"]:
+                write_tracker(root, iteration)
 
     # -- load -------------------------------------------------------------------------
     def load(self, found: Found, run: RunState) -> Counters:
@@ -118,8 +120,10 @@ class TorchFormat:
 
     # -- whole models, for the tools ---------------------------------------------------
     def read_model(self, found: Found):
-        source = reshard.read_source(found)
-        full = reshard.full_model(source)
+        source = reshard.read_source(found)  # every file checksum-verified
+        for state in source.states.values():
+            found.check_iteration(state.get("iteration"), found.directory)
+        full = finite_model_state(reshard.full_model(source), found.root)
         stored = dict(stored_entries(source.states[min(source.states)]), release=found.release,
                       sharding=source.sharding.to_dict(full))
         stored.setdefault("iteration", found.iteration)
@@ -210,11 +214,7 @@ def read_rank_file(found: Found, pstate, verify: bool = True) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"missing {path}: {_layout_hint(found)}")
     state = read_model_file(path, verify)
-    stored = state.get("iteration")
-    if not found.release and stored is not None and int(stored) != found.iteration:
-        raise CheckpointError(f"{path} holds iteration {int(stored)} but {TRACKER} says "
-                              f"{found.iteration}: the directory was mixed up; fix the tracker "
-                              f"or restore {os.path.basename(found.directory)}")
+    found.check_iteration(state.get("iteration"), path)
     return state
 
 
@@ -240,6 +240,7 @@ def _load_optimizer(found: Found, state: dict, run: RunState) -> None:
     except (ValueError, KeyError, IndexError) as err:
         raise CheckpointError(f"optimizer state in {found.root} does not fit this run: "
                               f"{str(err).splitlines()[0]}") from err
+    check_finite_optimizer(optimizer, run.models, found.root)
 
 
 def _rank_dir(found: Found, pstate) -> str:

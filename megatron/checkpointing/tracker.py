@@ -22,6 +22,17 @@ def iteration_dir(root: str, iteration: int, release: bool = False) -> str:
     return os.path.join(root, "release" if release else f"iter_{iteration:07d}")
 
 
+def named_iteration(directory: str) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) an iteration directory's name gives (iter_XXXXXXX, release), or
+    None for another name."""
+    name = os.path.basename(os.path.normpath(directory))
+    if name == "release":
+        return 0, True
+    if name.startswith("iter_") and name[5:].isdigit():
+        return int(name[5:]), False
+    return None
+
+
 def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
     """(iteration, release) from the tracker file, or None when there is no checkpoint."""
     if os.path.exists(root) and not os.path.isdir(root):

@@ -32,6 +32,9 @@ class Config:
     """The Hugging Face origin of a converted model (architecture, HF config, vocabulary
     rows, tokenizer files, generation config), carried through training so that an
     export gives back what was converted. (The MoE section is the model spec's: model.moe.)"""
+    fairseq: Optional[dict] = None
+    """The fairseq origin of a converted model (its args / cfg, optimizer history, dictionary
+    and vocabulary rows), carried through training so that `--to fairseq` exports it."""
 
     def check_layout(self, world_size: int) -> None:
         """Rules that involve the world size and several components."""
@@ -184,10 +187,11 @@ class Config:
         model = dict(values.get("model") or {})
         if not model.get("moe") and (values.get("moe") or {}).get("num_experts"):
             values["model"] = dict(model, moe=values["moe"])
-        kwargs = {"hf": values.get("hf")}
+        kwargs = {"hf": values.get("hf"), "fairseq": values.get("fairseq")}
         for name, section in SECTIONS.items():
             known = {sf.name for sf in fields(section)}
-            kwargs[name] = section(**{k: v for k, v in values.get(name, {}).items() if k in known})
+            if values.get(name) is not None:  # else the default (a config from Megatron's args)
+                kwargs[name] = section(**{k: v for k, v in values[name].items() if k in known})
         return cls(**kwargs)
 
 

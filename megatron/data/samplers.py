@@ -8,16 +8,15 @@ of the chunk) continues exactly where an uninterrupted run would be.
 """
 from __future__ import annotations
 
-import ctypes
 import signal
-import sys
 import weakref
 from typing import Iterable, Iterator
 
 import torch
 
+from megatron.lifetime import die_with_parent
+
 _OPEN_ITERATORS: "weakref.WeakSet" = weakref.WeakSet()
-_PR_SET_PDEATHSIG = 1
 
 
 class _ChunkedSampler:
@@ -178,8 +177,4 @@ def _leave_sigterm_to_the_trainer(worker_id: int) -> None:
     every exit). On Linux a worker is also killed when its parent dies (SIGKILL, OOM),
     so no worker outlives the run."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        except (OSError, AttributeError):
-            pass
+    die_with_parent()

@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.arguments import fail, parse_args, world_size_from_env
-from megatron.compat import explicit_dests
+from megatron.arguments import (build_parser, config_from_namespace, fail, parse_args,
+                                world_size_from_env)
+from megatron.compat import apply_compat, explicit_dests
 from megatron.config import ConfigError
 from megatron.config.model import ARCHITECTURE_FIELDS, RUN_TIME_FIELDS, SCALING_FIELDS
 from megatron.model import GPTModel
@@ -35,12 +36,38 @@ TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_nam
 
 def read_stored_config(root: str) -> Dict[str, Any]:
     """The `Config.to_dict()` a checkpoint was saved with ({} when it has none)."""
-    state = api.stored_state(root)
+    found = api.found_or_error(root)
+    state = found.format.stored_state(found)
     config = state.get("config") or {}
-    config = resolve_stored_paths(dict(config), root) if isinstance(config, dict) else {}
+    config = resolve_stored_paths(dict(config), found.root) if isinstance(config, dict) else {}
     if isinstance(state.get("tokenizer_files"), dict):
         config["tokenizer_files"] = state["tokenizer_files"]
     return config
+
+
+def model_from_flags(argv: List[str], prog: str) -> Optional[Dict[str, Any]]:
+    """The ModelConfig fields of the Megatron flags a tool is given beside its own (as
+    Megatron-LM's tools are: --num-layers, --hidden-size, ..., and layout or tokenizer
+    flags, which are checked and not needed), for a checkpoint that stores no configuration;
+    None without model flags. A flag that is no training flag, or an incomplete or invalid
+    model, exits 2 with one line."""
+    parser = build_parser(f"{prog} (Megatron flags)")
+    parser.set_defaults(**{"training.train_iters": 1, "optimizer.lr": 1.0})
+    ns = parser.parse_args(argv)
+    given = [n for n in REQUIRED_MODEL_FLAGS if getattr(ns, f"model.{n}") is not None]
+    if not given:
+        return None
+    if len(given) < len(REQUIRED_MODEL_FLAGS):
+        fail("the model flags need " + " ".join(f"--{n.replace('_', '-')}" for n in
+                                                REQUIRED_MODEL_FLAGS if n not in given), prog)
+    if getattr(ns, "model.seq_length") is None:
+        setattr(ns, "model.seq_length", getattr(ns, "model.max_position_embeddings"))
+    try:
+        apply_compat(ns, parser, argv, 1)
+        model = config_from_namespace(ns).to_dict()["model"]
+    except (ConfigError, TypeError) as err:
+        fail(str(err).splitlines()[0], prog)
+    return {name: value for name, value in model.items() if value is not None}
 
 
 def stored_defaults(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Dict[str, Any]:
@@ -262,7 +289,7 @@ def load_inference_models(config, pstate, device, parallel_output: bool = True,
     models = build_model(config, pstate, device, provider)
     root = config.checkpoint.load
     if pstate.rank == 0:
-        print(f" loading checkpoint from {api.summary(root)}", flush=True)
+        print("\n".join(api.loading_lines(api.found_or_error(root))), flush=True)
     iteration, _, _ = api.load(root, RunState(models, config, pstate), inference=True)
     for model in models:
         model.eval()

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import ConfigError
+from megatron.lifetime import die_with_parent, launched
 from megatron.mpu import initialize_model_parallel, model_parallel_seed
 
 
@@ -26,8 +27,11 @@ def initialize_distributed(config):
     parallel groups, pick the device and seed every generator.
 
     Works as a plain `python` process (one rank, no process group), under
-    torchrun, and under `python -m torch.distributed.launch`.
+    torchrun, and under `python -m torch.distributed.launch`. A rank started by a launcher
+    dies with it (megatron/lifetime.py): a killed job never keeps training or holding --save.
     """
+    if launched():
+        die_with_parent()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     backend = choose_backend(config.parallel.distributed_backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

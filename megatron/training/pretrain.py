@@ -5,7 +5,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from megatron.checkpointing import api
+from megatron.checkpointing import api, collectives
 from megatron.checkpointing.formats import RunState
 from megatron.checkpointing.io import check_writable
 from megatron.checkpointing.lock import SaveLock
@@ -20,26 +20,31 @@ from megatron.training.trainer import (ReplayIterators, Trainer, TrainState, pri
                                        print_rank_last, total_iterations)
 
 
-@contextlib.contextmanager
-def owned_run_paths(config):
-    """Check the paths a run writes or watches, and hold the --save lock while the block runs.
-
-    Called before torch.distributed starts: every rank checks the same paths (so only rank 0
-    reports a problem, see megatron.arguments.fail); rank 0 alone takes the lock."""
+def check_run_paths(config) -> None:
+    """Check the paths a run writes or watches, before torch.distributed starts: every rank
+    checks the same paths (so only rank 0 reports a problem, see megatron.arguments.fail)."""
     switch = config.training.kill_switch_path
     if switch and not os.path.isdir(os.path.dirname(os.path.abspath(switch))):
         raise ConfigError(f"--kill-switch-path {switch}: its directory "
                           f"{os.path.dirname(os.path.abspath(switch))} does not exist, so the "
                           f"file could never be created; create the directory or fix the path")
-    lock = None
     if config.checkpoint.save:
         check_writable(config.checkpoint.save)
-        if os.environ.get("RANK", "0") == "0":
-            lock = SaveLock(config.checkpoint.save)
-            notice = lock.acquire()
-            if notice:
-                print(notice, flush=True)
+
+
+@contextlib.contextmanager
+def held_save_lock(config):
+    """Rank 0 holds the --save lock (lock.py) while the block runs. Collective (call once
+    torch.distributed has started): a refusal is agreed by every rank, so every rank exits 2
+    and rank 0 alone prints the line naming the holder."""
+    lock = None
+    if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
+        lock = SaveLock(config.checkpoint.save)
     try:
+        with collectives.agreed(f"locking --save {config.checkpoint.save}"):
+            notice = lock.acquire() if lock is not None else None
+        if notice:
+            print(notice, flush=True)
         yield
     finally:
         if lock is not None:
@@ -99,10 +104,12 @@ def _run_state(trainer: Trainer) -> RunState:
 def _load(trainer: Trainer, config, pstate) -> None:
     """Resume (or start fine-tuning) from --load, with Megatron's two log lines."""
     root, state = config.checkpoint.load, trainer.state
-    if api.detect(root) is None:
+    found = api.detect(root)
+    if found is None:
         print_rank_0(f" no checkpoint found at {root}; starting from scratch")
         return
-    print_rank_0(f" loading checkpoint from {api.summary(root)}")
+    for line in api.loading_lines(found):
+        print_rank_0(line)
     state.iteration, state.consumed_train, state.consumed_valid = api.load(
         root, _run_state(trainer))
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {state.iteration}")

@@ -162,21 +162,21 @@ def test_reshard_errors(tmp_path, capsys):
         return code, capsys.readouterr().err
 
     code, err = run("--save", str(tmp_path / "a"), "--target-tensor-model-parallel-size", "8")
-    assert code == 1 and "--num-attention-heads (4)" in err
+    assert code == 2 and "--num-attention-heads (4)" in err
     code, err = run("--save", str(tmp_path / "a"), "--target-tensor-model-parallel-size", "4",
                     "--target-pipeline-model-parallel-size", "1")
-    assert code == 1 and "padded vocabulary (258 rows)" in err and len(err.splitlines()) == 1
+    assert code == 2 and "padded vocabulary (258 rows)" in err and len(err.splitlines()) == 1
     code, err = run("--save", str(tmp_path / "a"), "--target-pipeline-model-parallel-size", "3")
-    assert code == 1 and "not divisible by --target-pipeline-model-parallel-size 3" in err
+    assert code == 2 and "not divisible by --target-pipeline-model-parallel-size 3" in err
     code, err = run("--save", str(tmp_path / "src"))
-    assert code == 1 and "is the --load directory" in err
+    assert code == 2 and "is the --load directory" in err
     assert run("--save", str(tmp_path / "b"))[0] == 0
     code, err = run("--save", str(tmp_path / "b"))
-    assert code == 1 and "already exists" in err
+    assert code == 2 and "already exists" in err
     assert not os.path.exists(tmp_path / "a")
     write_layout(tmp_path / "broken", full_state(cfg), cfg, 2, 1)
     os.remove(tmp_path / "broken" / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt")
-    assert mmp.main(["--load", str(tmp_path / "broken"), "--save", str(tmp_path / "c")]) == 1
+    assert mmp.main(["--load", str(tmp_path / "broken"), "--save", str(tmp_path / "c")]) == 2
     assert "incomplete" in capsys.readouterr().err
 
 

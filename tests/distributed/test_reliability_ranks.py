@@ -20,7 +20,7 @@ def data(tmp_path_factory):
     return byte_dataset(out), out / "cache"
 
 
-def torchrun(argv):
+def torchrun(argv, new_session=False):
     """`python -m torch.distributed.run --nproc_per_node 2 pretrain_gpt.py argv`, output piped."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,7 +28,23 @@ def torchrun(argv):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(port), str(ROOT / "pretrain_gpt.py"), *map(str, argv)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=one_thread_env())
+                            cwd=ROOT, env=one_thread_env(), start_new_session=new_session)
+
+
+def exit_statuses(out: str) -> list:
+    """Each rank's exit status in torchrun's failure summary."""
+    return [line.split(":")[1].split()[0] for line in out.splitlines()
+            if line.strip().startswith("exitcode")]
+
+
+def one_error_line_and_exit_2_everywhere(proc, timeout=120) -> str:
+    """The one error line of a failed torchrun run whose ranks all exited 2, none printing a
+    traceback of its own."""
+    out = proc.communicate(timeout=timeout)[0]
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and sorted(exit_statuses(out)) == ["2", "2"], out[-3000:]
+    assert not [line for line in out.splitlines() if line.startswith("[rank")], out[-3000:]
+    return errors[0]
 
 
 def read_until(proc, words, lines):
@@ -109,9 +125,7 @@ def test_shared_validation_error_is_one_line_and_exit_2_on_every_rank(data, tmp_
     assert time.monotonic() - start < 60
     errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert len(errors) == 1 and "--kill-switch-path" in errors[0], out[-3000:]
-    statuses = [line.split(":")[1].split()[0] for line in out.splitlines()
-                if line.strip().startswith("exitcode")]
-    assert statuses == ["2", "2"] and proc.returncode == 1, out[-3000:]
+    assert exit_statuses(out) == ["2", "2"] and proc.returncode == 1, out[-3000:]
 
 
 def test_error_found_by_one_rank_ends_every_rank(tmp_path, data):
@@ -134,8 +148,78 @@ def test_error_found_by_one_rank_ends_every_rank(tmp_path, data):
     token = [e for e in errors if "holds token id 700, outside the vocabulary of size 257" in e]
     lost = [e for e in errors if "lost its connection to a peer rank" in e]
     assert token and len(token) + len(lost) == len(errors) <= 2, out[-3000:]
-    statuses = [line.split(":")[1].split()[0] for line in out.splitlines()
-                if line.strip().startswith("exitcode")]
-    assert "2" in statuses, out[-3000:]
+    assert "2" in exit_statuses(out), out[-3000:]
     time.sleep(1)
     assert not session_processes(proc.pid), session_processes(proc.pid)
+
+
+def test_lock_refusal_ends_every_rank_with_exit_2(data, tmp_path):
+    """--save held by another run: rank 0 prints the refusal naming the holder, and both ranks
+    exit 2 (before, rank 1 ran on until torchrun SIGTERMed it)."""
+    from megatron.checkpointing.lock import SaveLock
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    holder = SaveLock(str(save))
+    holder.acquire()
+    try:
+        start = time.monotonic()
+        line = one_error_line_and_exit_2_everywhere(torchrun(tiny_argv(*data, "--save", save,
+                                                                        iters=1000)))
+    finally:
+        holder.release()
+    assert f"--save {save} is in use by another run: pid {os.getpid()} on host" in line, line
+    assert time.monotonic() - start < 60
+
+
+def test_full_disk_during_a_save_ends_every_rank_with_exit_2(data, tmp_path):
+    """A torch_dist save at DP 2 onto a full tmpfs: one line naming ENOSPC, exit 2 on both
+    ranks (no gloo traceback from the peer), the staging directory removed, the previous
+    checkpoint tracked."""
+    from tests.reliability_setup import small_tmpfs, tree_bytes
+    flags = ["--ckpt-format", "torch_dist", "--save-interval", "1", "--num-workers", "0"]
+    with one_thread():
+        pretrain_gpt.main(tiny_argv(*data, *flags, "--save", tmp_path / "sized", iters=1))
+    room = 3 * tree_bytes(tmp_path / "sized") // 2
+    with small_tmpfs(tmp_path / "small", room - room % 4096) as mount:
+        save = os.path.join(mount, "ckpt")
+        line = one_error_line_and_exit_2_everywhere(torchrun(tiny_argv(*data, *flags, "--save",
+                                                                        save, iters=2)))
+        assert f"no space left on device (ENOSPC) in {save}: .iter_0000002.torch_dist.tmp" in line
+        assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+def test_sigkilled_launcher_takes_its_ranks_along(data, tmp_path):
+    """SIGKILL of the torchrun agent in the middle of training: both ranks are gone within a
+    few seconds (parent-death signal) and --save's lock is free."""
+    import fcntl
+    from megatron.checkpointing.lock import LOCK_FILE
+    from tests.reliability_setup import session_processes
+    save = tmp_path / "ckpt"
+    proc, lines = torchrun(tiny_argv(*data, "--save", save, "--save-interval", "50",
+                                     iters=100000), new_session=True), []
+    try:
+        read_until(proc, " iteration        3/", lines)
+        ranks = [rank_pid(proc.pid, r) for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and
+                                                  "Z" not in _state(p) for p in ranks):
+            time.sleep(0.1)
+        left = [p for p in ranks if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+    finally:
+        for pid in session_processes(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
+    fd = os.open(save / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while held
+    finally:
+        os.close(fd)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -17,7 +17,7 @@ from megatron.checkpointing import io as checkpoint_io
 from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.megatron_legacy import safe_load
 from tests.gpt_setup import one_thread
-from tests.reliability_setup import byte_dataset, one_thread_env, tiny_argv
+from tests.reliability_setup import byte_dataset, small_tmpfs, tiny_argv, tree_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +105,14 @@ def tracker_names_another_iteration(root):
     (root / "latest_checkpointed_iteration.txt").write_text("6")
 
 
+def nan_adam_state(root, kind="exp_avg", value=float("nan")):
+    """One nan in the Adam state of a parameter (a valid sidecar: the state is the problem)."""
+    state = safe_load(model_file(root))
+    moments = state["optimizer"]["optimizer"]["state"]
+    moments[sorted(moments)[0]][kind].view(-1)[5] = value
+    checkpoint_io.save_file(state, model_file(root))
+
+
 def nan_weight(root):
     state = safe_load(model_file(root))
     state["model"]["language_model"]["encoder"]["layers.1.mlp.dense_4h_to_h.weight"][3, 1] = float("nan")
@@ -131,6 +139,16 @@ LOAD_CASES = [
      "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
     ("nan weight", nan_weight, [], "parameter language_model.encoder.layers.1.mlp.dense_4h_to_h.weight "
      "holds 1 nan/inf values"),
+    ("nan in the adam state", nan_adam_state, [], "optimizer state exp_avg of "
+     "language_model.embedding.word_embeddings.weight holds 1 nan/inf values"),
+    ("inf in the adam state", lambda r: nan_adam_state(r, "exp_avg_sq", float("inf")), [],
+     "optimizer state exp_avg_sq of language_model.embedding.word_embeddings.weight holds 1 "
+     "nan/inf values"),
+    ("no tracker beside the iteration", lambda r: os.remove(r / "latest_checkpointed_iteration.txt"),
+     [], f"holds {ITER} but no latest_checkpointed_iteration.txt; pass --load "),
+    ("a checkpoint directory of another name, no tracker", lambda r: (
+        os.remove(r / "latest_checkpointed_iteration.txt"), os.rename(r / ITER, r / "best")),
+     [], "holds best but no latest_checkpointed_iteration.txt; pass --load "),
     ("hidden size", None, ["--hidden-size", "64"], "--hidden-size 64 does not match"),
     ("heads", None, ["--num-attention-heads", "2"], "--num-attention-heads 2 does not match"),
     ("layers", None, ["--num-layers", "4"], "--num-layers 4 does not match"),
@@ -156,6 +174,7 @@ def test_every_load_problem_is_one_line_exit_2(saved, tmp_path, capsys, name, da
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert words in err, err
+    assert "check the model flags" not in err, err  # never re-worded as a flag mismatch
     assert not (root / "pwned").exists()
 
 
@@ -228,15 +247,34 @@ def test_full_disk_simulated(tmp_path, monkeypatch):
 
 
 def test_full_disk_on_a_small_tmpfs(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (the simulated ENOSPC test covers it)")
-    try:
-        _check_full_disk(str(mount))
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    with small_tmpfs(tmp_path / "small", 256 * 1024) as mount:
+        _check_full_disk(mount)
+
+
+def test_torch_dist_full_disk_on_a_small_tmpfs(tmp_path):
+    """A tmpfs with room for one torch_dist checkpoint and a half: the second save ends the
+    run in one line naming ENOSPC (exit 2), its staging directory is gone, and the first
+    checkpoint is still the tracked, verified one to resume from."""
+    from tests.reliability_setup import run_entry
+    prefix = byte_dataset(tmp_path)
+    flags = ["--ckpt-format", "torch_dist", "--save-interval", "1", "--num-workers", "0"]
+    pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--save",
+                                tmp_path / "sized", iters=1))
+    room = 3 * tree_bytes(tmp_path / "sized") // 2
+    with small_tmpfs(tmp_path / "small", room - room % 4096) as mount:
+        save = os.path.join(mount, "ckpt")
+        rc, err, _ = run_entry(tiny_argv(prefix, tmp_path / "cache", *flags, "--save", save,
+                                         iters=2), timeout=120)
+        assert rc == 2 and len(err) == 1, (rc, err)
+        assert err[0].startswith(f"pretrain_gpt.py: error: no space left on device (ENOSPC) in "
+                                 f"{save}: .iter_0000002.torch_dist.tmp (rank 0's torch_dist "
+                                 f"files) needs "), err
+        assert "the staging directory was removed" in err[0], err
+        assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+        assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "1"
+        state = pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags[:2], "--load",
+                                            save, "--override-opt_param-scheduler", iters=2))
+        assert [h["iteration"] for h in state.history] == [2]  # resumed from the verified one
 
 
 def _save_forever(root, iteration, trainer, config, pstate):
@@ -302,10 +340,96 @@ def test_merge_mp_partitions_checks_every_shape(saved, tmp_path, capsys):
     encoder["layers.1.mlp.dense_h_to_4h.weight"] = encoder["layers.1.mlp.dense_h_to_4h.weight"][:100]
     checkpoint_io.save_file(state, model_file(root))
     capsys.readouterr()
-    assert merge_mp_partitions.main(["--load", str(root), "--save", str(tmp_path / "bad")]) == 1
+    assert merge_mp_partitions.main(["--load", str(root), "--save", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "layers.1.mlp.dense_h_to_4h.weight: the merged checkpoint " \
         "has shape (100, 32)" in err and "needs (128, 32)" in err, err
+
+
+@pytest.mark.parametrize("damage, words", [
+    (tracker_names_another_iteration, "holds iteration 2 but latest_checkpointed_iteration.txt says 6"),
+    (nan_weight, "parameter language_model.encoder.layers.1.mlp.dense_4h_to_h.weight holds 1 "
+                 "nan/inf values"),
+    (flip_bytes, "does not match its checksum"),
+    (flip_tensor_bytes_without_sidecar, "does not match the digest it carries"),
+], ids=["iteration", "nan weight", "flipped bytes", "flipped, no sidecar"])
+def test_merge_mp_partitions_runs_the_load_checks(saved, tmp_path, capsys, damage, words):
+    """What --load refuses, merge_mp_partitions refuses: one line, exit 2, nothing written."""
+    from tools import merge_mp_partitions
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved[0] / "ckpt", root)
+    damage(root)
+    capsys.readouterr()
+    for fmt in ("torch", "torch_dist"):
+        out = tmp_path / f"out-{fmt}"
+        assert merge_mp_partitions.main(["--load", str(root), "--save", str(out),
+                                         "--ckpt-format", fmt]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+        assert not out.exists()
+
+
+def test_an_iteration_directory_given_itself_resumes_as_its_root(saved, capsys):
+    from tests.gpt_setup import losses
+    out, prefix = saved
+    longer = ["--override-opt_param-scheduler"]  # 3 iterations, where 2 were planned
+    via_root = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", out / "ckpt", *longer,
+                                           iters=3))
+    capsys.readouterr()
+    given = out / "ckpt" / ITER
+    direct = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", given, *longer, iters=3))
+    assert [h["iteration"] for h in direct.history] == [3]
+    assert losses(direct) == losses(via_root)
+    assert f" > {given} has no latest_checkpointed_iteration.txt: it is loaded as one torch " \
+           f"checkpoint directory, iteration 2" in capsys.readouterr().out
+
+
+def test_torch_dist_of_ours_without_its_manifest_is_refused(tmp_path, capsys):
+    """Our torch_dist checkpoint always has checksums.sha256; one without it is refused (unless
+    --no-verify-checkpoint), whereas Megatron-Core's, which never has one, loads."""
+    prefix = byte_dataset(tmp_path)
+    root = tmp_path / "dist"
+    flags = ["--ckpt-format", "torch_dist"]
+    pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--save", root, iters=2))
+    os.remove(root / ITER / "checksums.sha256")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--load", root, iters=3))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{root / ITER / 'checksums.sha256'} is missing, so the torch_dist checkpoint's files " \
+           f"cannot be verified" in err, err
+    state = pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--load", root,
+                                        "--no-verify-checkpoint", "--override-opt_param-scheduler",
+                                        iters=3))
+    assert [h["iteration"] for h in state.history] == [3]
+
+
+def test_nan_in_torch_dist_optimizer_state_is_refused_at_load(tmp_path, capsys):
+    """A torch_dist checkpoint whose Adam state holds a nan (re-written through DCP's own
+    converters): refused at load naming the state, not trained on."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    prefix = byte_dataset(tmp_path)
+    root, flags = tmp_path / "dist", ["--ckpt-format", "torch_dist", "--no-verify-checkpoint"]
+    pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--save", root, iters=2))
+    directory, full = root / ITER, tmp_path / "full.pt"
+    dcp_to_torch_save(directory, full)
+    state = torch.load(full, weights_only=True)
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight"
+    state[key].view(-1)[7] = float("nan")
+    torch.save(state, full)
+    for name in os.listdir(directory):
+        if name.endswith(".distcp") or name == ".metadata":
+            os.remove(directory / name)
+    torch_save_to_dcp(full, directory)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.main(tiny_argv(prefix, tmp_path / "cache", *flags, "--load", root,
+                                    "--override-opt_param-scheduler", iters=3))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "optimizer state exp_avg of language_model.encoder.layers." in err, err
+    assert "mlp.dense_4h_to_h.weight holds 1 nan/inf values" in err, err
 
 
 def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
@@ -385,7 +509,8 @@ def test_fuzzed_checkpoint_mutations_are_refused(saved, tmp_path, capsys):
     a nan/inf weight, a stored iteration other than the tracker's): each is one CheckpointError
     line, or (a flip that left the content whole) loads exactly the original tensors."""
     from megatron.checkpointing import api
-    from megatron.checkpointing.model_file import finite_model_state, from_megatron_layout
+    from megatron.checkpointing.finite import finite_model_state
+    from megatron.checkpointing.model_file import from_megatron_layout
     from megatron.checkpointing.torch_format import read_rank_file
     from megatron.mpu import single_process_state
     out, _ = saved

@@ -6,8 +6,10 @@ the vocabulary padded with zero rows (their logits are masked to -inf through th
 tokenizer's size) and the result written as a `release` checkpoint, re-sharded to
 the target layout. The rows keep fairseq's dictionary order: the checkpoint's
 tokenizer is FairseqGPT2BPETokenizer over a copy of dict.txt (<save>/fairseq/dict.txt),
-which maps GPT-2 ids to those rows. The config keeps a "fairseq" entry (the original
-cfg / args, the dictionary) for the way back.
+which maps GPT-2 ids to those rows; the GPT-2 BPE files given are copied there too, and
+all are stored by their names relative to the checkpoint (portable.py), so a moved
+checkpoint still evaluates and samples. The config keeps a "fairseq" entry (the original
+cfg / args, the dictionary) for the way back, which training carries on.
 
 ours -> fairseq: a checkpoint converted from fairseq becomes one model.pt (and
 dict.txt) that fairseq-eval-lm loads, with its original settings.
@@ -23,11 +25,11 @@ from megatron.checkpointing.hf.convert import (TrackedTensors, VocabOptions, bui
                                                check_target_layout, read_full_model,
                                                sharding_for, write_release)
 from megatron.checkpointing.hf.layouts import pad_rows
+from megatron.checkpointing.portable import FAIRSEQ_DIR
 from megatron.checkpointing.tracker import TRACKER
 from megatron.config import Config
 from megatron.tokenizer.fairseq_dict import DictionaryError, gpt2_ids, read_dictionary
 
-FAIRSEQ_DIR = "fairseq"
 DICT = "dict.txt"
 
 
@@ -61,15 +63,32 @@ def _jsonable(state: dict) -> dict:
             "cfg": state.get("cfg"), "optimizer_history": state.get("optimizer_history") or []}
 
 
-def _config_dict(cfg, dict_copy: str, rows: int, state: dict, vocab_file, merge_file) -> dict:
+def _config_dict(cfg, own: dict, rows: int, state: dict) -> dict:
+    """The converted model's config: the tokenizer over its own files (`_own_files`), and
+    the "fairseq" entry for the way back."""
     config = Config(model=cfg)
     d = config.data
-    d.tokenizer_type, d.tokenizer_model = "FairseqGPT2BPETokenizer", dict_copy
-    d.vocab_file = os.path.abspath(vocab_file) if vocab_file else None
-    d.merge_file = os.path.abspath(merge_file) if merge_file else None
+    d.tokenizer_type = "FairseqGPT2BPETokenizer"
+    d.tokenizer_model, d.vocab_file, d.merge_file = (own.get(name) for name in (
+        "tokenizer_model", "vocab_file", "merge_file"))
     out = config.to_dict()
-    out["fairseq"] = {**_jsonable(state), "vocab_rows": rows, "dictionary": dict_copy}
+    out["fairseq"] = {**_jsonable(state), "vocab_rows": rows, "dictionary": own["tokenizer_model"]}
     return out
+
+
+def _own_files(save: str, dict_path: str, vocab_file, merge_file) -> dict:
+    """Copies of the dictionary and the GPT-2 BPE files given in <save>/fairseq/: their
+    tokenizer fields and names relative to the checkpoint (portable.py)."""
+    os.makedirs(os.path.join(save, FAIRSEQ_DIR), exist_ok=True)
+    files = {}
+    for name, path in (("tokenizer_model", dict_path), ("vocab_file", vocab_file),
+                       ("merge_file", merge_file)):
+        if path:
+            relative = os.path.join(FAIRSEQ_DIR, DICT if name == "tokenizer_model"
+                                    else os.path.basename(path))
+            shutil.copyfile(path, os.path.join(save, relative))
+            files[name] = relative
+    return files
 
 
 def fairseq_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1, dict_path=None,
@@ -91,11 +110,12 @@ def fairseq_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1, dict_pat
         if name in flat:
             flat[name] = pad_rows(flat[name], cfg.padded_vocab_size)
     sharding = sharding_for(cfg, flat)
-    dict_copy = os.path.join(os.path.abspath(save), FAIRSEQ_DIR, DICT)
-    config = _config_dict(cfg, dict_copy, rows, state, vocab_file, merge_file)
-    write_release(save, flat, config, sharding, tp, pp)
-    os.makedirs(os.path.dirname(dict_copy), exist_ok=True)
-    shutil.copyfile(dict_path, dict_copy)
+    try:
+        own = _own_files(save, dict_path, vocab_file, merge_file)
+        write_release(save, flat, _config_dict(cfg, own, rows, state), sharding, tp, pp)
+    except BaseException:
+        shutil.rmtree(os.path.join(save, FAIRSEQ_DIR), ignore_errors=True)
+        raise
     return os.path.join(save, "release")
 
 
@@ -119,8 +139,9 @@ def megatron_to_fairseq(load: str, save: str) -> str:
     os.makedirs(save, exist_ok=True)
     path = os.path.join(save, "model.pt")
     files.write_checkpoint(path, state)
-    dictionary = entry["dictionary"]
-    if not os.path.isfile(dictionary):  # the checkpoint was moved: its own copy
-        dictionary = os.path.join(load, FAIRSEQ_DIR, DICT)
+    dictionary = entry["dictionary"]  # resolved against the checkpoint (portable.py)
+    if not os.path.isfile(dictionary):
+        raise FairseqError(f"{load}: the fairseq dictionary {dictionary} is missing; the "
+                           f"checkpoint is incomplete (it keeps its copy in {FAIRSEQ_DIR}/{DICT})")
     shutil.copyfile(dictionary, os.path.join(save, DICT))
     return path

@@ -100,11 +100,17 @@ def model_parallel_size(args: Dict) -> int:
 def _check_parts(paths: List[str], states: List[dict], expected: int) -> None:
     ranks = [int(PART.match(os.path.basename(p)).group("rank")) for p in paths]
     missing = sorted(set(range(expected)) - set(ranks))
-    if missing or len(ranks) != expected:
-        name = PART.match(os.path.basename(paths[0])).group("name")
-        raise FairseqError(f"partition(s) {', '.join(map(str, missing or ranks[expected:]))} of "
-                           f"{expected} missing for {name}-model_part-K.pt (model_parallel_size "
-                           f"{expected}); all partitions are needed")
+    surplus = sorted(set(ranks) - set(range(expected)))
+    name = PART.match(os.path.basename(paths[0])).group("name")
+    if missing:
+        raise FairseqError(f"partition(s) {', '.join(map(str, missing))} of {expected} missing "
+                           f"for {name}-model_part-K.pt (model_parallel_size {expected}); all "
+                           f"partitions are needed")
+    if surplus:
+        raise FairseqError(f"partition(s) {', '.join(map(str, surplus))} unexpected for "
+                           f"{name}-model_part-K.pt: its model_parallel_size is {expected} "
+                           f"(partitions 0 to {expected - 1}); remove the others or fix the "
+                           f"checkpoint's model_parallel_size")
     first = states[0]["model"]
     for path, state in zip(paths[1:], states[1:]):
         model = state["model"]

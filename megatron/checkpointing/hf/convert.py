@@ -164,11 +164,12 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
     return directory
 
 
-def read_full_model(load: str):
+def read_full_model(load: str, model: Optional[dict] = None):
     """(full TP = 1 tensors with global layer numbers, stored config dict) of a checkpoint
-    of any format (ours or Megatron-Core's)."""
-    full, stored = api.read_model(load)
-    return full, resolve_stored_paths(copy.deepcopy(stored["config"]), load)
+    of any format (ours or Megatron-Core's; `model`: api.read_model's)."""
+    full, stored = api.read_model(load, model)
+    root = api.found_or_error(load).root
+    return full, resolve_stored_paths(copy.deepcopy(stored["config"]), root)
 
 
 class TrackedTensors(dict):
@@ -224,11 +225,13 @@ def hf_target(stored: dict, load: str, vocab_size: Optional[int] = None):
     return arch, hf, rows, config.data.tokenizer_name_or_path if hf_tokenizer else None
 
 
-def megatron_to_hf(load: str, save: str, vocab_size: Optional[int] = None) -> str:
+def megatron_to_hf(load: str, save: str, vocab_size: Optional[int] = None,
+                   model: Optional[dict] = None) -> str:
     """Convert the latest checkpoint under `load` to an HF directory. A checkpoint converted
     from HF gets its HF config back; another one an HF config derived from its own, with
-    `vocab_size` (default: its tokenizer's) rows."""
-    full, stored = read_full_model(load)
+    `vocab_size` (default: its tokenizer's) rows. `model`: the model flags of a checkpoint
+    that stores no configuration (api.read_model)."""
+    full, stored = read_full_model(load, model)
     arch, hf, rows, files_dir = hf_target(stored, load, vocab_size)
     cfg = Config.from_dict(stored).model
     flat = TrackedTensors({name: t[:rows] if name in (WORD, OUTPUT) else t
