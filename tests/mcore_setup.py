@@ -1,16 +1,17 @@
 """Megatron-Core 0.16.1 as a reference implementation (../shared/references.md): the one
-way tests reach it (torch_dist checkpoints, the MoE layer).
+way tests reach it (torch_dist checkpoints, the MoE layer, the whole training step).
 
 Megatron-Core installs a namespace package `megatron` (with only `megatron/core`), which our
 own `megatron` package shadows. `import_mcore()` appends the installed directory to our
 package's `__path__`, so `megatron.core` resolves to the installed one and everything else
 to ours, and a test compares both in one process; only processes that call it see
 `megatron.core` (our package defines no `core`). It then applies the CPU monkeypatches that
-the dense GPT model, `dist_checkpointing` and the MoE layer with the allgather dispatcher
-need (items 1-5 of references.md; no test here uses the alltoall dispatcher, sequence
-parallelism or the pipeline schedules of Megatron-Core, items 6-9). The patches replace
-torch.cuda functions process-wide: call it in spawned ranks (tests/distributed/run_ranks.py)
-after init_process_group, never in the pytest process.
+the dense GPT model, `dist_checkpointing`, the MoE layer with the allgather dispatcher and
+the torch norm under sequence parallelism need (items 1-5 and 8 of references.md; no test
+here uses the alltoall dispatcher, items 6-7). `cpu_devices()` is item 9: the context in
+which Megatron-Core's pipeline schedules and optimizers allocate on the CPU. The patches
+replace torch.cuda functions process-wide: call it in spawned ranks
+(tests/distributed/run_ranks.py) after init_process_group, never in the pytest process.
 """
 import contextlib
 import importlib.metadata
@@ -90,6 +91,27 @@ def _patch_cpu() -> None:
     mc_random.get_cuda_rng_tracker = lambda *a, **k: tracker
     tensor_parallel.get_cuda_rng_tracker = mc_random.get_cuda_rng_tracker
     tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
+    _patch_torch_norm()
+
+
+def _patch_torch_norm() -> None:
+    """8: Megatron-Core's torch norm (the local spec's) asserts against sequence parallelism;
+    build it from the config without it, and tag its parameters `sequence_parallel` as
+    Transformer Engine's norm does, so that finalize_model_grads sums their partial
+    gradients over TP."""
+    import dataclasses
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    build = WrappedTorchNorm.__new__
+    if getattr(build, "patched", False):
+        return
+
+    def new(cls, config, *args, **kwargs):
+        norm = build(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+    new.patched = True
+    WrappedTorchNorm.__new__ = new
 
 
 def mcore_gpt(tp: int, layers: int, hidden: int, heads: int, vocab: int, seq: int,
@@ -108,3 +130,34 @@ def mcore_gpt(tp: int, layers: int, hidden: int, heads: int, vocab: int, seq: in
                             **({"activation_func": activation_func} if activation_func else {}))
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
                     **model_kwargs)
+
+
+class _CpuDevices(torch.overrides.TorchFunctionMode):
+    """references.md item 9 (and the optimizer's like it): tensors Megatron-Core allocates
+    with device="cuda" (the pipeline schedules, the optimizers' scalars, the distributed
+    optimizer's buffers) or moves with .cuda() stay on the CPU, and `Tensor.type()` reports
+    the CUDA name its gradient clipping asserts."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or \
+        (isinstance(device, torch.device) and device.type == "cuda")
+
+
+def cpu_devices():
+    """A context in which Megatron-Core's CUDA allocations land on the CPU (run its
+    training step, schedules and optimizers inside it; after import_mcore)."""
+    return _CpuDevices()

@@ -146,11 +146,8 @@ class OptimizerTensors:
 
 
 def group_decays(optimizer, i: int) -> bool:
-    """Whether param group `i` is the weight-decay group (matrices) or not (1-D tensors)."""
-    if optimizer.is_distributed:
-        return i == 0
-    params = optimizer.optimizer.param_groups[i]["params"]
-    return bool(params) and params[0].dim() != 1
+    """Whether param group `i` is the weight-decay group (matrices) or not (biases, norms)."""
+    return optimizer.group_decays[i]
 
 
 def optimizer_common(optimizer, moments: List[str]) -> dict:

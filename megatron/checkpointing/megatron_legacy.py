@@ -32,7 +32,7 @@ import torch
 
 from megatron.checkpointing.experts import stack_megatron_experts
 from megatron.model.positions import sinusoidal_table
-from megatron.optimizer.optimizer import _param_groups
+from megatron.optimizer.optimizer import decay_flags, regular_order
 
 MEGATRON_VERSION = 3.0
 
@@ -337,9 +337,7 @@ def optimizer_to_ours(saved: dict, models) -> dict:
     if not groups or not isinstance(groups[0], (list, tuple)):
         return saved
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    index = {id(p): i for i, p in enumerate(params)}
-    order = [index[id(p)] for g in _param_groups([(None, p) for p in params], 0.0)
-             for p in g["params"]]
+    order = regular_order(decay_flags(models))
     flat = [value for group in groups for value in group]
     if len(flat) != len(params):
         raise UnusableCheckpoint(f"the checkpoint's optimizer holds {len(flat)} fp32 parameters, "

@@ -199,10 +199,12 @@ def _float64_norms(grads: List[torch.Tensor]) -> torch.Tensor:
 
 def clip_coefficient(norm: float, max_norm: float) -> Optional[float]:
     """The factor that brings the gradients' norm down to `max_norm`; None when no clipping
-    is needed (or --clip-grad is 0)."""
-    if max_norm <= 0 or norm <= max_norm:
+    is needed (or --clip-grad is 0). As Megatron-Core's clip_grad_by_total_norm_fp32: the
+    factor max_norm / (norm + 1e-6), applied whenever it is below 1."""
+    if max_norm <= 0:
         return None
-    return max_norm / (norm + 1e-6)
+    coeff = max_norm / (norm + 1e-6)
+    return coeff if coeff < 1.0 else None
 
 
 def clip_grads(grads: List[torch.Tensor], norm: float, max_norm: float) -> None:

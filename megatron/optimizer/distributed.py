@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from megatron.distributed.grads import clip_grads, expert_norm_groups, norm_and_nonfinite
 from megatron.mpu.mappings import group_rank, group_size
-from megatron.optimizer.optimizer import OptimizerBase, torch_optimizer
+from megatron.optimizer.optimizer import (OptimizerBase, decay_flags, regular_order,
+                                          torch_optimizer)
 
 
 @dataclass
@@ -37,17 +38,14 @@ class Piece:
     """View of the reducer's gradient buffer over this range."""
     main: torch.Tensor
     """fp32 copy the optimizer updates."""
-
-    @property
-    def decays(self) -> bool:
-        """Weight decay on matrices only (as MegatronOptimizer): not on 1-D parameters."""
-        return self.param.ndim != 1
+    decays: bool
+    """Whether its parameter gets weight decay (megatron.optimizer.optimizer.weight_decays)."""
 
     def model_slice(self) -> torch.Tensor:
         return self.param.data.view(-1)[self.start:self.end]
 
 
-def _bucket_pieces(reducer, bucket, index_of) -> List[Piece]:
+def _bucket_pieces(reducer, bucket, index_of, decays: List[bool]) -> List[Piece]:
     """The pieces of the parameters of `bucket` that fall in this rank's shard of it."""
     lo, hi = bucket.shard
     pieces = []
@@ -57,7 +55,7 @@ def _bucket_pieces(reducer, bucket, index_of) -> List[Piece]:
         if start < end:
             main = p.detach().view(-1)[start - offset:end - offset].float().clone()
             pieces.append(Piece(index_of[p], p, start - offset, end - offset,
-                                reducer.buffer[start:end], main))
+                                reducer.buffer[start:end], main, decays[index_of[p]]))
     return pieces
 
 
@@ -73,19 +71,22 @@ class DistributedOptimizer(OptimizerBase):
         self.dp_group = dense[0].dp_group if dense else pstate.dp_cp_group
         self.model_params = [p for m in models for p in m.parameters() if p.requires_grad]
         index_of = {p: i for i, p in enumerate(self.model_params)}
+        self.param_decays = decay_flags(models)
         self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
         self.buckets: List[Tuple[object, object, List[Piece]]] = []  # (reducer, bucket, pieces)
         for reducer in reducers:
             if not getattr(reducer, "reduce_scatter", False):
                 raise ValueError("the distributed optimizer needs GradReducer(reduce_scatter=True)")
             for bucket in reducer.buckets:
-                self.buckets.append((reducer, bucket, _bucket_pieces(reducer, bucket, index_of)))
+                self.buckets.append((reducer, bucket, _bucket_pieces(reducer, bucket, index_of,
+                                                                     self.param_decays)))
         pieces = [piece for _, _, bucket_pieces in self.buckets for piece in bucket_pieces]
         # Optimizer order (decayed pieces first) is the order of the saved state.
         self.pieces = [p for p in pieces if p.decays] + [p for p in pieces if not p.decays]
         self.optimizer = torch_optimizer(cfg, [
             {"params": [p.main for p in self.pieces if p.decays], "weight_decay": cfg.weight_decay},
             {"params": [p.main for p in self.pieces if not p.decays], "weight_decay": 0.0}])
+        self.group_decays = [True, False]
 
     # -- the step ---------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -156,6 +157,7 @@ class DistributedOptimizer(OptimizerBase):
         state = {"dp_size": group_size(self.dp_group), "dp_rank": group_rank(self.dp_group),
                  "mixed": self.mixed,
                  "param_shapes": [list(p.shape) for p in self.model_params],
+                 "param_decays": list(self.param_decays),
                  "pieces": [[p.index, p.start, p.end] for p in self.pieces],
                  "main_params": [p.main.detach().clone() for p in self.pieces],
                  "optimizer": self.optimizer.state_dict()}
@@ -168,7 +170,7 @@ class DistributedOptimizer(OptimizerBase):
         """Load a shard saved by `state_dict()` on the same layout, or a regular
         (MegatronOptimizer) state, of which this rank takes its pieces."""
         if "pieces" not in state:
-            state = shard_regular_state(state, self.model_params, self.pieces,
+            state = shard_regular_state(state, self.model_params, self.param_decays, self.pieces,
                                         self.optimizer.state_dict()["param_groups"])
         self._check_shard(state)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -204,10 +206,12 @@ def _all_gather_shards(flat: torch.Tensor, shard: torch.Tensor, group) -> None:
 
 
 # -- conversion between the sharded and the regular (MegatronOptimizer) state ---------------
-def _regular_order(shapes: List[List[int]]) -> List[int]:
-    """Model-parameter indices in the order of MegatronOptimizer's torch state ids."""
-    return ([i for i, s in enumerate(shapes) if len(s) != 1]
-            + [i for i, s in enumerate(shapes) if len(s) == 1])
+def saved_decays(shard: dict) -> List[bool]:
+    """Whether each parameter of a saved shard gets weight decay; a shard saved before it
+    recorded them decayed every parameter but the 1-D ones."""
+    if "param_decays" in shard:
+        return list(shard["param_decays"])
+    return [len(s) != 1 for s in shard["param_shapes"]]
 
 
 def merge_optimizer_shards(shards: List[dict]) -> dict:
@@ -228,12 +232,13 @@ def merge_optimizer_shards(shards: List[dict]) -> dict:
                     target[name][start:end] = value
                 else:
                     target[name] = value  # Adam's step, SGD's empty momentum
-    order = _regular_order(shapes)
+    decays = saved_decays(shards[0])
+    order = regular_order(decays)
     new_id = {index: k for k, index in enumerate(order)}
     torch_state = {new_id[i]: {n: (v.view(shapes[i]) if torch.is_tensor(v) and v.dim() > 0 else v)
                                for n, v in st.items()} for i, st in states.items()}
-    decay = [new_id[i] for i in order if len(shapes[i]) != 1]
-    no_decay = [new_id[i] for i in order if len(shapes[i]) == 1]
+    decay = [new_id[i] for i in order if decays[i]]
+    no_decay = [new_id[i] for i in order if not decays[i]]
     saved_groups = shards[0]["optimizer"]["param_groups"]
     groups = [dict(g, params=ids) for g, ids in zip(saved_groups, (decay, no_decay)) if ids]
     regular = {"optimizer": {"state": torch_state, "param_groups": groups}}
@@ -245,11 +250,13 @@ def merge_optimizer_shards(shards: List[dict]) -> dict:
 
 
 def shard_regular_state(regular: dict, model_params: List[torch.nn.Parameter],
-                        pieces: List[Piece], current_groups: List[dict]) -> dict:
-    """This rank's shard (in `state_dict()` form) cut from a MegatronOptimizer state.
-    `current_groups` (decay, no decay) supply hyper-parameters a group missing there."""
+                        decays: List[bool], pieces: List[Piece],
+                        current_groups: List[dict]) -> dict:
+    """This rank's shard (in `state_dict()` form) cut from a MegatronOptimizer state of the
+    parameters `model_params` (`decays`: whether each gets weight decay). `current_groups`
+    (decay, no decay) supply hyper-parameters a group missing there."""
     shapes = [list(p.shape) for p in model_params]
-    regular_id = {index: k for k, index in enumerate(_regular_order(shapes))}
+    regular_id = {index: k for k, index in enumerate(regular_order(decays))}
     saved = regular["optimizer"]
     mains = regular.get("fp32_from_fp16_params")
     state, main_params = {}, []
@@ -262,12 +269,12 @@ def shard_regular_state(regular: dict, model_params: List[torch.nn.Parameter],
             state.setdefault(k, {})[name] = value
     saved_groups = iter(saved["param_groups"])
     groups = []
-    for decays, current in zip((True, False), current_groups):
-        present = any((len(s) != 1) == decays for s in shapes)
-        group = dict(next(saved_groups)) if present else dict(current)
-        group["params"] = [k for k, p in enumerate(pieces) if p.decays == decays]
+    for flag, current in zip((True, False), current_groups):
+        group = dict(next(saved_groups)) if flag in decays else dict(current)
+        group["params"] = [k for k, p in enumerate(pieces) if p.decays == flag]
         groups.append(group)
     shard = {"pieces": [[p.index, p.start, p.end] for p in pieces], "param_shapes": shapes,
+             "param_decays": list(decays),
              "main_params": main_params, "optimizer": {"state": state, "param_groups": groups}}
     if "grad_scaler" in regular:
         shard["grad_scaler"] = regular["grad_scaler"]

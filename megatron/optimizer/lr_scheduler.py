@@ -21,16 +21,17 @@ _SAVED_KEYS = (
 
 def learning_rate(step: int, *, max_lr: float, min_lr: float, warmup_steps: int,
                   decay_steps: int, style: str) -> float:
-    """lr after `step` samples: linear warm-up from 0, then decay to min_lr."""
+    """lr after `step` samples: linear warm-up from 0, then decay to min_lr, and min_lr after
+    `decay_steps` whatever the style but constant (Megatron-Core's OptimizerParamScheduler)."""
     if warmup_steps > 0 and step <= warmup_steps:
         return max_lr * step / warmup_steps
     if style == "constant":
         return max_lr
+    if step > decay_steps:
+        return min_lr
     if style == "inverse-square-root":
         warmup = max(warmup_steps, 1)
         return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
-    if step > decay_steps:
-        return min_lr
     span = decay_steps - warmup_steps
     ratio = (step - warmup_steps) / span if span > 0 else 1.0
     if style == "linear":

@@ -13,17 +13,34 @@ from megatron.distributed.grads import clip_coefficient, expert_norm_groups, nor
 from megatron.optimizer.flat_adam import FlatAdamW, fused_adamw_available
 
 
-def _param_groups(named_params, weight_decay):
-    """Weight decay on matrices only; biases and norm parameters (1-D) get none."""
+def weight_decays(name: str, param: torch.Tensor) -> bool:
+    """Whether parameter `name` gets weight decay: Megatron-Core's rule (its default param-group
+    overrides), none on biases, whatever their shape (our stacked expert biases are
+    [experts, n]), nor on any 1-D parameter (norms)."""
+    return not (name.endswith(".bias") or param.ndim == 1)
+
+
+def decay_flags(models) -> List[bool]:
+    """`weight_decays` of every trainable parameter of `models`, in their order."""
+    return [weight_decays(n, p) for m in models for n, p in m.named_parameters()
+            if p.requires_grad]
+
+
+def regular_order(decays: List[bool]) -> List[int]:
+    """Parameter indices in MegatronOptimizer's order (its torch state ids): those with weight
+    decay first, then the others, each in model order."""
+    return [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
+
+
+def _param_groups(named_params, weight_decay: float):
+    """The torch param groups of (name, parameter) pairs, weight decay first, then none
+    (`weight_decays`), each when not empty; and whether each group decays."""
     decay, no_decay = [], []
-    for _, p in named_params:
-        (no_decay if p.ndim == 1 else decay).append(p)
-    groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    for name, p in named_params:
+        (decay if weight_decays(name, p) else no_decay).append(p)
+    groups = [({"params": params, "weight_decay": weight_decay if flag else 0.0}, flag)
+              for params, flag in ((decay, True), (no_decay, False)) if params]
+    return [group for group, _ in groups], [flag for _, flag in groups]
 
 
 def torch_optimizer(cfg, groups) -> torch.optim.Optimizer:
@@ -46,6 +63,8 @@ class OptimizerBase:
         self.pstate = pstate
         self.grad_scaler = grad_scaler
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.group_decays: List[bool] = []
+        """Whether each of the torch optimizer's param groups has weight decay."""
 
     @property
     def param_groups(self):
@@ -68,8 +87,8 @@ class MegatronOptimizer(OptimizerBase):
             self.main_params = [p.detach().clone().float() for p in self.model_params]
         else:
             self.main_params = self.model_params
-        self._main_of = {id(mp): main for mp, main in zip(self.model_params, self.main_params)}
-        groups = _param_groups([(n, self._main_of[id(p)]) for n, p in named], cfg.weight_decay)
+        groups, self.group_decays = _param_groups(
+            [(name, main) for (name, _), main in zip(named, self.main_params)], cfg.weight_decay)
         self.optimizer = torch_optimizer(cfg, groups)
         # Adam over flat buffers where torch's fused kernel runs (fp32 main params on
         # one CPU or GPU): the parameters become views of the flat buffer.

@@ -86,6 +86,42 @@ def test_regular_state_round_trips_through_shards(dtype, optimizer):
     fresh.load_state_dict(merged)  # the consolidated state loads into the regular optimizer
 
 
+class _Stacked(torch.nn.Module):
+    """Experts' stacked parameters, as ours hold them: a [3, 5] bias (one per expert)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.experts = torch.nn.Module()
+        self.experts.weight = torch.nn.Parameter(torch.randn(3, 5, 4))
+        self.experts.bias = torch.nn.Parameter(torch.randn(3, 5))
+        self.norm = torch.nn.LayerNorm(4)
+
+
+def test_biases_of_every_shape_and_norms_get_no_weight_decay():
+    """Megatron-Core's rule in both optimizers (its per-expert biases are 1-D; our stacked
+    ones must be exempt too), and the sharded state converts to the regular one with it."""
+    cfg = OptimizerConfig(lr=0.01, weight_decay=0.1)
+    model = _Stacked()
+    exempt = {id(model.experts.bias), id(model.norm.weight), id(model.norm.bias)}
+    regular = MegatronOptimizer(cfg, [model], single_process_state())
+    assert regular.group_decays == [True, False]
+    assert [g["weight_decay"] for g in regular.param_groups] == [0.1, 0.0]
+    assert {id(p) for p in regular.param_groups[1]["params"]} == exempt
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    regular.step()
+    shards, decays = [], {}
+    for rank in range(2):
+        sharded = _fake_rank_optimizer(model, rank, 2, cfg)
+        decays.update((id(p.param), p.decays) for p in sharded.pieces)
+        sharded.load_state_dict(regular.state_dict())
+        shards.append(sharded.state_dict())
+    assert {i for i, d in decays.items() if not d} == exempt
+    assert {i for i, d in decays.items() if d} == {id(model.experts.weight)}
+    _assert_same_state(merge_optimizer_shards(shards), regular.state_dict())
+
+
 def _assert_same_state(got, expected):
     assert got.keys() == expected.keys()
     g_opt, e_opt = got["optimizer"], expected["optimizer"]

@@ -56,7 +56,7 @@ def logits(m):
 
 def stepped_torch_adam(m):
     """The torch optimizer state a Megatron fp32 run saves (bare, as its FP32Optimizer does)."""
-    adam = torch.optim.AdamW(_param_groups(m.named_parameters(), 0.01), lr=1e-3)
+    adam = torch.optim.AdamW(_param_groups(m.named_parameters(), 0.01)[0], lr=1e-3)
     for p in m.parameters():
         p.grad = torch.full_like(p, 0.01)
     adam.step()

@@ -1,14 +1,17 @@
-"""Learning-rate schedule, batch-size ramp-up, the log line and the grad scaler."""
+"""Learning-rate schedule, gradient clipping, batch-size ramp-up, the log line and the grad
+scaler."""
 import math
 import re
 
 import pytest
 import torch
 
+from megatron.distributed.grads import clip_coefficient
 from megatron.optimizer.grad_scaler import DynamicGradScaler
 from megatron.optimizer.lr_scheduler import learning_rate
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.microbatches import MicroBatches
+from tests.mcore_setup import have_mcore, run_mcore_script
 
 LR = dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
 
@@ -24,6 +27,58 @@ def test_warmup_is_linear_from_zero():
 ])
 def test_decay_styles(style, step, expected):
     assert learning_rate(step, style=style, **LR) == pytest.approx(expected)
+
+
+def test_every_style_ends_at_min_lr_after_the_decay():
+    """As Megatron-Core's: past --lr-decay-* steps every decaying style, inverse-square-root
+    too, gives --min-lr (only constant keeps --lr)."""
+    for style in ("linear", "cosine", "inverse-square-root"):
+        assert learning_rate(111, style=style, **LR) == LR["min_lr"]
+    assert learning_rate(111, style="constant", **LR) == LR["max_lr"]
+
+
+MCORE_LR = """
+import json, sys
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+class Optimizer:
+    param_groups = [{}]
+out = []
+for case in json.load(sys.stdin):
+    scheduler = OptimizerParamScheduler(
+        Optimizer(), init_lr=0.0, max_lr=case["max_lr"], min_lr=case["min_lr"],
+        lr_warmup_steps=case["warmup_steps"], lr_decay_steps=case["decay_steps"],
+        lr_decay_style=case["style"], start_wd=0.1, end_wd=0.1, wd_incr_steps=1,
+        wd_incr_style="constant")
+    lrs = []
+    for step in range(case["steps"]):
+        scheduler.num_steps = step
+        lrs.append(scheduler.get_lr({}))
+    out.append(lrs)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+def test_learning_rate_equals_megatron_cores_scheduler():
+    """Every style, with and without warm-up, at every step to well past the decay: the
+    learning rate of Megatron-Core 0.16.1's OptimizerParamScheduler (init_lr 0)."""
+    cases = [dict(LR, style=style, warmup_steps=warmup, steps=160)
+             for style in ("constant", "linear", "cosine", "inverse-square-root")
+             for warmup in (0, 10)]
+    theirs = run_mcore_script(MCORE_LR, cases)
+    for case, want in zip(cases, theirs):
+        kwargs = {k: case[k] for k in ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style")}
+        got = [learning_rate(step, **kwargs) for step in range(case["steps"])]
+        assert got == pytest.approx(want, rel=1e-12, abs=0.0), case
+
+
+def test_clipping_scales_whenever_megatron_cores_factor_is_below_one():
+    """max_norm / (norm + 1e-6) when below 1, as clip_grad_by_total_norm_fp32: a norm equal
+    to --clip-grad is scaled by it too; --clip-grad 0 never clips."""
+    assert clip_coefficient(2.0, 1.0) == 1.0 / (2.0 + 1e-6)
+    assert clip_coefficient(1.0, 1.0) == 1.0 / (1.0 + 1e-6)
+    assert clip_coefficient(1.0 - 2e-6, 1.0) is None
+    assert clip_coefficient(5.0, 0.0) is None
 
 
 def test_rampup_grows_global_batch():
