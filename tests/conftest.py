@@ -1,28 +1,30 @@
-"""Shared pytest fixtures."""
-import os
+"""Shared pytest set-up: the repository on sys.path, the oracles' mark and the run's
+oracles line (tests/oracles.py)."""
 import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("MEGATRON_SHARED_DATA", ROOT.parent / "shared" / "data"))
+from tests import oracles
+from tests.data_setup import ROOT, SHARED_DATA, reference_file  # noqa: F401  (re-exported)
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-@pytest.fixture
-def shared_data():
-    """Path to the read-only reference data; skips the test when it is absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"reference data not found at {SHARED_DATA}")
-    return SHARED_DATA
+def pytest_configure(config):
+    config.addinivalue_line("markers", "oracle(*names): the test checks against these peers "
+                            "(tests/oracles.py); it skips without them, or fails under "
+                            f"{oracles.STRICT_ENV}=1")
 
 
-def shared_file(*parts):
-    """Path to one reference file, skipping the test when it is absent."""
-    path = SHARED_DATA.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"reference file not found: {path}")
-    return path
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("oracle"):
+        for name in mark.args:
+            oracles.require(name, item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        oracles.SKIPPED.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(oracles.summary())

@@ -1,10 +1,11 @@
 """fairseq (`fairseq-fixed` 0.12.3.1) as the reference of the fairseq tests.
 
 fairseq's Cython extensions are built against numpy 1.x and do not import under the
-numpy 2 of our environment, so fairseq lives in its own virtual environment (system
-site packages, numpy 1.26.4; built by tests/run_tests.sh) and runs in subprocesses:
-its command-line tools, its own Megatron-11b scripts, and tests/fairseq_side.py.
-FAIRSEQ_PYTHON names that environment's python; the default is run_tests.sh's.
+numpy 2 of our environment, so fairseq lives in its own virtual environment (our
+environment's packages behind its own numpy 1.26.4; built by tests/install_fairseq.sh) and
+runs in subprocesses: its command-line tools, its own Megatron-11b scripts, and
+tests/fairseq_side.py. FAIRSEQ_PYTHON names that environment's python; the default is
+install_fairseq.sh's. Tests reach it through tests/oracles.py ("fairseq").
 """
 import json
 import os
@@ -13,27 +14,34 @@ from typing import List, Optional
 
 import torch
 
+from tests.data_setup import bpe_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "megatron-fairseq", "venv")
-BPE_DIR = os.path.join(HERE, "..", "..", "shared", "data", "bpe-8k")
-WIKITEXT = os.path.join(HERE, "..", "..", "shared", "data", "wikitext")
 
 
 def fairseq_python() -> Optional[str]:
     """The python of fairseq's environment, or None when fairseq is not installed there."""
-    python = os.environ.get("FAIRSEQ_PYTHON") or os.path.join(DEFAULT_VENV, "bin", "python")
+    cache = os.environ.get("MEGATRON_FAIRSEQ_CACHE")
+    default = os.path.join(cache, "venv") if cache else DEFAULT_VENV
+    python = os.environ.get("FAIRSEQ_PYTHON") or os.path.join(default, "bin", "python")
     if not os.path.isfile(python):
         return None
-    probe = subprocess.run([python, "-c", "import fairseq.data.data_utils_fast, fairseq_cli"],
-                           capture_output=True)
+    probe = subprocess.run([python, os.path.join(HERE, "fairseq_side.py"), "probe"],
+                           capture_output=True, env=_env())
     return python if probe.returncode == 0 else None
+
+
+def _env() -> dict:
+    """Ours without PYTHONPATH (our `megatron` must not shadow anything there), one thread."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
 
 
 def run(python: str, args: List[str], cwd: str, timeout: int = 600) -> str:
     """A fairseq module (`-m fairseq_cli.train`) or script in fairseq's environment."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    done = subprocess.run([python] + args, cwd=cwd, env=env, capture_output=True, text=True,
+    done = subprocess.run([python] + args, cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
     if done.returncode != 0:
         raise AssertionError(f"fairseq {' '.join(args[:2])} failed:\n{done.stderr[-3000:]}")
@@ -51,17 +59,16 @@ def fairseq_script(python: str, relative: str) -> str:
 def bpe_encode(python: str, src: str, dst: str, cwd: str) -> None:
     """fairseq's GPT-2 BPE encoder script (--keep-empty, as the Megatron-11b README)."""
     script = fairseq_script(python, os.path.join("examples", "roberta", "multiprocessing_bpe_encoder.py"))
-    run(python, [script, "--encoder-json", os.path.join(BPE_DIR, "vocab.json"),
-                 "--vocab-bpe", os.path.join(BPE_DIR, "merges.txt"), "--inputs", src,
+    run(python, [script, "--encoder-json", str(bpe_dir() / "vocab.json"),
+                 "--vocab-bpe", str(bpe_dir() / "merges.txt"), "--inputs", src,
                  "--outputs", dst, "--keep-empty", "--workers", "1"], cwd)
 
 
 def detokenize(python: str, src: str, dst: str, cwd: str) -> None:
     """fairseq's examples/megatron_11b/detok.py."""
     script = fairseq_script(python, os.path.join("examples", "megatron_11b", "detok.py"))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with open(os.path.join(cwd, dst), "w", encoding="utf-8") as f:
-        subprocess.run([python, script, src], cwd=cwd, env=env, stdout=f, check=True)
+        subprocess.run([python, script, src], cwd=cwd, env=_env(), stdout=f, check=True)
 
 
 def preprocess(python: str, cwd: str, dest: str, srcdict: Optional[str] = None, **prefixes) -> None:

@@ -5,12 +5,25 @@
     python fairseq_side.py eval-lm OUT.json -- <fairseq-eval-lm arguments>
         fairseq-eval-lm itself; its returned loss and perplexity at full precision, and
         the same from its per-token scores summed in float64 (fairseq sums in float32)
+    python fairseq_side.py probe
+        imports every module the fairseq tests use (tests/install_fairseq.sh checks with it)
 """
 import math
 import json
 import sys
 
 import torch
+
+
+PROBED = ["fairseq.data.data_utils_fast", "fairseq.tasks", "fairseq.checkpoint_utils",
+          "fairseq.data.encoders.gpt2_bpe", "fairseq_cli.preprocess", "fairseq_cli.train",
+          "fairseq_cli.eval_lm", "sklearn", "sacremoses"]
+
+
+def probe():
+    import importlib
+    for name in PROBED:
+        importlib.import_module(name)
 
 
 def logprobs(ckpt, data, ids_path, out_path):
@@ -61,5 +74,7 @@ if __name__ == "__main__":
         logprobs(*sys.argv[2:6])
     elif sys.argv[1] == "eval-lm":
         eval_lm(sys.argv[2], sys.argv[4:])
+    elif sys.argv[1] == "probe":
+        probe()
     else:
         raise SystemExit(f"unknown command {sys.argv[1]}")

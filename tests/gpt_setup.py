@@ -1,4 +1,4 @@
-"""A tiny GPT run on the WikiText validation corpus, shared by the training tests."""
+"""A tiny GPT run on the test corpus (tests/data_setup.py), shared by the training tests."""
 import contextlib
 import os
 import sys
@@ -6,10 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, SHARED_DATA
-
-BPE = SHARED_DATA / "bpe-8k"
-WIKI = SHARED_DATA / "wikitext" / "wiki.valid.jsonl"
+from tests.data_setup import ROOT, bpe_dir, corpus_file
 
 
 @contextlib.contextmanager
@@ -24,29 +21,30 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def have_reference_data() -> bool:
-    return WIKI.is_file() and (BPE / "vocab.json").is_file()
+def bpe_flags(*extra) -> list:
+    """--vocab-file and --merge-file of the test vocabulary (8000 entries)."""
+    bpe = bpe_dir()
+    return ["--vocab-file", str(bpe / "vocab.json"), "--merge-file", str(bpe / "merges.txt"),
+            *extra]
 
 
 def preprocess_wiki(out_dir, docs=None) -> str:
-    """Preprocess wiki.valid.jsonl (its first `docs` articles when given) with the
-    bpe-8k vocabulary; returns the data prefix."""
+    """Preprocess the test corpus (WikiText's validation articles, or the built one; its
+    first `docs` articles when given) with the test vocabulary; returns the data prefix."""
     sys.path.insert(0, str(ROOT))
     from tools import preprocess_data
     prefix = os.path.join(str(out_dir), "wiki")
-    source = WIKI
+    source = corpus_file()
     if docs is not None:
         source = os.path.join(str(out_dir), "corpus.jsonl")
-        with open(WIKI) as full, open(source, "w") as part:
+        with open(corpus_file()) as full, open(source, "w") as part:
             part.writelines(line for _, line in zip(range(docs), full))
     if not os.path.exists(prefix + "_text_document.idx"):
         status = preprocess_data.main([
             "--input", str(source), "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
-            "--vocab-file", str(BPE / "vocab.json"), "--merge-file", str(BPE / "merges.txt"),
-            "--append-eod", "--workers", "1", "--log-interval", "100000"])
+            *bpe_flags("--append-eod", "--workers", "1", "--log-interval", "100000")])
         assert status == 0, f"preprocessing failed with status {status}"
     return prefix + "_text_document"
-
 
 
 def wiki_workdir(name: str, docs=None):
@@ -67,8 +65,7 @@ def tiny_gpt_argv(data_prefix, cache_dir, *extra, layers=4, hidden=64, heads=4, 
         "--seq-length", str(seq), "--max-position-embeddings", str(seq),
         "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
         "--lr", "1e-3", "--lr-warmup-fraction", "0.1", "--data-path", str(data_prefix),
-        "--split", "949,50,1", "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", str(BPE / "vocab.json"), "--merge-file", str(BPE / "merges.txt"),
+        "--split", "949,50,1", "--tokenizer-type", "GPT2BPETokenizer", *bpe_flags(),
         "--make-vocab-size-divisible-by", "16", "--log-interval", "1", "--eval-interval", "1000",
         "--eval-iters", "1", "--num-workers", "0", "--data-cache-path", str(cache_dir),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization",

@@ -220,15 +220,19 @@ def save_word_tokenizer(directory: str, size: int) -> None:
                             eos_token="1").save_pretrained(directory)
 
 
+def load_safetensors(path: str) -> dict:
+    from safetensors.torch import load_file
+    return load_file(path)
+
+
 def round_trip(family, back: str):
     """(the HF files' tensors, those of `--to hf` of the family's TP 1 conversion, written
     to `back`): what a round trip test compares."""
-    from safetensors.torch import load_file
     from tools import convert_checkpoint
     work = family[2]
     assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
                                     os.path.join(work, "ckpt_tp1_pp1"), "--save", back]) == 0
-    original = load_file(os.path.join(work, "hf", "model.safetensors"))
-    again = load_file(os.path.join(back, "model.safetensors"))
+    original = load_safetensors(os.path.join(work, "hf", "model.safetensors"))
+    again = load_safetensors(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     return original, again

@@ -12,7 +12,7 @@ import pytest
 import pretrain_gpt
 from megatron.arguments import parse_args
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "4",
@@ -95,8 +95,6 @@ def _worker(rank, world_size, tmp, prefix):
 
 
 def test_zero1_deepspeed_run_at_dp2_matches_our_flags(tmp_path):
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
     (tmp_path / "corpus").mkdir()
     prefix = preprocess_wiki(tmp_path / "corpus", docs=4)
     write_config(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 
 import pretrain_gpt
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 from tools import merge_mp_partitions
 
 
@@ -34,8 +34,6 @@ def _worker(rank, world_size, tmp, prefix):
 
 
 def test_universal_checkpoint_reshards_on_load(tmp_path, capsys):
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
     tmp = str(tmp_path)
     (tmp_path / "corpus").mkdir()
     prefix = preprocess_wiki(tmp_path / "corpus", docs=4)

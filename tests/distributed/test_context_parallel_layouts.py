@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from tests.distributed import layouts as L
-from tests.gpt_setup import have_reference_data, wiki_workdir
+from tests.gpt_setup import wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 SEQ = int(os.environ.get("CP_TEST_SEQ", "1024"))
 MODEL = L.llama_style(SEQ)

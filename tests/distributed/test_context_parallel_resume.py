@@ -13,9 +13,8 @@ import pytest
 
 from tests.distributed import layouts as L
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, tiny_gpt_argv, wiki_workdir
+from tests.gpt_setup import losses, one_thread, tiny_gpt_argv, wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 SEQ = 128
 MODEL = L.llama_style(SEQ) + ["--use-distributed-optimizer"]

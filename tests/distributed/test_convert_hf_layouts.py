@@ -10,19 +10,17 @@ TP 2 x PP 2 checkpoint back to HF gives the original tensors.
 """
 import os
 
-import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from megatron.text_generation import generate
+from tests import oracles
+from tests.distributed.run_ranks import run_ranks
+from tests.hf_models import (converted, FAMILIES, hf_greedy, load_ours, load_safetensors,
+                             NEW_TOKENS, pipeline_logits, PROMPT_LEN, prompts, rel_err,
+                             save_hf_model)
+from tools import convert_checkpoint
 
-from safetensors.torch import load_file  # noqa: E402
-
-from megatron.text_generation import generate  # noqa: E402
-from tests.distributed.run_ranks import run_ranks  # noqa: E402
-from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted, hf_greedy,  # noqa: E402
-                             load_ours, pipeline_logits, prompts, rel_err, save_hf_model)
-from tools import convert_checkpoint  # noqa: E402
+pytestmark = oracles.needs("transformers")
 
 
 def _worker(rank, world_size, cases):
@@ -44,8 +42,8 @@ def _check_way_back(work: str, ckpt: str) -> None:
     back = os.path.join(work, "back")
     assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
                                     os.path.join(work, ckpt), "--save", back]) == 0
-    original = load_file(os.path.join(work, "hf", "model.safetensors"))
-    again = load_file(os.path.join(back, "model.safetensors"))
+    original = load_safetensors(os.path.join(work, "hf", "model.safetensors"))
+    again = load_safetensors(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], t) for k, t in original.items())
 

@@ -10,16 +10,15 @@ of each stage exchange tokens); the last stage's logits equal transformers' with
 """
 import os
 
-import pytest
 import torch
 
-pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
+from tests import oracles
+from tests.distributed.run_ranks import run_ranks
+from tests.hf_models import (converted, load_safetensors, MOE_FAMILIES, pipeline_logits,
+                             prompts, rel_err, save_hf_model)
+from tools import convert_checkpoint, merge_mp_partitions
 
-from tests.distributed.run_ranks import run_ranks  # noqa: E402
-from tests.hf_models import (MOE_FAMILIES, converted, pipeline_logits, prompts,  # noqa: E402
-                             rel_err, save_hf_model)
-from tools import convert_checkpoint, merge_mp_partitions  # noqa: E402
+pytestmark = oracles.needs("transformers")
 
 EP2 = ("--expert-model-parallel-size", "2")
 
@@ -49,8 +48,8 @@ def test_converted_moe_models_match_transformers_at_ep2_pp2(tmp_path):
         back = os.path.join(work, "back")
         assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ep2,
                                         "--save", back]) == 0
-        original = load_file(os.path.join(work, "hf", "model.safetensors"))
-        again = load_file(os.path.join(back, "model.safetensors"))
+        original = load_safetensors(os.path.join(work, "hf", "model.safetensors"))
+        again = load_safetensors(os.path.join(back, "model.safetensors"))
         assert sorted(again) == sorted(original)
         assert all(torch.equal(again[k], t) for k, t in original.items()), name
         vocab = model.config.vocab_size

@@ -5,22 +5,19 @@
 sets the rendezvous environment; ZeRO 1 runs as our distributed optimizer. The run trains
 and saves, a second launch resumes from the checkpoint, and the resumed losses are those
 of the same 4 iterations in one process; each launch prints every line of its start-up once,
-not once per rank. Skipped when DeepSpeed is not installed (tests/run_tests.sh installs it).
+not once per rank. DeepSpeed is an oracle (tests/oracles.py; tests/run_tests.sh installs it).
 """
 import json
 import os
 import re
-import shutil
 import subprocess
 
-import pytest
-
+from tests import oracles
 from tests.conftest import ROOT
 from tests.distributed.test_launch_notices import assert_each_line_once
 from tests.gpt_setup import losses, one_thread
 
-pytestmark = pytest.mark.skipif(shutil.which("deepspeed") is None,
-                                reason="the deepspeed launcher is not installed")
+pytestmark = oracles.needs("deepspeed")
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",

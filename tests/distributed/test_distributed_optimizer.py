@@ -23,7 +23,7 @@ from megatron.mpu import single_process_state
 from megatron.optimizer import DistributedOptimizer, MegatronOptimizer, merge_optimizer_shards
 from megatron.checkpointing import megatron_legacy
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 
 # -- single process ----------------------------------------------------------------------
@@ -226,8 +226,6 @@ def _argv(prefix, tmp, *extra):
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
     """The first articles of wiki.valid.jsonl preprocessed with the bpe-8k vocabulary."""
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
     return preprocess_wiki(tmp_path_factory.mktemp("corpus"), docs=4)
 
 

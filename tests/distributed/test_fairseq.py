@@ -1,14 +1,15 @@
 """fairseq's language models and WikiText-103 evaluation, checked against fairseq itself.
 
-A tiny pre-LN `transformer_lm` is trained for 20 updates by fairseq-train on WikiText
-lines encoded by fairseq's own GPT-2 BPE script (bpe-8k vocabulary) and binarized by
-fairseq-preprocess. It converts with tools/convert_checkpoint.py; our model gives
+A tiny pre-LN `transformer_lm` is trained for 20 updates by fairseq-train on lines of the
+test corpus (WikiText's, or the built one: tests/data_setup.py) encoded by fairseq's own
+GPT-2 BPE script (the test vocabulary) and binarized by fairseq-preprocess. It converts with tools/convert_checkpoint.py; our model gives
 fairseq's log-probabilities at TP 1 and TP 2 (2 gloo ranks); model-parallel
 partitions written here by fairseq's splitting rules convert to the same checkpoint;
 the way back loads in fairseq-eval-lm and scores identically; and tasks/main.py
 --fairseq-eval-lm on the whole wiki.test.tokens gives fairseq-eval-lm's loss and
-perplexity, after fairseq's own detok.py / BPE encoder / fairseq-preprocess pipeline.
-Skipped when fairseq's environment (tests/install_fairseq.sh) is absent.
+perplexity, after fairseq's own detok.py / BPE encoder / fairseq-preprocess pipeline (those
+WikiText comparisons skip without ../shared/data). The oracle is fairseq's environment
+(tests/install_fairseq.sh; tests/oracles.py).
 """
 
 import json
@@ -20,15 +21,22 @@ import pytest
 import torch
 
 from tests import fairseq_ref as fs
+from tests import oracles
+from tests.data_setup import bpe_dir, corpus_text, reference_file
 from tests.distributed.run_ranks import run_ranks
 
-PYTHON = fs.fairseq_python()
-pytestmark = pytest.mark.skipif(PYTHON is None, reason="fairseq is not installed "
-                                "(bash tests/install_fairseq.sh)")
-TEST_TOKENS = os.path.join(fs.WIKITEXT, "wiki.test.tokens")
-VALID_TOKENS = os.path.join(fs.WIKITEXT, "wiki.valid.tokens")
+pytestmark = oracles.needs("fairseq")
 TOKENS_PER_SAMPLE, CONTEXT = 128, 64
-TRAIN_LINES = 300
+TRAIN_CHARS = 90000  # the first 300 lines of WikiText's validation split
+
+
+def python() -> str:
+    """fairseq's environment (probed once, in the pytest process only)."""
+    return oracles.found("fairseq")
+
+
+def _test_tokens() -> str:
+    return str(reference_file("wikitext", "wiki.test.tokens"))
 
 
 def _convert(*argv):
@@ -37,24 +45,20 @@ def _convert(*argv):
 
 
 def _bpe_flags():
-    return ["--vocab-file", os.path.join(fs.BPE_DIR, "vocab.json"),
-            "--merge-file", os.path.join(fs.BPE_DIR, "merges.txt")]
+    return ["--vocab-file", str(bpe_dir() / "vocab.json"),
+            "--merge-file", str(bpe_dir() / "merges.txt")]
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A work dir with fairseq's model (ckpt/checkpoint_last.pt, bin/dict.txt) and our
     conversions ours_tp1/ and ours_tp2/."""
-    if not os.path.isfile(TEST_TOKENS):
-        pytest.skip("../shared/data/wikitext is absent")
     root = str(tmp_path_factory.mktemp("fairseq"))
-    with open(VALID_TOKENS, encoding="utf-8") as f:
-        lines = f.read().split("\n")[:TRAIN_LINES]
     with open(os.path.join(root, "train.raw"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    fs.bpe_encode(PYTHON, "train.raw", "train.bpe", root)
-    fs.preprocess(PYTHON, root, "bin", train="train.bpe")
-    fs.train(PYTHON, root, "bin", "ckpt")
+        f.write(corpus_text(TRAIN_CHARS))
+    fs.bpe_encode(python(), "train.raw", "train.bpe", root)
+    fs.preprocess(python(), root, "bin", train="train.bpe")
+    fs.train(python(), root, "bin", "ckpt")
     for tp in (1, 2):
         assert _convert("--from", "fairseq", "--to", "megatron", "--load",
                         os.path.join(root, "ckpt", "checkpoint_last.pt"), "--fairseq-dict",
@@ -96,7 +100,7 @@ def _ids(rows: int) -> torch.Tensor:
 def test_logprobs_equal_fairseq_at_tp1_and_tp2(work):
     rows = len(open(os.path.join(work, "bin", "dict.txt")).readlines()) + 4
     ids = _ids(rows)
-    ref = fs.logprobs(PYTHON, os.path.join(work, "ckpt", "checkpoint_last.pt"),
+    ref = fs.logprobs(python(), os.path.join(work, "ckpt", "checkpoint_last.pt"),
                       os.path.join(work, "bin"), ids, work)
     tp1 = _our_logprobs(os.path.join(work, "ours_tp1"), 1, ids)
     tp2 = torch.from_numpy(run_ranks(_tp2_logprobs, 2, os.path.join(work, "ours_tp2"), ids)[0])
@@ -193,16 +197,16 @@ def test_bad_partitions_and_dictionaries_exit_2(work, capsys, tmp_path):
 def wikitext_bin(work):
     """wiki.test.tokens through fairseq's own pipeline: detok.py, the GPT-2 BPE encoder with
     --keep-empty, fairseq-preprocess --srcdict dict.txt."""
-    fs.detokenize(PYTHON, TEST_TOKENS, "wiki.test.detok", work)
-    fs.bpe_encode(PYTHON, "wiki.test.detok", "wiki.test.bpe", work)
-    fs.preprocess(PYTHON, work, "wikitext_bin", srcdict=os.path.join("bin", "dict.txt"),
+    fs.detokenize(python(), _test_tokens(), "wiki.test.detok", work)
+    fs.bpe_encode(python(), "wiki.test.detok", "wiki.test.bpe", work)
+    fs.preprocess(python(), work, "wikitext_bin", srcdict=os.path.join("bin", "dict.txt"),
                   test="wiki.test.bpe")
     return os.path.join(work, "wikitext_bin")
 
 
 def test_fairseq_detokenizer_is_fairseqs(work, wikitext_bin):
     from tasks.fairseq_lm.detok import fairseq_detokenize
-    with open(TEST_TOKENS, encoding="utf-8") as f:
+    with open(_test_tokens(), encoding="utf-8") as f:
         ours = fairseq_detokenize(f.read())
     with open(os.path.join(work, "wiki.test.detok"), encoding="utf-8") as f:
         assert ours == f.read()
@@ -236,11 +240,11 @@ def test_tasks_main_gives_fairseq_eval_lm_numbers(work, wikitext_bin):
     within 1e-5 (measured 7e-7), its printed ppl within 1e-4 (5e-6), and loss and ppl match
     its own per-token scores summed in float64 within 1e-5 (measured 2e-9 and 1e-8)."""
     from tasks import main as tasks_main
-    ref, log = fs.eval_lm(PYTHON, wikitext_bin, os.path.join(work, "ckpt", "checkpoint_last.pt"),
+    ref, log = fs.eval_lm(python(), wikitext_bin, os.path.join(work, "ckpt", "checkpoint_last.pt"),
                           work, TOKENS_PER_SAMPLE, CONTEXT)
     results = os.path.join(work, "results.json")
     with_threads = torch.get_num_threads()
-    tasks_main.main(["--task", "WIKITEXT103", "--fairseq-eval-lm", "--valid-data", TEST_TOKENS,
+    tasks_main.main(["--task", "WIKITEXT103", "--fairseq-eval-lm", "--valid-data", _test_tokens(),
                      "--detokenizer", "fairseq", "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
                      "--context-window", str(CONTEXT), "--load", os.path.join(work, "ours_tp1"),
                      "--micro-batch-size", "32", "--results-json", results])
@@ -268,9 +272,9 @@ def test_converted_back_scores_identically_in_fairseq(work):
     for name, tensor in original["model"].items():
         assert torch.equal(tensor, returned["model"][name]), name
     data = os.path.join(work, "bin")
-    ref, _ = fs.eval_lm(PYTHON, data, os.path.join(work, "ckpt", "checkpoint_last.pt"), work,
+    ref, _ = fs.eval_lm(python(), data, os.path.join(work, "ckpt", "checkpoint_last.pt"), work,
                         64, 32, subset="train")
-    again, _ = fs.eval_lm(PYTHON, data, os.path.join(back, "model.pt"), work, 64, 32,
+    again, _ = fs.eval_lm(python(), data, os.path.join(back, "model.pt"), work, 64, 32,
                           subset="train")
     assert again == ref and ref["count"] > 10000
     assert open(os.path.join(back, "dict.txt")).read() == \

@@ -15,9 +15,8 @@ import pytest
 from tests.distributed.layouts import ITERS, Layout, assert_close, train
 from tests.distributed.run_ranks import run_ranks
 from tests.distributed.test_spec_layouts import ARCHS
-from tests.gpt_setup import have_reference_data, one_thread, wiki_workdir
+from tests.gpt_setup import one_thread, wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 CLIP = ["--clip-grad", "1.0"]
 GQA = ARCHS["llama"] + CLIP  # 2 query groups

@@ -1,15 +1,14 @@
 """tasks/eval_harness.py at TP=2 under torchrun gives tasks/main.py's numbers (TP=1)."""
-import pytest
-
 from megatron.tokenizer import ByteLevelTokenizer
+from tests import oracles
 from tests.unit.test_harness import check_against_main, run_harness, write_tasks
 from tests.unit.test_tasks import checkpoint  # noqa: F401  (the fixture)
 from tools import merge_mp_partitions
 
-pytest.importorskip("lm_eval")
+pytestmark = oracles.needs("lm-eval")
 
 
-def test_harness_at_tp2(checkpoint, tmp_path):
+def test_harness_at_tp2(checkpoint, tmp_path):  # noqa: F811 (the fixture)
     root, model = checkpoint
     tp2 = str(tmp_path / "tp2")
     assert merge_mp_partitions.main(["--load", root, "--save", tp2,

@@ -11,15 +11,13 @@ its stages merged in memory, DP 2) gives the tokens of the TP 1 conversion.
 import json
 import os
 
-import pytest
+from tests import oracles
+from tests.distributed.run_ranks import run_ranks
+from tests.hf_models import FAMILIES, converted, save_hf_model, save_word_tokenizer
+from tests.unit.test_hf_continue import GREEDY, NO_DROPOUT, hf_loss, run_flags
+from tools import convert_checkpoint
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-from tests.distributed.run_ranks import run_ranks  # noqa: E402
-from tests.hf_models import FAMILIES, converted, save_hf_model, save_word_tokenizer  # noqa: E402
-from tests.unit.test_hf_continue import GREEDY, NO_DROPOUT, hf_loss, run_flags  # noqa: E402
-from tools import convert_checkpoint  # noqa: E402
+pytestmark = oracles.needs("transformers")
 
 
 def _worker(rank, world_size, cases, generate_from):

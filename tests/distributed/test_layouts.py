@@ -15,9 +15,8 @@ import pytest
 from tests.distributed.layouts import (GLOBAL_BATCH, Layout, check_losses, check_resume,
                                        reference_run, train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, wiki_workdir
+from tests.gpt_setup import wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 
 LAYOUTS = {

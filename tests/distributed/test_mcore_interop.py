@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import oracles
 from tests.distributed.run_ranks import run_ranks
-from tests.mcore_setup import have_mcore
 
-pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+pytestmark = oracles.needs("megatron-core")
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 64, 4, 128, 16
 EXPERTS, EP = 4, 2

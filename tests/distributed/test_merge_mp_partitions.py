@@ -24,7 +24,8 @@ from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.mpu.layers import shard_of
 from megatron.checkpointing.model_file import from_megatron_layout, to_megatron_layout
 from megatron.pipeline.schedule import chunk_layers
-from tests.conftest import shared_file
+from tests.data_setup import bpe_dir
+from tests.gpt_setup import preprocess_wiki
 from tests.distributed.run_ranks import run_ranks
 from megatron.checkpointing import reshard
 from tools import merge_mp_partitions as mmp
@@ -294,20 +295,13 @@ def _worker(rank, world_size, tmp, data_prefix, vocab, merges, wiki):
 
 @pytest.fixture
 def tiny_corpus(tmp_path):
-    """The first articles of wiki.valid.jsonl preprocessed with the bpe-8k vocabulary."""
-    from tools import preprocess_data
-    source = shared_file("wikitext", "wiki.valid.jsonl")
-    vocab, merges = shared_file("bpe-8k", "vocab.json"), shared_file("bpe-8k", "merges.txt")
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(source.read_text().splitlines(keepends=True)[:4]))
-    prefix = tmp_path / "wiki"
-    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(prefix),
-                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                                 str(vocab), "--merge-file", str(merges), "--append-eod"]) == 0
+    """The first articles of the test corpus preprocessed with the test vocabulary, and the
+    first 300 words of the first one as a WikiText-style file."""
+    prefix = preprocess_wiki(tmp_path, docs=4)
     wiki = tmp_path / "wiki.tokens"
-    text = json.loads(corpus.read_text().splitlines()[0])["text"]
+    text = json.loads((tmp_path / "corpus.jsonl").read_text().splitlines()[0])["text"]
     wiki.write_text(" ".join(text.split(" ")[:300]))
-    return str(prefix) + "_text_document", str(vocab), str(merges), str(wiki)
+    return prefix, str(bpe_dir() / "vocab.json"), str(bpe_dir() / "merges.txt"), str(wiki)
 
 
 def test_merged_checkpoint_computes_like_the_sharded_one(tmp_path, tiny_corpus):

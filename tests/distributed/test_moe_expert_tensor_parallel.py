@@ -29,9 +29,8 @@ from tests.distributed.layouts import (LOSS_TOL, SAVE_AT, Layout, check_losses,
                                        checkpoint_dir, reference_run, spawn_worlds, train_layouts)
 from tests.distributed.test_moe_layouts import MOE
 from tests.distributed.test_moe_reshard import load_model, logits
-from tests.gpt_setup import have_reference_data, wiki_workdir
+from tests.gpt_setup import wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 
 def _etp(etp, ep=1, dispatcher="allgather", *more, model=MOE):

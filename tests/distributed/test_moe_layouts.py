@@ -20,9 +20,8 @@ from tests.distributed.layouts import (ITERS, LOSS_TOL, MOE_FIELDS, SAVE_AT, Lay
                                        check_losses, checkpoint_dir, reference_run,
                                        train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, wiki_workdir
+from tests.gpt_setup import wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 MOE = ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--swiglu",
        "--group-query-attention", "--num-query-groups", "2",

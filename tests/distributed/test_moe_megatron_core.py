@@ -10,10 +10,10 @@ Both run in the same spawned ranks (Megatron-Core through tests/mcore_setup.py).
 import pytest
 import torch
 
+from tests import oracles
 from tests.distributed.run_ranks import run_ranks
-from tests.mcore_setup import have_mcore
 
-pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+pytestmark = oracles.needs("megatron-core")
 
 E, H, FFN, SHARED, SEQ, BATCH = 8, 32, 16, 24, 8, 2
 CASES = [dict(score="softmax", shared=False), dict(score="sigmoid", shared=False),

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import preprocess_wiki, tiny_gpt_argv
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 MOE = ["--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
        "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",

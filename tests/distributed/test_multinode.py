@@ -11,9 +11,8 @@ import pytest
 import pretrain_gpt
 from tests.conftest import ROOT
 from tests.distributed.run_ranks import _free_port
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 TIMEOUT = 240
 
 

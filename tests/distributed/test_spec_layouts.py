@@ -18,9 +18,8 @@ from megatron.checkpointing.megatron_legacy import safe_load
 from tests.distributed.layouts import (Layout, check_losses, check_resume, checkpoint_dir,
                                        reference_run, train_layouts)
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, wiki_workdir
+from tests.gpt_setup import wiki_workdir
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 ARCHS = {
     "llama": ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--swiglu",

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tests.conftest import ROOT
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 LAYER_TOL = 1e-6      # relative error of one layer, float32
 BLOCK_TOL = 1e-5      # a whole transformer layer (several reductions in another order)
@@ -360,13 +360,8 @@ def _rank_tp4(rank, world_size):
 # ---------------------------------------------------------------------------
 # Fixtures: one spawn per world size
 # ---------------------------------------------------------------------------
-needs_data = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
-
-
 @pytest.fixture(scope="module")
 def wiki(tmp_path_factory):
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
     out = tmp_path_factory.mktemp("wiki")
     return preprocess_wiki(out), out
 
@@ -401,8 +396,6 @@ def assert_small(errors, tol, where):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("world", ["tp2", "tp4"])
 def test_layers_cross_entropy_and_mappings_equal_one_device(world, request):
-    if world == "tp2" and not have_reference_data():
-        pytest.skip("the TP=2 spawn also trains on ../shared/data")
     results = request.getfixturevalue(world)
     for rank, result in enumerate(results):
         errors = result["errors"]
@@ -413,7 +406,6 @@ def test_layers_cross_entropy_and_mappings_equal_one_device(world, request):
         assert_small(errors, LAYER_TOL, f"{world} rank {rank}")
 
 
-@needs_data
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_transformer_layer_collectives(tp2, sequence_parallel):
     """2 all-reduces forward + 2 backward; under sequence parallelism 2 all-gathers and
@@ -428,7 +420,6 @@ def test_transformer_layer_collectives(tp2, sequence_parallel):
         assert_small(result["layer"][sequence_parallel], BLOCK_TOL, f"layer on rank {rank}")
 
 
-@needs_data
 @pytest.mark.parametrize("variant", list(TRAIN_VARIANTS))
 def test_pretrain_tp2_losses_equal_tp1(tp2, reference_losses, variant):
     assert len(reference_losses) == ITERS
@@ -439,7 +430,6 @@ def test_pretrain_tp2_losses_equal_tp1(tp2, reference_losses, variant):
         assert max(rel) < LOSS_TOL, f"{variant} rank {rank}: max relative difference {max(rel):.3g}"
 
 
-@needs_data
 def test_pretrain_variants_take_effect(tp2):
     """Sequence parallelism reduce-scatters; recomputation goes through the checkpoint."""
     layer_passes = ITERS * 4 * 4  # iterations x micro batches x layers
@@ -455,7 +445,6 @@ def test_pretrain_variants_take_effect(tp2):
         assert selective["all-reduce"] == plain["all-reduce"], (rank, selective, plain)
 
 
-@needs_data
 @pytest.mark.parametrize("flags, world, words", [
     (["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"], 4,
      ["--num-attention-heads (6)", "--tensor-model-parallel-size (4)"]),
@@ -475,7 +464,6 @@ def test_bad_tensor_parallel_layout_is_one_line_exit_2(tmp_path, monkeypatch, ca
     assert not dist.is_initialized()
 
 
-@needs_data
 def test_bad_layout_from_the_command_line(tmp_path):
     """The real entry point under a launcher's environment: exit 2 before any process group
     (no MASTER_ADDR is set, so creating one would fail differently)."""

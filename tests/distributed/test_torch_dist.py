@@ -14,9 +14,8 @@ import pytest
 from tests.distributed.layouts import ITERS, SAVE_AT, Layout, assert_close, train
 from tests.distributed.run_ranks import run_ranks
 from tests.distributed.test_spec_layouts import ARCHS
-from tests.gpt_setup import have_reference_data, preprocess_wiki
+from tests.gpt_setup import preprocess_wiki
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 DIST = ["--ckpt-format", "torch_dist"]
 SAVED = Layout(2, 2, 1, mbs=2, extra=["--use-distributed-optimizer"])

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import one_thread, preprocess_wiki, tiny_gpt_argv
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 
 def _train(rank, world_size, prefix, workdir):

@@ -15,9 +15,8 @@ import time
 import pytest
 
 from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import preprocess_wiki, tiny_gpt_argv
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

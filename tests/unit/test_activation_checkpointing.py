@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu import checkpoint, get_rng_tracker, model_parallel_seed
-from tests.gpt_setup import have_reference_data, losses, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 SEED = 1234
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -86,7 +86,6 @@ def test_gpt_gradients_identical_with_recomputation(recompute, per_chunk, attent
 
 
 # -- pretrain_gpt: several iterations, losses ---------------------------------------
-@pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 def test_training_losses_bit_identical_with_recomputation(tmp_path):
     import pretrain_gpt
     prefix = preprocess_wiki(tmp_path)

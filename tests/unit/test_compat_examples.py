@@ -10,18 +10,17 @@ import pytest
 
 import pretrain_gpt
 from tests.conftest import ROOT
-from tests.gpt_setup import BPE, have_reference_data
+from tests.data_setup import bpe_dir
 from tests.unit.test_examples import launcher_world_size, recorded_launch
 
 COMPAT_SCRIPTS = {"megatron_deepspeed_gpt2.sh": 8, "deepspeed_zero1_gpt.sh": 8,
                   "megatron_lm_gpt_recompute.sh": 8}
 
 
-@pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 @pytest.mark.parametrize("script", sorted(COMPAT_SCRIPTS))
 def test_megatron_style_scripts_parse_and_set_up(tmp_path, monkeypatch, capsys, script):
-    args = recorded_launch(tmp_path, script, VOCAB=str(BPE / "vocab.json"),
-                           MERGE=str(BPE / "merges.txt"), CHECKPOINTS=str(tmp_path / "ckpt"))
+    args = recorded_launch(tmp_path, script, VOCAB=str(bpe_dir() / "vocab.json"),
+                           MERGE=str(bpe_dir() / "merges.txt"), CHECKPOINTS=str(tmp_path / "ckpt"))
     split = args.index("pretrain_gpt.py")
     launcher, flags = args[:split], args[split + 1:]
     assert launcher_world_size(launcher) == COMPAT_SCRIPTS[script]

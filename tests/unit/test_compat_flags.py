@@ -175,15 +175,13 @@ def test_tools_accept_megatron_spellings():
 
 def test_weighted_split_paths_blend_document_ranges_per_split(tmp_path):
     from megatron.data.weighted_split import build_weighted_split_dataset, parse_weighted_split_paths
-    from tests.gpt_setup import BPE, have_reference_data, preprocess_wiki
+    from tests.gpt_setup import bpe_flags, preprocess_wiki
     name, entries = parse_weighted_split_paths("--train-weighted-split-paths",
                                                ["TRAIN: 0.3 0:0.5 a, 0.7 0.5:1 b"])
     assert (name, entries) == ("TRAIN", [(0.3, 0.0, 0.5, "a"), (0.7, 0.5, 1.0, "b")])
     for bad in (["TRAIN 1 0:1 a"], ["T: 1 0.5:0.2 a"], ["T: x 0:1 a"], ["A: 1 0:1 a", "B: 1 0:1 b"]):
         with pytest.raises(SystemExit):
             parse("--train-weighted-split-paths", *bad)
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
     prefix = preprocess_wiki(tmp_path, docs=4)
     ds = build_weighted_split_dataset("train", "TRAIN", [(0.3, 0.0, 0.5, prefix),
                                                          (0.7, 0.5, 1.0, prefix)],
@@ -199,8 +197,7 @@ def test_weighted_split_paths_blend_document_ranges_per_split(tmp_path):
                     "--valid-weighted-split-paths", f"VALID: 1 0.5:1 {prefix}",
                     "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0",
                     "--global-batch-size", "2", "--eval-iters", "1", "--eval-interval", "2",
-                    "--vocab-file", str(BPE / "vocab.json"), "--merge-file", str(BPE / "merges.txt"),
-                    "--make-vocab-size-divisible-by", "16"]
+                    *bpe_flags("--make-vocab-size-divisible-by", "16")]
     with one_thread():
         state = pretrain_gpt.main(argv)
     assert len(state.history) == 4 and state.validation

@@ -14,7 +14,8 @@ import pretrain_gpt
 from megatron.arguments import parse_args
 from megatron.tokenizer import build_tokenizer
 from megatron.training.checkpoint_setup import build_tokenizer_and_vocab
-from tests.conftest import shared_file
+from tests import oracles
+from tests.data_setup import bpe_dir
 from tests.gpt_setup import one_thread
 from tools import generate_samples_gpt, preprocess_data
 
@@ -78,12 +79,12 @@ def test_llama3_reads_a_local_tiktoken_file(tiktoken_file):
     assert tok.detokenize(ids[1:]) == "the quick"
 
 
+@oracles.needs("transformers")
 def test_hugging_face_tokenizer_is_megatron_lms_name(tmp_path):
-    pytest.importorskip("transformers")
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    shutil.copy(shared_file("gpt2-tiny", "gpt2-tiny-vocab.json"), hf_dir / "vocab.json")
-    shutil.copy(shared_file("gpt2-tiny", "gpt2-tiny-merges.txt"), hf_dir / "merges.txt")
+    shutil.copy(bpe_dir() / "vocab.json", hf_dir / "vocab.json")
+    shutil.copy(bpe_dir() / "merges.txt", hf_dir / "merges.txt")
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}))
     megatron_lm = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))

@@ -11,7 +11,8 @@ import pytest
 
 from megatron.arguments import parse_args
 from tests.gpt_setup import assert_exits_2_with_one_line
-from tests.mcore_setup import have_mcore, run_mcore_script
+from tests import oracles
+from tests.mcore_setup import run_mcore_script
 from tests.unit.test_moe import BASE
 
 DENSE = BASE[:BASE.index("--num-experts")]
@@ -140,7 +141,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+@oracles.needs("megatron-core")
 def test_megatron_core_refuses_the_same_settings():
     checked = {name: case[-1] for name, case in REFUSED.items() if case[-1] is not None}
     cases = [dict(MCORE_BASE, **fields) for fields in checked.values()]

@@ -11,19 +11,17 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from megatron.text_generation import generate
+from megatron.checkpointing.io import save_file
+from tests import oracles
+from tests.gpt_setup import one_thread
+from tests.hf_models import (converted, converted_family, FAMILIES, hf_greedy, load_converted,
+                             load_ours, load_safetensors, NEW_TOKENS, position_ids, PROMPT_LEN,
+                             prompts, rel_err, round_trip, save_hf_model)
+from megatron.checkpointing.megatron_legacy import safe_load
+from tools import convert_checkpoint
 
-from safetensors.torch import load_file  # noqa: E402
-
-from megatron.text_generation import generate  # noqa: E402
-from megatron.checkpointing.io import save_file  # noqa: E402
-from tests.gpt_setup import one_thread  # noqa: E402
-from tests.hf_models import (FAMILIES, NEW_TOKENS, PROMPT_LEN, converted,  # noqa: E402
-                             converted_family, hf_greedy, load_converted, load_ours,
-                             position_ids, prompts, rel_err, round_trip, save_hf_model)
-from megatron.checkpointing.megatron_legacy import safe_load  # noqa: E402
-from tools import convert_checkpoint  # noqa: E402
+pytestmark = oracles.needs("transformers")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -179,9 +177,7 @@ def test_pretrain_gpt_loads_a_converted_checkpoint(tmp_path):
     BPE tokenizer of 8000 ids) exports to an HF model with the original's logits."""
     import pretrain_gpt
     from megatron.checkpointing.model_file import from_megatron_layout
-    from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
+    from tests.gpt_setup import preprocess_wiki, tiny_gpt_argv
     hf_model = save_hf_model("llama", str(tmp_path / "hf"), vocab_size=8000)
     ckpt = converted(str(tmp_path), "llama")
     prefix = preprocess_wiki(tmp_path, docs=20)
@@ -251,8 +247,8 @@ def test_sharded_safetensors_are_read(tmp_path):
     back = str(tmp_path / "back")
     assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
                                     "--save", back]) == 0
-    original = load_file(str(tmp_path / "sharded" / "model.safetensors"))
-    again = load_file(os.path.join(back, "model.safetensors"))
+    original = load_safetensors(str(tmp_path / "sharded" / "model.safetensors"))
+    again = load_safetensors(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], t) for k, t in original.items())
 
@@ -325,7 +321,7 @@ def test_llama_variants(tmp_path, overrides):
     back = str(tmp_path / "back")
     assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
                                     "--save", back]) == 0
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    again = load_file(os.path.join(back, "model.safetensors"))
+    original = load_safetensors(str(tmp_path / "hf" / "model.safetensors"))
+    again = load_safetensors(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], t) for k, t in original.items())

@@ -12,13 +12,14 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-from megatron.text_generation import generate  # noqa: E402
-from tests.gpt_setup import one_thread  # noqa: E402
-from tests.hf_models import (MOE_FAMILIES, NEW_TOKENS, PROMPT_LEN, converted_family,  # noqa: E402
+from megatron.text_generation import generate
+from tests import oracles
+from tests.gpt_setup import one_thread
+from tests.hf_models import (MOE_FAMILIES, NEW_TOKENS, PROMPT_LEN, converted_family,
                              hf_greedy, load_converted, position_ids, prompts, rel_err,
                              round_trip)
+
+pytestmark = oracles.needs("transformers")
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))

@@ -8,7 +8,8 @@ import pytest
 
 from megatron.mpu.topology import ParallelDims
 from tests.gpt_setup import assert_exits_2_with_one_line
-from tests.mcore_setup import have_mcore, run_mcore_script
+from tests import oracles
+from tests.mcore_setup import run_mcore_script
 from megatron.arguments import parse_args
 from tests.unit.test_moe import BASE, parse
 
@@ -42,7 +43,7 @@ def test_etp_between_one_and_tp_blocks_inside_each_tp_group():
         ParallelDims(world_size=6, tp=6, etp=4)  # 4 does not divide 6
 
 
-@pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+@oracles.needs("megatron-core")
 def test_expert_groups_are_megatron_cores():
     """ETP, EP, expert-DP and ETP x EP x PP groups equal Megatron-Core's RankGenerator's
     (run in a child process: importing megatron.core changes our package's path)."""

@@ -10,7 +10,7 @@ import torch
 from megatron.config import data_paths
 from megatron.data import gpt_dataset as gd
 from megatron.data import helpers
-from tests.conftest import shared_file
+from tests.data_setup import reference_file
 
 
 # ----------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def test_build_datasets_single_prefix(tmp_path):
 
 
 def test_megatron_compat_dataset(tmp_path):
-    idx = shared_file("megatron-compat", "meg-gpt2-openwebtext_text_document.idx")
+    idx = reference_file("megatron-compat", "meg-gpt2-openwebtext_text_document.idx")
     pytest.importorskip("megatron.data.indexed_dataset")
     prefix = str(idx)[:-len(".idx")]
     before = sorted(os.listdir(os.path.dirname(prefix)))

@@ -7,18 +7,18 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from megatron.text_generation import generate
 from megatron.tokenizer import ByteLevelTokenizer
 from tasks import main as tasks_main
 from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
+from tests import oracles
 from tests.conftest import ROOT
 from tests.distributed.run_ranks import _free_port
 from tests.unit.test_tasks import checkpoint  # noqa: F401  (the fixture)
 
-pytest.importorskip("lm_eval")
+pytestmark = oracles.needs("lm-eval")
 
 CONTEXTS = ["a cat sat on a mat", "aaaa aaaa aaaa", "zz zz zz zz", "ab ab ab ab ab",
             "the dog ran far " * 3 + "away", "x y", "hello hello", "one two one two one",
@@ -128,7 +128,7 @@ def check_against_main(results, root, model, tok, texts, page, tmp_path):
     assert results["gen_local"]["exact_match,none"] == 1.0
 
 
-def test_harness_matches_tasks_main(checkpoint, tmp_path):
+def test_harness_matches_tasks_main(checkpoint, tmp_path):  # noqa: F811 (the fixture)
     root, model = checkpoint
     tok = ByteLevelTokenizer()
     texts, page = write_tasks(tmp_path / "tasks", model, tok)

@@ -15,15 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-import pretrain_gpt  # noqa: E402
-from tests.gpt_setup import losses, one_thread  # noqa: E402
-from tests.hf_models import (FAMILIES, converted, position_ids, prompts,  # noqa: E402
+import pretrain_gpt
+from tests import oracles
+from tests.gpt_setup import losses, one_thread
+from tests.hf_models import (FAMILIES, converted, position_ids, prompts,
                              rel_err, save_hf_model, save_word_tokenizer)
-from megatron.checkpointing.megatron_legacy import safe_load  # noqa: E402
-from tools import convert_checkpoint  # noqa: E402
+from megatron.checkpointing.megatron_legacy import safe_load
+from tools import convert_checkpoint
+
+pytestmark = oracles.needs("transformers")
 
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 SEQ = 32

@@ -7,7 +7,7 @@ import pytest
 from megatron.data.indexed_dataset import (best_fitting_dtype, data_file_path, DTYPES,
                                            index_file_path, make_builder, make_dataset,
                                            MMapIndexedDataset, MMapIndexedDatasetBuilder)
-from tests.conftest import shared_file
+from tests.data_setup import reference_file
 
 COMPAT = ("megatron-compat", "meg-gpt2-openwebtext_text_document")
 
@@ -163,7 +163,7 @@ def test_truncated_files(tmp_path):
 
 
 def test_megatron_file_reads_and_rewrites_byte_for_byte(tmp_path):
-    idx = shared_file(*COMPAT[:-1], COMPAT[-1] + ".idx")
+    idx = reference_file(*COMPAT[:-1], COMPAT[-1] + ".idx")
     prefix = str(idx)[:-4]
     ds = MMapIndexedDataset(prefix)
     assert ds.dtype == np.uint16 and len(ds) == 1000 and len(ds.doc_idx) == 1001

@@ -135,7 +135,7 @@ def test_step_batch_size_schedule_trains_and_resumes_exactly(tmp_path, capsys):
 def test_megatron_lm_gpt3_175b_launch_parses_and_sets_up(tmp_path, monkeypatch):
     """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh argument lists, as written,
     on the 16 nodes x 8 GPUs its TP 8 x PP 16 needs."""
-    from tests.gpt_setup import BPE
+    from tests.gpt_setup import bpe_flags
     ckpt = str(tmp_path / "ckpt")
     model = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
              "--seq-length", "2048", "--max-position-embeddings", "2048",
@@ -146,8 +146,7 @@ def test_megatron_lm_gpt3_175b_launch_parses_and_sets_up(tmp_path, monkeypatch):
                 "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
                 "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000"]
     parallel = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16"]
-    data = ["--data-path", "data/prefix", "--vocab-file", str(BPE / "vocab.json"),
-            "--merge-file", str(BPE / "merges.txt"), "--split", "949,50,1"]
+    data = ["--data-path", "data/prefix", *bpe_flags(), "--split", "949,50,1"]
     logging = ["--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
                "--save", ckpt, "--load", ckpt, "--eval-iters", "10",
                "--tensorboard-dir", str(tmp_path / "tb")]
@@ -162,10 +161,7 @@ def test_multilingual_validation_groups_are_evaluated_and_logged_each(tmp_path, 
     """Megatron-DeepSpeed's pretrain_gpt_multilingual.sh data-group form: one weighted train
     group over two "languages", named validation and test groups, each evaluated and logged
     on its own line; the final evaluation prints its progress."""
-    import pytest
-    from tests.gpt_setup import BPE, have_reference_data, one_thread, preprocess_wiki
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
+    from tests.gpt_setup import bpe_flags, one_thread, preprocess_wiki
     en = preprocess_wiki(tmp_path, docs=8)
     fr = en  # a second language: the same corpus, other documents
     argv = MODEL[:-4] + [
@@ -174,8 +170,8 @@ def test_multilingual_validation_groups_are_evaluated_and_logged_each(tmp_path, 
         "--valid-weighted-split-paths", f"VALID_EN: 1 0.5:0.75 {en}", f"VALID_FR: 1 0.75:1 {fr}",
         "--test-weighted-split-paths", f"TEST_EN: 1 0.5:1 {en}", f"TEST_FR: 1 0.5:1 {fr}",
         "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0", "--eval-iters", "1",
-        "--eval-interval", "2", "--log-interval", "1", "--vocab-file", str(BPE / "vocab.json"),
-        "--merge-file", str(BPE / "merges.txt"), "--make-vocab-size-divisible-by", "16"]
+        "--eval-interval", "2", "--log-interval", "1", *bpe_flags(),
+        "--make-vocab-size-divisible-by", "16"]
     with one_thread():
         state = pretrain_gpt.main(argv)
     out = capsys.readouterr().out

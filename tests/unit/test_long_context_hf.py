@@ -12,15 +12,14 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from megatron.text_generation import generate
+from tests import oracles
+from tests.gpt_setup import one_thread
+from tests.hf_models import (converted, load_ours, load_safetensors, position_ids, rel_err,
+                             save_hf_model)
+from tools import convert_checkpoint
 
-from safetensors.torch import load_file  # noqa: E402
-
-from megatron.text_generation import generate  # noqa: E402
-from tests.gpt_setup import one_thread  # noqa: E402
-from tests.hf_models import converted, load_ours, position_ids, rel_err, save_hf_model  # noqa: E402
-from tools import convert_checkpoint  # noqa: E402
+pytestmark = oracles.needs("transformers")
 
 WINDOW, PROMPT, PAST = 16, 8, 48
 NEW = WINDOW - PROMPT + PAST  # the last PAST tokens are generated past the window
@@ -95,8 +94,8 @@ def test_round_trip_is_identical(variant, tmp_path):
     back = str(tmp_path / "back")
     assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
                                     os.path.join(work, "ckpt_tp1_pp1"), "--save", back]) == 0
-    original = load_file(os.path.join(work, "hf", "model.safetensors"))
-    again = load_file(os.path.join(back, "model.safetensors"))
+    original = load_safetensors(os.path.join(work, "hf", "model.safetensors"))
+    again = load_safetensors(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], t) for k, t in original.items())
     with open(os.path.join(work, "hf", "config.json")) as a, \

@@ -6,9 +6,8 @@ import torch
 
 import pretrain_gpt
 from megatron.training import trainer as trainer_module
-from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, preprocess_wiki, tiny_gpt_argv
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 
 @pytest.fixture(scope="module")

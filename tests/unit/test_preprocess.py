@@ -12,19 +12,26 @@ import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
-from tests.conftest import ROOT, shared_file
+from tests import oracles
+from tests.data_setup import ROOT, bpe_dir, corpus_file, reference_file
 from tools import inspect_dataset, merge_preprocessed_data, preprocess_data, train_tokenizer
 
 COMPAT = ("megatron-compat", "meg-gpt2-openwebtext_text_document")
 
 
 def tiny_vocab():
-    return (str(shared_file("gpt2-tiny", "gpt2-tiny-vocab.json")),
-            str(shared_file("gpt2-tiny", "gpt2-tiny-merges.txt")))
+    """Megatron-DeepSpeed's gpt2-tiny files, which its dataset fixture was tokenized with."""
+    return (str(reference_file("gpt2-tiny", "gpt2-tiny-vocab.json")),
+            str(reference_file("gpt2-tiny", "gpt2-tiny-merges.txt")))
+
+
+def our_vocab():
+    """The tests' GPT-2-format vocabulary (tests/data_setup.py)."""
+    return str(bpe_dir() / "vocab.json"), str(bpe_dir() / "merges.txt")
 
 
 def gpt2_flags(vocab=None):
-    vocab_file, merge_file = vocab or tiny_vocab()
+    vocab_file, merge_file = vocab or our_vocab()
     return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
             "--merge-file", merge_file]
 
@@ -53,7 +60,7 @@ def docs_of(prefix):
 @pytest.fixture(scope="module")
 def compat_jsonl(tmp_path_factory):
     """The Megatron-written dataset's documents decoded back to loose JSON."""
-    prefix = str(shared_file(*COMPAT[:-1], COMPAT[-1] + ".idx"))[:-4]
+    prefix = str(reference_file(*COMPAT[:-1], COMPAT[-1] + ".idx"))[:-4]
     tokenizer = build_tokenizer("GPT2BPETokenizer", *tiny_vocab())
     ds = MMapIndexedDataset(prefix)
     path = tmp_path_factory.mktemp("compat") / "owt.jsonl"
@@ -66,13 +73,13 @@ def compat_jsonl(tmp_path_factory):
 
 def test_reproduces_megatron_files_byte_for_byte(tmp_path, compat_jsonl):
     path, reference = compat_jsonl
-    assert preprocess(path, tmp_path / "owt", *gpt2_flags(), "--append-eod") == 0
+    assert preprocess(path, tmp_path / "owt", *gpt2_flags(tiny_vocab()), "--append-eod") == 0
     assert read_bytes(tmp_path / "owt_text_document") == read_bytes(reference)
 
 
+@oracles.needs("transformers")
 def test_pretrained_from_hf_reproduces_megatron_files(tmp_path, compat_jsonl):
     """--tokenizer-type PretrainedFromHF through a real ``transformers`` tokenizer directory."""
-    pytest.importorskip("transformers")
     vocab_file, merge_file = tiny_vocab()
     hf_dir = tmp_path / "gpt2-tiny-hf"  # a Hugging Face GPT-2 tokenizer directory
     hf_dir.mkdir()
@@ -93,7 +100,7 @@ def test_pretrained_from_hf_reproduces_megatron_files(tmp_path, compat_jsonl):
 
 
 def test_output_independent_of_workers(tmp_path):
-    lines = shared_file("wikitext", "wiki.valid.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = corpus_file().read_text(encoding="utf-8").splitlines()
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(lines[:24]) + "\n", encoding="utf-8")
     outputs = []
@@ -106,7 +113,7 @@ def test_output_independent_of_workers(tmp_path):
 
 
 def test_keys_eod_and_empty_documents(tmp_path):
-    tokenizer = build_tokenizer("GPT2BPETokenizer", *tiny_vocab())
+    tokenizer = build_tokenizer("GPT2BPETokenizer", *our_vocab())
     rows = [{"text": "Hello world.", "title": "Greeting"}, {"text": "", "title": "Empty"},
             {"text": "Second  doc\n", "title": "", "extra": 1}]
     source = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -158,7 +165,7 @@ def test_skip_bad_lines_and_existing_output_untouched(tmp_path, capsys):
     source.write_bytes(b'{"text": "one"}\nnot json\n\n{"text": "two"}\n{"x": 1}\n')
     assert preprocess(source, tmp_path / "o", *gpt2_flags(), "--skip-bad-lines") == 0
     assert "Skipped 2 malformed lines" in capsys.readouterr().err
-    tokenizer = build_tokenizer("GPT2BPETokenizer", *tiny_vocab())
+    tokenizer = build_tokenizer("GPT2BPETokenizer", *our_vocab())
     assert docs_of(tmp_path / "o_text_document") == [tokenizer.tokenize(t) for t in ("one", "two")]
     before = read_bytes(tmp_path / "o_text_document")
     assert preprocess(source, tmp_path / "o", *gpt2_flags(), "--workers", "2") == 1
@@ -220,7 +227,7 @@ def test_scripts_run_from_anywhere(tmp_path):
 
 
 def test_merge_equals_preprocessing_the_concatenation(tmp_path, capsys):
-    lines = shared_file("wikitext", "wiki.valid.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = corpus_file().read_text(encoding="utf-8").splitlines()
     parts = [lines[:5], lines[5:6], lines[6:12]]
     prefixes = []
     for i, part in enumerate(parts):
@@ -245,7 +252,7 @@ def test_merge_equals_preprocessing_the_concatenation(tmp_path, capsys):
 
 
 def test_train_tokenizer(tmp_path):
-    lines = shared_file("wikitext", "wiki.valid.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = corpus_file().read_text(encoding="utf-8").splitlines()
     source = tmp_path / "train.jsonl"
     source.write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
     text_file = tmp_path / "more.txt"
@@ -272,7 +279,7 @@ def test_train_tokenizer(tmp_path):
 def test_inspect_dataset(tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": "Inspect me please."}, {"text": "x"}])
     assert preprocess(source, tmp_path / "o", *gpt2_flags(), "--append-eod") == 0
-    vocab, merges = tiny_vocab()
+    vocab, merges = our_vocab()
     argv = [str(tmp_path / "o_text_document"), "--vocab-file", vocab, "--merge-file", merges]
     assert inspect_dataset.main(argv) == 0
     out = capsys.readouterr().out
@@ -293,7 +300,7 @@ def test_split_sentences_layout(tmp_path, monkeypatch):
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": "One.| Two.|"}, {"text": "Three."}])
     assert preprocess(source, tmp_path / "o", *gpt2_flags(), "--split-sentences",
                       "--append-eod") == 0
-    tokenizer = build_tokenizer("GPT2BPETokenizer", *tiny_vocab())
+    tokenizer = build_tokenizer("GPT2BPETokenizer", *our_vocab())
     ds = MMapIndexedDataset(str(tmp_path / "o_text_sentence"))
     assert ds.doc_idx.tolist() == [0, 2, 3]
     assert [ds[i].tolist() for i in range(len(ds))] == [

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import pretrain_gpt
-from tests.gpt_setup import have_reference_data, one_thread, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import one_thread, preprocess_wiki, tiny_gpt_argv
 
 # START 2, INCR 2, SAMPLES 24 towards --global-batch-size 8: (8 - 2) / 2 = 3 increments,
 # one every 24 / 3 = 8 consumed samples (micro batch 2, one rank).
@@ -29,8 +29,6 @@ def expected_lr(consumed: int, max_lr=1e-3, train_iters=10, gbs=8, warmup_fracti
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
-    if not have_reference_data():
-        pytest.skip("../shared/data not available")
     tmp = tmp_path_factory.mktemp("corpus")
     return preprocess_wiki(tmp, docs=3), str(tmp / "cache")
 

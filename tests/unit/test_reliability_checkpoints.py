@@ -449,33 +449,31 @@ def test_vocabulary_far_larger_than_the_tokenizer_is_refused(capsys):
 
 
 def test_tokenizer_of_the_same_type_with_other_files_is_refused(saved, tmp_path, capsys):
-    """A bpe-8k checkpoint resumed with gpt2-tiny's files (both GPT2BPETokenizer): refused,
-    naming both digests and sizes; the right files (elsewhere, same content) still load."""
-    from tests.conftest import shared_file
+    """A checkpoint of the 8000-entry test BPE resumed with another vocabulary's files (both
+    GPT2BPETokenizer): refused, naming both digests and sizes; the right files (elsewhere,
+    same content) still load."""
+    from tests.data_setup import bpe_dir, other_bpe_dir
     out, prefix = saved
 
-    def bpe(name):
-        vocab, merges = ("vocab.json", "merges.txt") if name == "bpe-8k" else \
-            ("gpt2-tiny-vocab.json", "gpt2-tiny-merges.txt")
-        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", shared_file(name, vocab),
-                "--merge-file", shared_file(name, merges), "--make-vocab-size-divisible-by", "128"]
+    def bpe(directory):
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", directory / "vocab.json",
+                "--merge-file", directory / "merges.txt", "--make-vocab-size-divisible-by", "128"]
 
     root = tmp_path / "ckpt"
-    pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--save", root, *bpe("bpe-8k"), iters=1))
+    pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--save", root, *bpe(bpe_dir()), iters=1))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, *bpe("gpt2-tiny"), iters=2))
+        pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, *bpe(other_bpe_dir()),
+                                    iters=2))
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "gpt2-tiny-vocab.json (sha256 " in err and "5000 ids) is not the one the checkpoint" in err
+    assert f"{other_bpe_dir() / 'vocab.json'} (sha256 " in err, err
+    assert "5000 ids) is not the one the checkpoint" in err, err
     assert "an embedding of 8064 rows" in err, err
     copy = tmp_path / "copy"
-    shutil.copytree(shared_file("bpe-8k"), copy)
-    flags = bpe("bpe-8k")
-    flags[flags.index("--vocab-file") + 1] = copy / "vocab.json"
-    flags[flags.index("--merge-file") + 1] = copy / "merges.txt"
-    state = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, "--finetune", *flags,
-                                        iters=1))
+    shutil.copytree(bpe_dir(), copy)
+    state = pretrain_gpt.main(tiny_argv(prefix, out / "cache", "--load", root, "--finetune",
+                                        *bpe(copy), iters=1))
     assert [h["iteration"] for h in state.history] == [1]
 
 

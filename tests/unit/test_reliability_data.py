@@ -271,9 +271,9 @@ def test_output_bin_that_is_a_directory_is_one_line(tmp_path, capsys):
 def test_undecodable_tokenizer_file_is_named(tmp_path, capsys, which):
     """Random bytes as the merges (or vocab) file: one line naming the file, exit 2."""
     import pretrain_gpt
-    from tests.conftest import shared_file
+    from tests.data_setup import bpe_dir
     from tests.reliability_setup import byte_dataset, tiny_argv
-    files = {name: shared_file("bpe-8k", name) for name in ("vocab.json", "merges.txt")}
+    files = {name: bpe_dir() / name for name in ("vocab.json", "merges.txt")}
     files[which] = tmp_path / which
     files[which].write_bytes(bytes(random.Random(3).randrange(256) for _ in range(4000)))
     argv = tiny_argv(byte_dataset(tmp_path), tmp_path / "cache", "--tokenizer-type", "GPT2BPETokenizer",

@@ -18,7 +18,7 @@ from tasks.zeroshot_gpt.datasets import (LambadaExamples, TaskDataError, Wikitex
 from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
 from tasks.zeroshot_gpt.evaluate import (format_metrics, micro_batches, num_micro_batches,
                                          score, wikitext_metrics)
-from tests.conftest import shared_file
+from tests.data_setup import reference_file
 
 SEQ = 16
 
@@ -38,7 +38,7 @@ def test_wikitext_detokenizer_rules(raw, text):
 
 
 def test_wikitext_test_split_counts():
-    path = shared_file("wikitext", "wiki.test.tokens")
+    path = reference_file("wikitext", "wiki.test.tokens")
     raw = path.read_bytes().decode("utf-8")
     assert len(raw.strip().split(" ")) == 245566
     text = wikitext_detokenize(raw)

@@ -9,7 +9,7 @@ import pretrain_gpt
 from megatron.config import ModelConfig
 from megatron.training import flops
 from megatron.training.logging import TensorBoard
-from tests.gpt_setup import have_reference_data, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import preprocess_wiki, tiny_gpt_argv
 
 
 def _gqa_swiglu(**extra):
@@ -57,7 +57,6 @@ def test_matmul_probe_is_short_and_positive():
     assert rate > 1e8
 
 
-@pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 def test_log_line_shows_tflops_and_mfu_that_agree_with_the_flop_count(tmp_path, capsys, monkeypatch):
     prefix = preprocess_wiki(tmp_path, docs=200)
     logged = []

@@ -10,13 +10,14 @@ from megatron.tokenizer import (build_tokenizer, ByteLevelTokenizer, GPT2BPEToke
                                 NullTokenizer, padded_vocab_size)
 from megatron.tokenizer.gpt2_bpe import bytes_to_unicode, WHITESPACE
 from megatron.tokenizer.unicode_tables import LETTERS, NUMBERS
-from tests.conftest import shared_file
+from tests.data_setup import bpe_dir, reference_file
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-VOCABS = {
-    "bpe-8k": (("bpe-8k", "vocab.json"), ("bpe-8k", "merges.txt"), 0),
-    "gpt2-tiny": (("gpt2-tiny", "gpt2-tiny-vocab.json"), ("gpt2-tiny", "gpt2-tiny-merges.txt"), 4999),
+VOCABS = {  # name: (vocab.json, merges.txt, eod) of the tests' BPE, Megatron-DeepSpeed's
+    "bpe-8k": (lambda: (bpe_dir() / "vocab.json", bpe_dir() / "merges.txt"), 0),
+    "gpt2-tiny": (lambda: (reference_file("gpt2-tiny", "gpt2-tiny-vocab.json"),
+                           reference_file("gpt2-tiny", "gpt2-tiny-merges.txt")), 4999),
 }
 
 UNICODE_SAMPLE = (
@@ -45,8 +46,8 @@ def hf_tokenizer(vocab_path, merges_path):
 @pytest.fixture(scope="module", params=sorted(VOCABS))
 def pair(request):
     """(our tokenizer, reference tokenizer, expected eod) for one vocabulary."""
-    vocab_parts, merges_parts, eod = VOCABS[request.param]
-    vocab, merges = shared_file(*vocab_parts), shared_file(*merges_parts)
+    files, eod = VOCABS[request.param]
+    vocab, merges = files()
     ours = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
     return ours, hf_tokenizer(vocab, merges), eod
 
@@ -99,7 +100,7 @@ def test_eod_id(pair):
 
 def test_wikitext_test_split_matches_reference(pair):
     ours, ref, _ = pair
-    text = shared_file("wikitext", "wiki.test.tokens").read_text(encoding="utf-8")
+    text = reference_file("wikitext", "wiki.test.tokens").read_text(encoding="utf-8")
     ids = ours.tokenize(text)
     assert ids == ref.encode(text).ids
     assert ours.detokenize(ids) == text
@@ -165,7 +166,7 @@ def test_merge_order_and_unknown_chars_follow_reference(tmp_path):
 
 
 def test_small_cache_still_correct():
-    vocab, merges = shared_file("bpe-8k", "vocab.json"), shared_file("bpe-8k", "merges.txt")
+    vocab, merges = bpe_dir() / "vocab.json", bpe_dir() / "merges.txt"
     ours, ref = GPT2BPETokenizer(vocab, merges, cache_size=5), hf_tokenizer(vocab, merges)
     for _ in range(2):
         assert ours.tokenize(UNICODE_SAMPLE) == ref.encode(UNICODE_SAMPLE).ids

@@ -12,9 +12,8 @@ from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.model_file import from_megatron_layout, to_megatron_layout
 from megatron.checkpointing.torch_format import read_rank_file
 from megatron.mpu import single_process_state
-from tests.gpt_setup import have_reference_data, losses, preprocess_wiki, tiny_gpt_argv
+from tests.gpt_setup import losses, preprocess_wiki, tiny_gpt_argv
 
-pytestmark = pytest.mark.skipif(not have_reference_data(), reason="../shared/data not available")
 
 
 @pytest.fixture(scope="module")
