@@ -31,10 +31,6 @@ def mcore_dir():
         else None
 
 
-def have_mcore() -> bool:
-    return mcore_dir() is not None
-
-
 def run_mcore_script(script: str, payload=None):
     """Run `script` in a child Python that sees Megatron-Core's `megatron.core` beside our
     package (without the CPU patches; for pure code such as TransformerConfig's checks, the

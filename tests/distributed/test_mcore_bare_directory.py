@@ -21,10 +21,10 @@ import pretrain_gpt
 from megatron.checkpointing import api
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import assert_exits_2_with_one_line, losses, one_thread
-from tests.mcore_setup import have_mcore
+from tests import oracles
 from tools import convert_checkpoint, merge_mp_partitions
 
-pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+pytestmark = oracles.needs("megatron-core")
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--max-position-embeddings", "16"]

@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from tests.distributed.run_ranks import run_ranks
-from tests.mcore_setup import cpu_devices, have_mcore
+from tests import oracles
+from tests.mcore_setup import cpu_devices
 
-pytestmark = pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+pytestmark = oracles.needs("megatron-core")
 
 HIDDEN, HEADS, GROUPS, FFN, SEQ, VOCAB = 64, 4, 2, 128, 16, 256
 ITERS, GBS, MBS = 10, 4, 1

@@ -11,7 +11,8 @@ from megatron.optimizer.grad_scaler import DynamicGradScaler
 from megatron.optimizer.lr_scheduler import learning_rate
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.microbatches import MicroBatches
-from tests.mcore_setup import have_mcore, run_mcore_script
+from tests import oracles
+from tests.mcore_setup import run_mcore_script
 
 LR = dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
 
@@ -58,7 +59,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not have_mcore(), reason="megatron-core 0.16.1 not installed")
+@oracles.needs("megatron-core")
 def test_learning_rate_equals_megatron_cores_scheduler():
     """Every style, with and without warm-up, at every step to well past the decay: the
     learning rate of Megatron-Core 0.16.1's OptimizerParamScheduler (init_lr 0)."""
