@@ -309,8 +309,8 @@ def test_an_export_refuses_a_tensor_its_format_cannot_carry(target, converted, r
     module = hf_convert if target == "hf" else fairseq_convert
     read = module.read_full_model
 
-    def with_bias(load):
-        full, stored = read(load)
+    def with_bias(load, *args, **kwargs):
+        full, stored = read(load, *args, **kwargs)
         return dict(full, **{BIAS: torch.ones(4)}), stored
     monkeypatch.setattr(module, "read_full_model", with_bias)
     export = hf_convert.megatron_to_hf if target == "hf" else fairseq_convert.megatron_to_fairseq
