@@ -321,16 +321,22 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def fail(message: str, prog: Optional[str] = None, agreed: bool = False) -> None:
+def fail(message: str, prog: Optional[str] = None, agreed: bool = False,
+         per_host: bool = False) -> None:
     """Print one line and exit with status 2 (argparse's convention for bad usage).
 
     Under torchrun, before the process group starts every rank checks the same flags and
     files, so only rank 0 prints; the others exit 2 silently, a moment later. So it is for
     an `agreed` error (every rank raised it together: a --save lock refusal, a save that
-    failed on some rank; io.CheckpointError.agreed)."""
+    failed on some rank; io.CheckpointError.agreed). A `per_host` error (a host's own
+    network interfaces) is printed by the first rank of each host (LOCAL_RANK 0)."""
     prog = prog or os.path.basename(sys.argv[0] or "megatron")
     _finish_exit_under_launcher()
-    if _shared_check_on_other_rank() or (agreed and os.environ.get("RANK", "0") != "0"):
+    if per_host:
+        quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    else:
+        quiet = _shared_check_on_other_rank() or (agreed and os.environ.get("RANK", "0") != "0")
+    if quiet:
         time.sleep(OTHER_RANK_EXIT_DELAY)  # rank 0 prints and exits first: torchrun's root cause
     else:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
