@@ -1,0 +1,63 @@
+"""Training jobs on the test bed: torchrun agents (c10d rendezvous) or srun-style tasks, one
+set per host, and what their logs say."""
+import os
+import re
+import sys
+import time
+from typing import Dict, List
+
+from tests.conftest import ROOT
+
+RDZV_PORT = 29400
+LOSS = re.compile(r"\| lm loss: ([0-9.E+-]+) \|")
+
+
+def job_env(**extra) -> Dict[str, str]:
+    """The environment of a rank on the bed: one thread, this checkout, gloo on eth0."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="eth0")
+    env.update(extra)
+    return env
+
+
+def torchrun_argv(nnodes: int, nproc: int, endpoint: str, argv: List[str],
+                  rdzv_id="bed-job", extra=()) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{endpoint}:{RDZV_PORT}", "--rdzv-id", rdzv_id,
+            "--max-restarts", "0", *extra, str(ROOT / "pretrain_gpt.py"), *map(str, argv)]
+
+
+def start_torchrun(bed, argv, log_dir, nproc=2, env=None) -> list:
+    """One torchrun agent per host of `bed`, the first host holding the rendezvous; returns
+    (host, process, log path) per host."""
+    started = []
+    for host in bed.names:
+        path = os.path.join(str(log_dir), f"{host}.log")
+        with open(path, "w") as log:
+            proc = bed.popen(host, torchrun_argv(len(bed.names), nproc, bed.names[0], argv),
+                             stdout=log, stderr=log, env=env or job_env(), cwd=str(ROOT))
+        started.append((host, proc, path))
+    return started
+
+
+def wait_all(started, timeout) -> Dict[str, int]:
+    """Exit status per host (None for one still running at the deadline)."""
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for host, proc, _ in started:
+        try:
+            codes[host] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # subprocess.TimeoutExpired: the bed kills it on exit
+            codes[host] = None
+    return codes
+
+
+def logs(started) -> str:
+    return "".join(f"==== {host}\n" + open(path).read() for host, _, path in started)
+
+
+def logged_losses(text: str) -> List[float]:
+    return [float(v) for v in LOSS.findall(text)]
