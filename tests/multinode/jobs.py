@@ -1,6 +1,7 @@
 """Training jobs on the test bed: torchrun agents (c10d rendezvous) or srun-style tasks, one
 set per host, and what their logs say."""
 import os
+import subprocess
 import re
 import sys
 import time
@@ -61,3 +62,31 @@ def logs(started) -> str:
 
 def logged_losses(text: str) -> List[float]:
     return [float(v) for v in LOSS.findall(text)]
+
+
+def run_sbatch_script(bed, script, log_path, timeout, **env):
+    """Run `script` (an sbatch script) as sbatch would on the bed's hosts: SLURM's job
+    variables set, `srun` being tests/multinode/fake_srun.py. Returns the exit status (None
+    past the timeout)."""
+    bin_dir = os.path.join(os.path.dirname(str(log_path)), "slurm-bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    srun = os.path.join(bin_dir, "srun")
+    with open(srun, "w") as f:
+        f.write(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests/multinode/fake_srun.py'} \"$@\"\n")
+    os.chmod(srun, 0o755)
+    python = os.path.join(bin_dir, "python")  # the script's `python` is this interpreter
+    if not os.path.exists(python):
+        os.symlink(sys.executable, python)
+    names = bed.names
+    base = job_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(ROOT),
+                   SLURM_JOB_ID="35", SLURM_JOB_NUM_NODES=str(len(names)),
+                   BED_NAMESPACES=",".join(f"{n}={bed.namespaces[n]}" for n in names))
+    base.update(env)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", str(script)], stdout=log, stderr=log, env=base,
+                                cwd=str(ROOT), start_new_session=True)
+        bed.procs.append(proc)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None

@@ -1,15 +1,20 @@
 """2 hosts x 2 ranks on the test bed, launched as users launch them, reproduce one process's
 losses: TP 2 inside a host x DP 2 across hosts, PP 2 across hosts x DP 2 (1F1B and
 interleaved), and srun-style tasks from SLURM's environment."""
+import subprocess
+import sys
+
 import pytest
 
 import pretrain_gpt
+from tests.conftest import ROOT
 from tests.gpt_setup import losses, one_thread
 from tests.multinode.bed import test_bed
-from tests.multinode.jobs import logged_losses, logs, start_torchrun, wait_all
+from tests.multinode.jobs import (job_env, logged_losses, logs, run_sbatch_script, start_torchrun,
+                                  wait_all)
 from tests.reliability_setup import byte_dataset, tiny_argv
 
-TIMEOUT = 180
+TIMEOUT = 300  # the machine may be shared with a whole test-suite run
 ITERS = 3
 
 
@@ -46,3 +51,38 @@ def test_two_hosts_by_torchrun_match_one_process(job, layout, tmp_path):
     found = logged_losses(text)
     assert len(found) == ITERS, text[-4000:]
     assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+def test_srun_tasks_from_slurms_environment_match_one_process(job, tmp_path):
+    """examples/pretrain_gpt_slurm.sh as sbatch runs it (SLURM_JOB_NODELIST=node[01-02], 2
+    tasks per node, srun starting pretrain_gpt.py with no torchrun): TP 2 x DP 2."""
+    argv, reference = job
+    log = tmp_path / "sbatch.log"
+    with test_bed(["node01", "node02"]) as bed:
+        code = run_sbatch_script(bed, ROOT / "examples" / "pretrain_gpt_slurm.sh", log, TIMEOUT,
+                                 SLURM_JOB_NODELIST="node[01-02]", SLURM_NTASKS_PER_NODE="2",
+                                 TP="2", PP="1", GPT_ARGS=" ".join(argv), DATA_ARGS="",
+                                 OUTPUT_ARGS="")
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    found = logged_losses(text)
+    assert len(found) == ITERS, text[-4000:]
+    assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("variable", ["GLOO_SOCKET_IFNAME"])
+def test_an_interface_that_does_not_exist_fails_in_one_line(job, variable):
+    """A rank of host node01 (SLURM's environment) told to use eth9 stops before connecting,
+    exit 2, in one line naming the host's interfaces."""
+    argv, _ = job
+    env = job_env(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0",
+                  SLURM_NODELIST="node[01-02]", **{variable: "eth9"})
+    with test_bed(["node01", "node02"]) as bed:
+        proc = bed.popen("node01", [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=str(ROOT))
+        _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err
+    for word in (f"{variable}=eth9", "node01", "eth0, lo"):
+        assert word in lines[0], lines[0]
