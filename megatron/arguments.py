@@ -249,8 +249,9 @@ def _add_logging_args(parser):
     _flag(g, "--tensorboard-queue-size", "logging", type=int, default=1000)
     _flag(g, "--timing-log-level", "logging", type=int, choices=[0, 1, 2], default=0)
     _flag(g, "--peak-flops", "logging", type=float, default=None)
+    _flag(g, "--straggler-minmax-count", "logging", type=int, default=1)
     for name in ("--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-                 "--log-timers-to-tensorboard", "--log-throughput"):
+                 "--log-timers-to-tensorboard", "--log-throughput", "--log-straggler"):
         _flag(g, name, "logging", action="store_true")
 
 

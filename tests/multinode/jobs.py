@@ -90,3 +90,29 @@ def run_sbatch_script(bed, script, log_path, timeout, **env):
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
+
+
+def find_rank(bed, rank: int, timeout=120):
+    """(host, pid) of the pretrain_gpt.py process whose RANK is `rank`, once it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for host in bed.names:
+            for pid in bed.pids(host):
+                try:
+                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                    cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if f"RANK={rank}".encode() in environ and b"pretrain_gpt.py" in cmdline:
+                    return host, pid
+        time.sleep(0.2)
+    raise AssertionError(f"no process of rank {rank} appeared on the bed")
+
+
+def wait_for_text(path, text: str, timeout=240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in open(path).read():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared in {path}")
