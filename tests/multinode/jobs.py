@@ -68,15 +68,11 @@ def run_sbatch_script(bed, script, log_path, timeout, **env):
     """Run `script` (an sbatch script) as sbatch would on the bed's hosts: SLURM's job
     variables set, `srun` being tests/multinode/fake_srun.py. Returns the exit status (None
     past the timeout)."""
-    bin_dir = os.path.join(os.path.dirname(str(log_path)), "slurm-bin")
-    os.makedirs(bin_dir, exist_ok=True)
+    bin_dir = launcher_bin(os.path.join(os.path.dirname(str(log_path)), "slurm-bin"))
     srun = os.path.join(bin_dir, "srun")
     with open(srun, "w") as f:
         f.write(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests/multinode/fake_srun.py'} \"$@\"\n")
     os.chmod(srun, 0o755)
-    python = os.path.join(bin_dir, "python")  # the script's `python` is this interpreter
-    if not os.path.exists(python):
-        os.symlink(sys.executable, python)
     names = bed.names
     base = job_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(ROOT),
                    SLURM_JOB_ID="35", SLURM_JOB_NUM_NODES=str(len(names)),
@@ -116,3 +112,36 @@ def wait_for_text(path, text: str, timeout=240) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def launcher_bin(directory) -> str:
+    """A directory for PATH whose `python` and `torchrun` are this interpreter's."""
+    os.makedirs(directory, exist_ok=True)
+    torchrun = os.path.join(directory, "torchrun")
+    with open(torchrun, "w") as f:
+        f.write(f"#!/bin/sh\nexec {sys.executable} -m torch.distributed.run \"$@\"\n")
+    os.chmod(torchrun, 0o755)
+    python = os.path.join(directory, "python")
+    if not os.path.exists(python):
+        os.symlink(sys.executable, python)
+    return str(directory)
+
+
+def start_pods(bed, container, log_dir, nproc, **env):
+    """The PyTorchJob `container` run on each host as the training operator runs its pods:
+    the manifest's env (overridden by `env`) and the PET_* and legacy variables it sets."""
+    bin_dir = launcher_bin(os.path.join(str(log_dir), "pod-bin"))
+    started = []
+    for rank, host in enumerate(bed.names):
+        pod_env = job_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
+                          **{e["name"]: e["value"] for e in container["env"]})
+        pod_env.update(env, PET_NNODES=str(len(bed.names)), PET_NPROC_PER_NODE=str(nproc),
+                       PET_NODE_RANK=str(rank), PET_MASTER_ADDR=bed.names[0],
+                       PET_MASTER_PORT="23456", MASTER_ADDR=bed.names[0], MASTER_PORT="23456",
+                       WORLD_SIZE=str(len(bed.names)), RANK=str(rank))
+        path = os.path.join(str(log_dir), f"{host}.log")
+        with open(path, "w") as log:
+            proc = bed.popen(host, [*container["command"], *container["args"]], stdout=log,
+                             stderr=log, env=pod_env, cwd=str(ROOT))
+        started.append((host, proc, path))
+    return started

@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 import pretrain_gpt
 from tests.conftest import ROOT
 from tests.gpt_setup import losses, one_thread
 from tests.multinode.bed import test_bed
-from tests.multinode.jobs import (job_env, logged_losses, logs, run_sbatch_script, start_torchrun,
-                                  wait_all)
+from tests.multinode.jobs import (job_env, logged_losses, logs, run_sbatch_script, start_pods,
+                                  start_torchrun, wait_all)
 from tests.reliability_setup import byte_dataset, tiny_argv
 
 TIMEOUT = 300  # the machine may be shared with a whole test-suite run
@@ -86,3 +87,21 @@ def test_an_interface_that_does_not_exist_fails_in_one_line(job, variable):
     assert proc.returncode == 2 and len(lines) == 1, err
     for word in (f"{variable}=eth9", "node01", "eth0, lo"):
         assert word in lines[0], lines[0]
+
+
+def test_the_pytorchjob_pods_match_one_process(job, tmp_path):
+    """examples/pretrain_gpt_pytorchjob.yaml's container, run on each host as the training
+    operator runs a pod (PET_* for torchrun): TP 2 x DP 2."""
+    argv, reference = job
+    manifest = yaml.safe_load(open(ROOT / "examples" / "pretrain_gpt_pytorchjob.yaml"))
+    container = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
+        "containers"][0]
+    with test_bed(["node01", "node02"]) as bed:
+        started = start_pods(bed, container, tmp_path, nproc=2, TP="2", PP="1",
+                             GPT_ARGS=" ".join(argv), DATA_ARGS="", OUTPUT_ARGS="")
+        codes = wait_all(started, TIMEOUT)
+        text = logs(started)
+    assert codes == {"node01": 0, "node02": 0}, text[-4000:]
+    found = logged_losses(text)
+    assert len(found) == ITERS, text[-4000:]
+    assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
