@@ -31,17 +31,19 @@ def torchrun_argv(nnodes: int, nproc: int, endpoint: str, argv: List[str],
             "--max-restarts", "0", *extra, str(ROOT / "pretrain_gpt.py"), *map(str, argv)]
 
 
-def start_torchrun(bed, argv, log_dir, nproc=2, env=None) -> list:
-    """One torchrun agent per host of `bed`, the first host holding the rendezvous; returns
-    (host, process, log path) per host."""
-    started = []
-    for host in bed.names:
+def start_torchrun(bed, argv, log_dir, nproc=2, env=None, nnodes=None, extra=()) -> list:
+    """One torchrun agent per host of `bed`, the first host holding the rendezvous (started
+    last: the others wait for its store, so all join the first round); returns (host,
+    process, log path) per host, in the bed's order."""
+    started = {}
+    for host in reversed(bed.names):
         path = os.path.join(str(log_dir), f"{host}.log")
+        command = torchrun_argv(nnodes or len(bed.names), nproc, bed.names[0], argv, extra=extra)
         with open(path, "w") as log:
-            proc = bed.popen(host, torchrun_argv(len(bed.names), nproc, bed.names[0], argv),
-                             stdout=log, stderr=log, env=env or job_env(), cwd=str(ROOT))
-        started.append((host, proc, path))
-    return started
+            proc = bed.popen(host, command, stdout=log, stderr=log, env=env or job_env(),
+                             cwd=str(ROOT))
+        started[host] = (host, proc, path)
+    return [started[host] for host in bed.names]
 
 
 def wait_all(started, timeout) -> Dict[str, int]:
