@@ -38,3 +38,13 @@ def test_a_host_cut_off_the_switch_cannot_reach_the_other():
         assert not bed.reachable("node01", "node02", timeout=1.0)
         bed.link("node02", up=True)
         assert bed.reachable("node01", "node02")
+
+
+def test_without_namespaces_the_bed_skips_in_one_line(monkeypatch):
+    import os
+    import pytest
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        with test_bed(["node01"]):
+            pass
+    assert str(skipped.value) == "multi-host test bed unavailable: not root"
