@@ -1,4 +1,5 @@
-"""Pretrain a GPT: `python pretrain_gpt.py ...` or `torchrun --nproc_per_node N pretrain_gpt.py ...`."""
+"""Pretrain a GPT: `python pretrain_gpt.py ...`, `torchrun --nproc_per_node N pretrain_gpt.py ...`
+or, one task per rank, `srun python pretrain_gpt.py ...` (SLURM_* read by launch_env)."""
 import os
 import sys
 from functools import partial
@@ -21,6 +22,7 @@ from megatron.checkpointing import api  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
+from megatron.training.launch_env import apply_slurm_environment  # noqa: E402
 from megatron.training.pretrain import check_run_paths, held_save_lock, pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
@@ -137,10 +139,12 @@ def setup(argv=None):
 def main(argv=None):
     """Train; a bad checkpoint, dataset or setting ends the run with one line and exit 2."""
     try:
+        apply_slurm_environment()  # `srun python pretrain_gpt.py`: ranks from SLURM_*
         return _run(argv)
     except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError,
             PermissionError) as err:
-        fail(str(err), agreed=getattr(err, "agreed", False))
+        fail(str(err), agreed=getattr(err, "agreed", False),
+             per_host=getattr(err, "per_host", False))
     except RUN_FAILURES as err:
         exit_on_run_failure(err)
 

@@ -47,7 +47,7 @@ setup(
         "serve": ["flask", "waitress"],
         "harness": ["lm_eval>=0.4,<0.5"],
         "test": ["pytest", "tokenizers", "transformers", "safetensors", "sentencepiece", "tiktoken",
-                 "flask", "waitress", "requests", "lm_eval>=0.4,<0.5", "sacremoses"],
+                 "flask", "waitress", "requests", "lm_eval>=0.4,<0.5", "sacremoses", "pyyaml"],
         "fairseq": ["sacremoses"],
     },
     cmdclass=cmdclass,

@@ -249,8 +249,9 @@ def _add_logging_args(parser):
     _flag(g, "--tensorboard-queue-size", "logging", type=int, default=1000)
     _flag(g, "--timing-log-level", "logging", type=int, choices=[0, 1, 2], default=0)
     _flag(g, "--peak-flops", "logging", type=float, default=None)
+    _flag(g, "--straggler-minmax-count", "logging", type=int, default=1)
     for name in ("--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-                 "--log-timers-to-tensorboard", "--log-throughput"):
+                 "--log-timers-to-tensorboard", "--log-throughput", "--log-straggler"):
         _flag(g, name, "logging", action="store_true")
 
 
@@ -321,16 +322,22 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def fail(message: str, prog: Optional[str] = None, agreed: bool = False) -> None:
+def fail(message: str, prog: Optional[str] = None, agreed: bool = False,
+         per_host: bool = False) -> None:
     """Print one line and exit with status 2 (argparse's convention for bad usage).
 
     Under torchrun, before the process group starts every rank checks the same flags and
     files, so only rank 0 prints; the others exit 2 silently, a moment later. So it is for
     an `agreed` error (every rank raised it together: a --save lock refusal, a save that
-    failed on some rank; io.CheckpointError.agreed)."""
+    failed on some rank; io.CheckpointError.agreed). A `per_host` error (a host's own
+    network interfaces) is printed by the first rank of each host (LOCAL_RANK 0)."""
     prog = prog or os.path.basename(sys.argv[0] or "megatron")
     _finish_exit_under_launcher()
-    if _shared_check_on_other_rank() or (agreed and os.environ.get("RANK", "0") != "0"):
+    if per_host:
+        quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    else:
+        quiet = _shared_check_on_other_rank() or (agreed and os.environ.get("RANK", "0") != "0")
+    if quiet:
         time.sleep(OTHER_RANK_EXIT_DELAY)  # rank 0 prints and exits first: torchrun's root cause
     else:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)

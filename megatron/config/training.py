@@ -189,6 +189,11 @@ class LoggingConfig:
     """TFLOP/s per device, tokens/s and MFU on every log line (--log-throughput)."""
     peak_flops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU; a matmul probe at start-up when unset (--peak-flops)."""
+    log_straggler: bool = False
+    """Every --log-interval, rank 0 prints the slowest and fastest ranks' step compute times,
+    their ratio and hosts (--log-straggler, megatron/training/straggler.py)."""
+    straggler_minmax_count: int = 1
+    """How many slowest and fastest ranks --log-straggler names (--straggler-minmax-count)."""
 
     def __post_init__(self):
         require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
@@ -196,5 +201,7 @@ class LoggingConfig:
                 f"--tensorboard-queue-size must be positive, got {self.tensorboard_queue_size}")
         require(self.timing_log_level in (0, 1, 2),
                 f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
+        require(self.straggler_minmax_count >= 1,
+                f"--straggler-minmax-count must be at least 1, got {self.straggler_minmax_count}")
         require(self.peak_flops is None or self.peak_flops > 0,
                 f"--peak-flops must be a positive TFLOP/s value, got {self.peak_flops}")

@@ -13,9 +13,35 @@ the backward of its partner:
     reduce_scatter_to_sequence  fwd reduce-scatter    bwd gather first
     sum_replica_grads           fwd identity          bwd sum the trailing rows over
                                                       the ranks of the same replica set
+
+COLLECTIVE_WAIT counts the seconds spent inside these collectives (blocking on CPUs over
+gloo): --log-straggler subtracts them from a rank's compute time.
 """
+import functools
+import time
+
 import torch
 import torch.distributed as dist
+
+
+class WaitClock:
+    """Seconds spent inside the collectives of this module, accumulated by this process."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def timed(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return wrapper
+
+
+COLLECTIVE_WAIT = WaitClock()
 
 
 def group_size(group) -> int:
@@ -30,6 +56,7 @@ def _is_nccl(group) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
+@COLLECTIVE_WAIT.timed
 def all_reduce(x, group, op=dist.ReduceOp.SUM):
     """In-place all-reduce of `x` over `group` (no-op for one process)."""
     if group_size(group) > 1:
@@ -47,6 +74,7 @@ def _split(x, dim, group):
     return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
 
 
+@COLLECTIVE_WAIT.timed
 def _gather(x, dim, group):
     size = group_size(group)
     if size == 1:
@@ -61,6 +89,7 @@ def _gather(x, dim, group):
     return torch.cat(parts, dim=dim)
 
 
+@COLLECTIVE_WAIT.timed
 def _reduce_scatter(x, dim, group):
     """Sum over the group, keep this rank's slice of `dim` (first dimension)."""
     size = group_size(group)
@@ -208,7 +237,7 @@ class _SumReplicaGrads(torch.autograd.Function):
         mine = group_rank(ctx.group) // per_set
         slots = grad.new_zeros((sets, rows) + tuple(grad.shape[1:]))
         slots[mine] = grad[-rows:]
-        dist.all_reduce(slots, group=ctx.group)
+        all_reduce(slots, ctx.group)
         grad = grad.clone()
         grad[-rows:] = slots[mine]
         return grad, None, None, None
@@ -237,6 +266,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, ctx.recv, ctx.send), None, None, None
 
 
+@COLLECTIVE_WAIT.timed
 def _all_to_all(x, group, send, recv):
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from megatron.config import ConfigError
 from megatron.lifetime import die_with_parent, launched
+from megatron.training.launch_env import check_socket_ifnames, host_interfaces
 from megatron.mpu import initialize_model_parallel, model_parallel_seed
 
 
@@ -27,7 +28,9 @@ def initialize_distributed(config):
     parallel groups, pick the device and seed every generator.
 
     Works as a plain `python` process (one rank, no process group), under
-    torchrun, and under `python -m torch.distributed.launch`. A rank started by a launcher
+    torchrun, under `python -m torch.distributed.launch` and as a task of `srun` (the
+    entry point applies launch_env.apply_slurm_environment first). GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME naming no interface of this host is a ConfigError (per_host). A rank started by a launcher
     dies with it (megatron/lifetime.py): a killed job never keeps training or holding --save.
     """
     if launched():
@@ -39,6 +42,7 @@ def initialize_distributed(config):
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
     if world_size > 1 and not dist.is_initialized():
+        check_socket_ifnames(os.environ, host_interfaces(), backend)
         dist.init_process_group(backend=backend, timeout=timeout)
     pstate = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,

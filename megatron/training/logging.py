@@ -19,8 +19,15 @@ class Timers:
               "grads-all-reduce": 2, "embedding-grads-all-reduce": 2}
     MAX_LEVEL = 2
 
-    def __init__(self, log_level: int = 0):
+    def __init__(self, log_level: int = 0, always=(), wait_clock=None):
         self.log_level = log_level
+        self.always = frozenset(always)
+        """Names recorded at any level (--log-straggler's compute timers)..."""
+        self.wait_clock = wait_clock
+        """...and, with a clock (mpu.mappings.COLLECTIVE_WAIT), the seconds of collectives
+        inside them, in `waits`."""
+        self.waits = defaultdict(float)
+        self._wait_start: Dict[str, float] = {}
         self.elapsed = defaultdict(float)
         self._start: Dict[str, float] = {}
         self.current: Optional[str] = None
@@ -28,18 +35,22 @@ class Timers:
         stops by an exception): what a timeout message names."""
 
     def enabled(self, name: str) -> bool:
-        return self.LEVELS.get(name, self.MAX_LEVEL) <= self.log_level
+        return name in self.always or self.LEVELS.get(name, self.MAX_LEVEL) <= self.log_level
 
     def start(self, name: str) -> None:
         self.current = name
         if self.enabled(name):
             _sync()
             self._start[name] = time.perf_counter()
+            if self.wait_clock is not None and name in self.always:
+                self._wait_start[name] = self.wait_clock.seconds
 
     def stop(self, name: str) -> None:
         if name in self._start:
             _sync()
             self.elapsed[name] += time.perf_counter() - self._start.pop(name)
+        if name in self._wait_start:
+            self.waits[name] += self.wait_clock.seconds - self._wait_start.pop(name)
 
     def __call__(self, name: str) -> "_Handle":
         """`timers(name).start()` / `.stop()`, the form the pipeline executor uses."""
@@ -47,6 +58,10 @@ class Timers:
 
     def pop_all(self) -> Dict[str, float]:
         out, self.elapsed = dict(self.elapsed), defaultdict(float)
+        return out
+
+    def pop_waits(self) -> Dict[str, float]:
+        out, self.waits = dict(self.waits), defaultdict(float)
         return out
 
 

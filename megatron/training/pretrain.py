@@ -243,6 +243,9 @@ def _log(trainer: Trainer, log: _LogWindow, grad_norm: Optional[float], total: i
                                     lr, gbs, losses, scale, grad_norm, log.skipped, log.nans, text,
                                     log_line_extras(cfg, trainer.models, trainer.pstate)))
     timings = trainer.timers.pop_all()
+    if trainer.stragglers is not None:
+        print_rank_0(trainer.stragglers.report(state.iteration, timings,
+                                               trainer.timers.pop_waits(), log.count))
     if timings and cfg.logging.timing_log_level > 0:
         print_rank_last(" time (ms) | " + " | ".join(
             f"{name}: {1000.0 * sec / max(1, log.count):.2f}" for name, sec in sorted(timings.items())))

@@ -16,11 +16,13 @@ from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
 from megatron.model.moe.layer import collect_moe_metrics, update_expert_bias
 from megatron.model.moe.router import AuxLossScaler
+from megatron.mpu.mappings import COLLECTIVE_WAIT
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
 from megatron.training.logging import TensorBoard, Timers
 from megatron.training.microbatches import MicroBatches
 from megatron.training.parallelize import params_dtype, pipeline_communicator
+from megatron.training.straggler import COMPUTE_TIMERS, StragglerDetector, describe_hosts
 
 
 def is_last_rank() -> bool:
@@ -83,7 +85,14 @@ class Trainer:
         self.optimizer = build_optimizer(config, models, pstate, self.reducers)
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         self.microbatches = MicroBatches.of(config, pstate.dp_size)
-        self.timers = Timers(config.logging.timing_log_level)
+        straggler = config.logging.log_straggler
+        self.timers = Timers(config.logging.timing_log_level,
+                             always=COMPUTE_TIMERS if straggler else (),
+                             wait_clock=COLLECTIVE_WAIT if straggler else None)
+        self.stragglers = StragglerDetector(config.logging.straggler_minmax_count) \
+            if straggler else None
+        if straggler:
+            print_rank_0(describe_hosts(self.stragglers.hosts))
         self.comm = pipeline_communicator(config, pstate, device, len(models), self.timers)
         self.schedule = ("none" if pstate.pp_size == 1
                          else "interleaved" if len(models) > 1 else "1f1b")
