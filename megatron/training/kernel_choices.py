@@ -27,7 +27,19 @@ def _stand_in(shape, dtype) -> torch.Tensor:
     return torch.empty(shape[-1], dtype=dtype).as_strided(shape, (0,) * (len(shape) - 1) + (1,))
 
 
-def _attention(config, dtype, seq: int) -> list:
+def attention_stand_in(config, dtype) -> torch.Tensor:
+    """q of this rank's core attention in training, [seq, micro batch, heads, head size] (as
+    a stand-in): seq / CP and heads / TP, or with all-to-all CP every position and heads / TP
+    / CP. The memory planner asks its decision too (megatron/training/memory.py)."""
+    m, p = config.model, config.parallel
+    seq = m.seq_length // p.context_parallel_size
+    heads = max(1, m.num_attention_heads // p.tensor_model_parallel_size)
+    if p.context_parallel_size > 1 and p.cp_comm_type == "a2a":
+        seq, heads = m.seq_length, max(1, heads // p.context_parallel_size)
+    return _stand_in((seq, config.training.micro_batch_size, heads, m.kv_channels), dtype)
+
+
+def _attention(config, dtype) -> list:
     m, p = config.model, config.parallel
     if m.attention_impl != "auto" or not m.masked_softmax_fusion:
         return []
@@ -36,10 +48,7 @@ def _attention(config, dtype, seq: int) -> list:
     if (m.window_size is not None and m.seq_length > m.window_size) or (
             m.position_embedding_type == "alibi"):
         return []
-    heads = m.num_attention_heads // p.tensor_model_parallel_size
-    if p.context_parallel_size > 1:  # all-to-all: every position, heads split over CP
-        seq, heads = m.seq_length, max(1, heads // p.context_parallel_size)
-    q = _stand_in((seq, config.training.micro_batch_size, heads, m.kv_channels), dtype)
+    q = attention_stand_in(config, dtype)
     out = []
     for dropout in dict.fromkeys((m.attention_dropout, 0.0)):
         if fused.causal_attention_fusable(q, q, q, dropout):
@@ -84,7 +93,7 @@ def planned_decisions(config) -> list:
     """The decisions this rank's training and evaluation forwards will ask on a CPU."""
     seq = config.model.seq_length // config.parallel.context_parallel_size
     dtype = _dtype(config)
-    return _attention(config, dtype, seq) + _norms(config, dtype, seq) + _head(config, seq)
+    return _attention(config, dtype) + _norms(config, dtype, seq) + _head(config, seq)
 
 
 def agree_kernel_choices(config, device) -> dict:
