@@ -152,10 +152,16 @@ def time_pair(ours: Callable, plain: Callable) -> tuple[float, float]:
 
 
 def _measure(decision: Decision) -> dict:
-    """A timing of both paths of `decision` on this process: its cache record."""
+    """A timing of both paths of `decision` on this process: its cache record. It leaves
+    torch's random state as it was (a run that times and one that reads the cache draw the
+    same numbers after it) and runs with autograd on, whatever the caller's context (a first
+    use inside evaluation's no_grad, or autocast)."""
     measure = MEASURES[decision.op][0]
-    ours, plain = measure(dict(decision.dims), getattr(torch, decision.dtype))
-    t_ours, t_plain = time_pair(ours, plain)
+    with (torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast("cpu", enabled=False)):
+        torch.manual_seed(0)
+        ours, plain = measure(dict(decision.dims), getattr(torch, decision.dtype))
+        t_ours, t_plain = time_pair(ours, plain)
     return {"choice": "ours" if t_ours <= t_plain else "plain", "ours_ms": round(t_ours * 1e3, 4),
             "plain_ms": round(t_plain * 1e3, 4),
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -167,3 +167,17 @@ def test_time_pair_takes_the_faster_of_two_under_interleaving():
     assert fast < slow
     slow, fast = choice.time_pair(sleeper(0.004), sleeper(0.001))
     assert fast < slow
+
+
+def test_a_timing_at_first_use_leaves_rng_and_grad_mode_alone(auto, monkeypatch):
+    """First use inside evaluation (no_grad) times forward+backward all the same, and the
+    random stream after it is the one a run that read the cache would see."""
+    from megatron.fused.norms import norm_decision
+    monkeypatch.setattr(choice, "time_pair", lambda ours, plain: (ours(), plain(), 1.0, 2.0)[2:])
+    x = torch.randn(64, 32)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        assert choice.prefer_ours(norm_decision("layer_norm", x))
+    assert torch.equal(torch.rand(3), expected)
