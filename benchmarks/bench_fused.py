@@ -3,6 +3,7 @@
     python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
                                     [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy,
                                              attention,attention_dropout}]
+                                    [--max-seq N] [--long]
 
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
@@ -17,11 +18,15 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
     [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x);
   - causal self-attention forward+backward (seq 256 / head_dim 32, seq 512, 1024, 2048 and
-    4096 / head_dim 64): SDPA vs our kernel (target: >= 1.1x), and with attention dropout 0.1 the
-    explicit path (what auto runs without our kernel) vs our kernel.
+    4096 / head_dim 64; with --long also 8192 and 16384, 5 samples each): SDPA vs our kernel
+    (target: >= 1.1x), and with attention dropout 0.1 the explicit path (what auto runs
+    without our kernel) vs our kernel.
 Every CPU line ends with the path the default takes for those inputs (`auto: fused` or
 `auto: plain`) and whether it is the faster one in this run (`faster`, `SLOWER`, or `tie`
-when the two are within 10% of each other, as close as repeated runs here agree).
+when the two are within 10% of each other, as close as repeated runs here agree). The
+default is `--fused-kernels-choice`'s, from $MEGATRON_FUSED_KERNELS_CHOICE (auto unless set):
+auto's own short timing of the two paths for that line's dtype and shape bucket, or its
+cached answer (megatron/fused/choice.py; the header names the cache file).
 CUDA (when available): fp16/bf16 causal softmax, layer norm and RMSNorm vs PyTorch,
 with the achieved bandwidth against a device-to-device copy.
 Timings interleave the two sides and take medians, so both see the same load; each sample
@@ -43,7 +48,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron import fused  # noqa: E402
+from megatron.fused import choice  # noqa: E402
 from megatron.fused import kernels as fused_kernels  # noqa: E402
+from megatron.fused.norms import norm_decision  # noqa: E402
 from megatron.mpu import model_parallel_seed  # noqa: E402
 
 
@@ -159,7 +166,8 @@ def bench_cpu(repeat: int, only: str | None) -> None:
         if only in (None, "rms_norm"):
             report(f"CPU RMSNorm fwd+bwd [8192,1024] {str(dtype)[6:]}",
                    compare([rms_norm_step(xs, ws, gs, False), rms_norm_step(xs, ws, gs, True)],
-                           repeat), 1.0, fused.rms_norm_fusable(xs, ws))
+                           repeat), 1.0, fused.rms_norm_fusable(xs, ws)
+                   and choice.prefer_ours(norm_decision("rms_norm", xs)))
 
 
 def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -214,16 +222,19 @@ def bench_cross_entropy(repeat: int) -> None:
 
 ATTENTION_SHAPES = ((256, 8, 8, 32), (512, 4, 8, 64), (1024, 2, 16, 64), (2048, 1, 16, 64),
                     (4096, 1, 8, 64))
+# With --long: minutes on two cores (each step is seconds), so fewer samples (LONG_REPEAT).
+LONG_ATTENTION_SHAPES = ((8192, 1, 4, 64), (16384, 1, 2, 64))
+LONG_REPEAT = 5
 
 
-def bench_attention(repeat: int, dropout: float, max_seq: int = None) -> None:
+def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool = False) -> None:
     """Causal self-attention forward+backward from the views of a fused QKV projection: our
     CPU kernel against what auto runs otherwise, SDPA without dropout, and with dropout
     the explicit path (fused softmax and dropout; SDPA with dropout on a CPU is unfused
     math with Bernoulli sampling)."""
     from megatron.config import ModelConfig
     from megatron.model.transformer import CoreAttention
-    for s, b, heads, dim in ATTENTION_SHAPES:
+    for s, b, heads, dim in ATTENTION_SHAPES + (LONG_ATTENTION_SHAPES if long else ()):
         if max_seq is not None and s > max_seq:
             continue
         qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
@@ -251,8 +262,9 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None) -> None:
 
         q = qkv[..., :dim]
         other = "explicit" if dropout else "SDPA"
+        samples = min(repeat, LONG_REPEAT) if s > ATTENTION_SHAPES[-1][0] else repeat
         report(f"CPU causal attention fwd+bwd s{s} b{b} h{heads} d{dim} dropout {dropout}: "
-               f"{other} vs ours", compare([step(False), step(True)], repeat), 1.1,
+               f"{other} vs ours", compare([step(False), step(True)], samples), 1.1,
                fused.causal_attention_preferred(q, q, q, dropout))
 
 
@@ -296,6 +308,8 @@ def main() -> None:
                         help="time one CPU benchmark only (CUDA ones run in full)")
     parser.add_argument("--max-seq", type=int, default=None,
                         help="time attention up to this sequence length only (a smoke test)")
+    parser.add_argument("--long", action="store_true",
+                        help="time attention at s8192 and s16384 too (minutes on two cores)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -303,16 +317,17 @@ def main() -> None:
         print("fused kernels unavailable; nothing to compare")
     print(f"kernels loaded in {time.perf_counter() - start:.2f} s, threads={args.threads}")
     print(fused_kernels.cpu_description())
+    print(f"kernel choice: {choice.mode()} (megatron/fused/choice.py), cache {choice.cache_path()}")
     bench_cpu(args.repeat, args.only)
     if args.only in (None, "bias_gelu"):
         bench_bias_gelu(args.repeat, args.compile)
     if args.only in (None, "cross_entropy"):
         bench_cross_entropy(args.repeat)
     if args.only in (None, "attention"):
-        bench_attention(args.repeat, 0.0, args.max_seq)
+        bench_attention(args.repeat, 0.0, args.max_seq, args.long)
     if args.only in (None, "attention_dropout"):
         model_parallel_seed(1234, 0)
-        bench_attention(args.repeat, 0.1, args.max_seq)
+        bench_attention(args.repeat, 0.1, args.max_seq, args.long)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
 

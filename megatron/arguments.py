@@ -19,8 +19,8 @@ from megatron.compat import ATTENTION_BACKENDS, apply_compat
 from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError, MoEConfig
-from megatron.config.model import (GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
-                                   ROPE_SCALING_TYPES)
+from megatron.config.model import (GLU_ACTIVATIONS, KERNEL_CHOICES, NORMALIZATIONS,
+                                   POSITION_EMBEDDING_TYPES, ROPE_SCALING_TYPES)
 from megatron.config import moe as moe_choices
 
 class OneLineParser(argparse.ArgumentParser):
@@ -72,6 +72,7 @@ def _add_model_args(parser):
     _flag(g, "--recompute-granularity", "model", choices=["full", "selective"], default=None)
     _flag(g, "--use-cpu-initialization", "model", action="store_true")
     _flag(g, "--attention-impl", "model", choices=["auto", "sdpa", "fused", "torch"], default="auto")
+    _flag(g, "--fused-kernels-choice", "model", choices=list(KERNEL_CHOICES), default=None)
     _flag(g, "--attention-softmax-in-fp32", "model", action="store_true")
     _flag(g, "--apply-query-key-layer-scaling", "model", action="store_true")
     _flag(g, "--fp16-lm-cross-entropy", "model", action="store_true")

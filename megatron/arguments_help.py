@@ -45,6 +45,10 @@ HELP = {
     "--recompute-granularity": "full (whole layers) or selective (attention core only)",
     "--use-cpu-initialization": "init full weights from the seed and slice them: same model at any TP/PP",
     "--attention-impl": "auto: SDPA for causal attention, fused softmax for masks; or force one",
+    "--fused-kernels-choice": "where a fused kernel and a PyTorch path both apply: auto (time "
+                              "both on this machine, cached, rank 0's choice for all ranks), "
+                              "ours, plain, or rule (fixed rules, no timing); default "
+                              "$MEGATRON_FUSED_KERNELS_CHOICE, else auto",
     "--attention-softmax-in-fp32": "compute the attention softmax in fp32 for 16-bit models",
     "--apply-query-key-layer-scaling": "scale q.k by 1/layer number (fp16 range), softmax in fp32",
     "--fp16-lm-cross-entropy": "compute the LM cross entropy in fp16 (default fp32)",

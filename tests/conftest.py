@@ -1,5 +1,6 @@
 """Shared pytest set-up: the repository on sys.path, the oracles' mark and the run's
 oracles line (tests/oracles.py)."""
+import os
 import sys
 
 from tests import oracles
@@ -7,6 +8,11 @@ from tests.data_setup import ROOT, SHARED_DATA, reference_file  # noqa: F401  (r
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# The fused kernels' choices by their fixed rules, not timed on a loaded machine: tests that
+# check which path runs stay reproducible (spawned ranks inherit it). Tests of the measured
+# choice set auto themselves (tests/unit/test_kernel_choice.py).
+os.environ.setdefault("MEGATRON_FUSED_KERNELS_CHOICE", "rule")
 
 
 def pytest_configure(config):

@@ -7,6 +7,8 @@ from megatron.config.errors import require
 from megatron.config.moe import MoEConfig
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
+# --fused-kernels-choice (megatron/fused/choice.py's MODES; a unit test keeps them equal).
+KERNEL_CHOICES = ("auto", "ours", "plain", "rule")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "sinusoidal", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
@@ -33,7 +35,7 @@ SCALING_FIELDS = {
 # could not be turned off again).
 RUN_TIME_FIELDS = (
     "checkpoint_activations", "checkpoint_num_layers", "recompute_granularity",
-    "recompute_method", "use_cpu_initialization", "attention_impl",
+    "recompute_method", "use_cpu_initialization", "attention_impl", "fused_kernels_choice",
     "attention_softmax_in_fp32", "masked_softmax_fusion", "bias_gelu_fusion",
     "bias_dropout_fusion", "layer_norm_fusion", "fp16_lm_cross_entropy", "mask_vocab_padding",
     "sequence_parallel")
@@ -83,6 +85,10 @@ class ModelConfig:
     """Init full weights from the global seed and slice them: identical across layouts."""
     attention_impl: str = "auto"
     """auto | sdpa (torch scaled_dot_product_attention) | fused (our softmax) | torch."""
+    fused_kernels_choice: Optional[str] = None
+    """Where a fused kernel and a plain path both apply (attention under auto, the norms, the
+    head's exp_sum_): auto (measured on this machine, cached, agreed across ranks) | ours |
+    plain | rule (the fixed rules, no timing); None: $MEGATRON_FUSED_KERNELS_CHOICE, else auto."""
     attention_softmax_in_fp32: bool = False
     apply_query_key_layer_scaling: bool = False
     masked_softmax_fusion: bool = True
@@ -186,6 +192,9 @@ class ModelConfig:
             require(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
         require(self.attention_impl in ATTENTION_IMPLS,
                 f"--attention-impl {self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+        require(self.fused_kernels_choice in (None,) + KERNEL_CHOICES,
+                f"--fused-kernels-choice {self.fused_kernels_choice!r} is not one of "
+                f"{KERNEL_CHOICES}")
         require(self.recompute_granularity in (None, "full", "selective"),
                 f"--recompute-granularity {self.recompute_granularity!r} is not full or selective")
         require(self.recompute_method in (None, "uniform", "block"),

@@ -13,19 +13,23 @@ kernels' constraints:
                Functions, fused_layer_norm, the *_fusable and layer_norm_preferred checks
   elementwise  bias_gelu (FusedBiasGeLU), dropout, bias_dropout_add, exp_sum_
   attention    the CPU causal self-attention kernel (causal_attention, the ring-attention
-               blocks, the dropout mask and seed) and the `auto` rule (KERNEL_MAX_SEQ)
+               blocks, the dropout mask and seed), the path auto runs instead
+               (plain_causal_attention) and auto's choice (causal_attention_preferred)
+  choice       which path an op takes where both apply (--fused-kernels-choice): measured
+               per shape bucket, cached on disk, agreed across ranks at model build
   paths        what those share: KERNEL_DTYPES, MAX_ROW_LENGTH, the loaded extension, the CPU
                kernels' instruction set (cpu_kernels_isa), the log lines (announce)
   kernels      building and loading the extensions
 
 A name is looked up in the module that uses it: to patch one (a test), patch it there
-(`norms.layer_norm_preferred`, `paths._ANNOUNCED`), not on this package.
+(`norms.layer_norm_preferred`, `paths._ANNOUNCED`, `choice.time_pair`), not on this package.
 """
 from megatron.fused.attention import (KERNEL_MAX_SEQ, KERNEL_WITH_DROPOUT, MAX_DROPOUT_SEQ,
                                       FusedCausalAttention, attention_dropout_keep,
                                       attention_dropout_seed, attention_with_lse,
                                       attention_with_lse_backward, causal_attention,
-                                      causal_attention_fusable, causal_attention_preferred)
+                                      causal_attention_fusable, causal_attention_preferred,
+                                      plain_causal_attention)
 from megatron.fused.elementwise import (FusedBiasGeLU, bias_dropout_add, bias_gelu,
                                         bias_gelu_fusable, dropout, exp_sum_)
 from megatron.fused.norms import (FusedLayerNormAffine, FusedRMSNormAffine, LayerNorm, RMSNorm,
@@ -49,7 +53,7 @@ __all__ = [
     "KERNEL_MAX_SEQ", "KERNEL_WITH_DROPOUT", "MAX_DROPOUT_SEQ", "FusedCausalAttention",
     "attention_dropout_keep", "attention_dropout_seed", "attention_with_lse",
     "attention_with_lse_backward", "causal_attention", "causal_attention_fusable",
-    "causal_attention_preferred",
+    "causal_attention_preferred", "plain_causal_attention",
     # paths
     "KERNEL_DTYPES", "MAX_ROW_LENGTH", "announce", "cpu_kernels_isa",
 ]

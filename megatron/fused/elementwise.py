@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.fused import choice
 from megatron.fused import kernels as fused_kernels
 from megatron.fused.paths import KERNEL_DTYPES, _ext
 
@@ -91,9 +92,36 @@ def exp_sum_(x, row_max=None, fusion=True):
     """x [rows, n] <- exp(x - row_max[:, None]), in place; returns (row_max, row sums of
     the result), both float32 [rows]. `row_max` None: each row's own max. The softmax of
     the cross entropy without a second logits-sized tensor; on CPUs one pass per row
-    (`exp_sum_` kernel) instead of four over the whole tensor."""
+    (`exp_sum_` kernel) instead of four over the whole tensor, where `--fused-kernels-choice`
+    takes it (auto: measured per dtype and powers of two of rows and n: fused/choice.py)."""
     module = fused_kernels.get_extension("cpu") if x.device.type == "cpu" else None
     if (fusion and module is not None and hasattr(module, "exp_sum_") and x.dim() == 2
-            and x.is_contiguous() and x.dtype in KERNEL_DTYPES):
+            and x.is_contiguous() and x.dtype in KERNEL_DTYPES
+            and choice.prefer_ours(exp_sum_decision(x))):
         return module.exp_sum_(x, None if row_max is None else row_max.float().contiguous())
     return _plain_exp_sum_(x, row_max)
+
+
+def exp_sum_decision(x) -> choice.Decision:
+    """The decision of exp_sum_ on logits x [rows, n]: dtype, powers of two of rows and n."""
+    return choice.Decision("exp_sum", str(x.dtype)[6:], (("rows", choice.bucket(x.shape[0])),
+                                                         ("n", choice.bucket(x.shape[1]))))
+
+
+# A timing of exp_sum_ runs at most this many elements (64 MiB of float32).
+EXP_SUM_ELEMENTS = 1 << 24
+
+
+def _exp_sum_steps(dims, dtype):
+    """(ours, plain) steps of exp_sum_ on a copy of fixed logits (both pay the copy)."""
+    n = dims["n"]
+    rows = max(1, min(dims["rows"], EXP_SUM_ELEMENTS // n))
+    logits = torch.randn(rows, n, dtype=dtype)
+    buf = torch.empty_like(logits)
+    module = fused_kernels.get_extension("cpu")
+    return (lambda: module.exp_sum_(buf.copy_(logits), None),
+            lambda: _plain_exp_sum_(buf.copy_(logits), None))
+
+
+choice.register("exp_sum", _exp_sum_steps, lambda dims, dtype: True,
+                lambda dims: "PyTorch ops")

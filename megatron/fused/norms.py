@@ -3,8 +3,9 @@ autograd Functions and the checks of when a kernel applies (`*_fusable`) and run
 
 The kernels live in `csrc/fused` (C++ for CPU, CUDA for GPUs). Fused-path constraints
 (checked per call; anything else runs plain PyTorch):
-  - layer_norm on a CPU: one autograd node in C++ (`fused_layer_norm`), taken by default
-    (`layer_norm_preferred`: bench_fused measured it at least as fast as F.layer_norm);
+  - layer_norm on a CPU: one autograd node in C++ (`fused_layer_norm`), taken where
+    `--fused-kernels-choice` takes it (`layer_norm_preferred`; auto: measured against
+    F.layer_norm on this machine, megatron/fused/choice.py); RMSNorm likewise;
   - normalises the last dim only, weight (and for layer_norm bias) given, [hidden]
     of the input's dtype (float32, bfloat16 or float16);
   - CUDA: hidden <= 8192;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.fused import choice
 from megatron.fused import kernels as fused_kernels
 from megatron.fused.paths import KERNEL_DTYPES, _announce_norm, _ext, _row_fits
 
@@ -85,13 +87,61 @@ def layer_norm_fusable(x, weight, bias) -> bool:
 
 def layer_norm_preferred(x, weight, bias) -> bool:
     """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: wherever it
-    applies (`layer_norm_fusable`) and is built. On CPUs `benchmarks/bench_fused.py` (forward+
-    backward, [8192, 1024], [4096, 512] and [2048, 256], float32 and bfloat16) measured it at
-    least as fast as F.layer_norm on AVX2 and on AVX-512: its outputs of 2 MiB and more reuse
-    freed buffers instead of faulting in fresh pages (3-4x at [8192, 1024] float32), its
-    backward is faster, and the autograd node is C++ (a Python Function cost ~30 us a step)."""
+    applies (`layer_norm_fusable`) and is built, and on CPUs where `--fused-kernels-choice`
+    takes it (by default measured against F.layer_norm per dtype, hidden size and power of
+    two of the rows: megatron/fused/choice.py). The rule (`rule`, and decisions not agreed
+    across ranks) takes it: `benchmarks/bench_fused.py` (forward+backward, [8192, 1024],
+    [4096, 512] and [2048, 256], float32 and bfloat16) measured it at least as fast as
+    F.layer_norm on AVX2 and AVX-512 (its outputs reuse freed buffers instead of faulting in
+    fresh pages, its backward is faster, its autograd node is C++)."""
     return (layer_norm_fusable(x, weight, bias)
-            and fused_kernels.get_extension(x.device.type) is not None)
+            and fused_kernels.get_extension(x.device.type) is not None
+            and _measured_choice("layer_norm", x))
+
+
+def norm_decision(op: str, x) -> choice.Decision:
+    """The decision of a norm (layer_norm, rms_norm) of x [..., hidden]: its dtype, the
+    power of two at or above its rows, the hidden size."""
+    hidden = x.shape[-1]
+    return choice.Decision(op, str(x.dtype)[6:], (("rows", choice.bucket(x.numel() // hidden)),
+                                                  ("hidden", hidden)))
+
+
+def _measured_choice(op: str, x) -> bool:
+    return x.device.type != "cpu" or choice.prefer_ours(norm_decision(op, x))
+
+
+# A timing of a norm decision runs at most this many elements (64 MiB of float32).
+MEASURED_ELEMENTS = 1 << 24
+
+
+def _norm_steps(op: str):
+    """measure(dims, dtype) -> (ours, plain) forward+backward steps of the norm `op`."""
+    def measure(dims, dtype):
+        hidden = dims["hidden"]
+        rows = max(1, min(dims["rows"], MEASURED_ELEMENTS // hidden))
+        x, grad = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, hidden, dtype=dtype)
+        w, b = torch.randn(hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+
+        def step(kernel: bool):
+            def run():
+                xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+                if op == "rms_norm":
+                    y = (FusedRMSNormAffine.apply(xr, wr, 1e-5) if kernel
+                         else _plain_rms_norm(xr, wr, 1e-5))
+                else:
+                    y = (fused_layer_norm(xr, wr, br, 1e-5) if kernel
+                         else F.layer_norm(xr, (hidden,), wr, br, 1e-5))
+                y.backward(grad)
+            return run
+        return step(True), step(False)
+    return measure
+
+
+choice.register("layer_norm", _norm_steps("layer_norm"), lambda dims, dtype: True,
+                lambda dims: "F.layer_norm")
+choice.register("rms_norm", _norm_steps("rms_norm"), lambda dims, dtype: True,
+                lambda dims: "float32 PyTorch ops")
 
 
 def fused_layer_norm(x, weight, bias, eps):
@@ -107,7 +157,8 @@ def layer_norm(x, weight, bias, eps, fusion=True):
     """Layer norm of x over its last dim with `weight` and `bias`: our kernel where it is
     the faster path (`layer_norm_preferred`), else F.layer_norm."""
     kernel = fusion and layer_norm_preferred(x, weight, bias)
-    _announce_norm("layer norm", x, kernel, fusion, "F.layer_norm")
+    declined = not kernel and fusion and layer_norm_fusable(x, weight, bias)
+    _announce_norm("layer norm", x, kernel, fusion, "F.layer_norm", declined)
     if kernel:
         return fused_layer_norm(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
@@ -148,9 +199,10 @@ def rms_norm(x, weight, eps, fusion=True):
     Normalised in float32 and cast back to x's dtype before the weight is
     applied, as Hugging Face's LlamaRMSNorm does.
     """
-    kernel = (fusion and rms_norm_fusable(x, weight)
-              and fused_kernels.get_extension(x.device.type) is not None)
-    _announce_norm("RMSNorm", x, kernel, fusion, "float32 PyTorch ops")
+    fits = (fusion and rms_norm_fusable(x, weight)
+            and fused_kernels.get_extension(x.device.type) is not None)
+    kernel = fits and _measured_choice("rms_norm", x)
+    _announce_norm("RMSNorm", x, kernel, fusion, "float32 PyTorch ops", fits and not kernel)
     if kernel:
         return FusedRMSNormAffine.apply(x, weight, eps)
     return _plain_rms_norm(x, weight, eps)

@@ -51,17 +51,22 @@ def announce(op: str, path: str) -> None:
         print(f" {op}: {path}", flush=True)
 
 
-def _announce_norm(op: str, x: torch.Tensor, kernel: bool, fusion: bool, plain: str) -> None:
+def _announce_norm(op: str, x: torch.Tensor, kernel: bool, fusion: bool, plain: str,
+                   declined: bool = False) -> None:
     """announce() for a norm: our kernel (with the CPU's instruction set), or the plain path
-    and why. The key is checked before any string is built: this runs on every call."""
-    if torch.compiler.is_compiling() or (op, x.device.type, kernel, fusion) in _ANNOUNCED:
+    and why (`declined`: the kernel applies, the kernel choice took the plain path). The key
+    is checked before any string is built: this runs on every call."""
+    key = (op, x.device.type, kernel, fusion, declined)
+    if torch.compiler.is_compiling() or key in _ANNOUNCED:
         return
-    _ANNOUNCED.add((op, x.device.type, kernel, fusion))
+    _ANNOUNCED.add(key)
     if kernel:
         isa = f", {cpu_kernels_isa()}" if x.device.type == "cpu" else ""
         path = f"our {x.device.type.upper()} kernel{isa}"
     else:
         why = ("fusion off" if not fusion else
+               "the kernel choice, see its line" if declined and fused_kernels.get_extension(
+                   x.device.type) is not None else
                "kernels not built" if fused_kernels.get_extension(x.device.type) is None else
                f"{str(x.dtype)[6:]} [..., {x.shape[-1]}] outside the kernel's constraints")
         path = f"{plain} ({why})"

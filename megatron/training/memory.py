@@ -174,19 +174,18 @@ def state_bytes(config, layout: Layout) -> Dict[str, int]:
 def _cpu_kernel_runs(config) -> bool:
     """Whether `--attention-impl auto` runs our CPU attention kernel in training (no mask,
     no ALiBi: CoreAttention._use_cpu_kernel), by the fused package's own decision for q, k,
-    v of this run's shape and dtype (stand-ins of one head's storage) and its attention
+    v of this rank's shape and dtype (stand-ins of one row's storage) and its attention
     dropout (the kernel regenerates its mask in the backward: nothing more is saved)."""
     import torch
 
     from megatron import fused
+    from megatron.training.kernel_choices import attention_stand_in
     m = config.model
     if not m.masked_softmax_fusion:
         return False
     dtype = (torch.float16 if config.training.fp16 else
              torch.bfloat16 if config.training.bf16 else torch.float32)
-    seq = m.seq_length if _a2a(config) else local_seq_length(config)
-    d = m.kv_channels
-    q = torch.empty(d, dtype=dtype).as_strided((seq, 1, 1, d), (0, d, d, 1))
+    q = attention_stand_in(config, dtype)
     return fused.causal_attention_preferred(q, q, q, dropout_p=m.attention_dropout)
 
 

@@ -17,6 +17,10 @@ this order:
 7. dtype and device;
 8. `--torch-compile`: each transformer layer compiled in place.
 
+Then every rank agrees on the fused kernels' choices for the run's shapes
+(megatron/training/kernel_choices.py): a collective, here because every rank builds its model
+at this point, before any forward.
+
 The degrees themselves are validated once, by megatron/mpu/topology.py's ParallelDims
 (Config.check_layout names the flags).
 """
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 from megatron.config import ModelConfig
 from megatron.model.transformer import enable_context_parallel
+from megatron.training.kernel_choices import agree_kernel_choices
 from megatron.pipeline.p2p import P2PCommunicator
 from megatron.pipeline.schedule import chunk_layers
 
@@ -55,6 +60,7 @@ def build_model(config, pstate, device, model_provider: Callable) -> List[torch.
                                post_process=pstate.is_last_stage() and v == (vpp or 1) - 1,
                                layer_offset=offset, num_layers=count)
         models.append(parallelize(model, config, pstate, device))
+    agree_kernel_choices(config, device)  # every rank, here: megatron/fused/choice.py
     return models
 
 

@@ -159,12 +159,14 @@ def test_each_isa_has_its_own_build(monkeypatch):
 
 
 def test_auto_attention_rule_per_isa(monkeypatch):
-    """auto takes our attention kernel only where bench_fused measured it faster than the
-    other path on that instruction set (fused.KERNEL_MAX_SEQ): SDPA without dropout, the
-    explicit path with it; otherwise that path."""
+    """The attention rule (`--fused-kernels-choice rule`, and decisions not agreed across
+    ranks) takes our kernel only where bench_fused measured it faster than the other path
+    on that instruction set on the machine it was tuned on (fused.KERNEL_MAX_SEQ): SDPA
+    without dropout, the explicit path with it; otherwise that path."""
     import torch
     from megatron import fused
-    from megatron.fused import attention
+    from megatron.fused import attention, choice
+    monkeypatch.setenv(choice.MODE_ENV, "rule")
     short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1030, 1, 2, 16)
     monkeypatch.setattr(attention, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
     expected = {"avx512": (True, True, True), "avx2": (True, False, True),
