@@ -21,36 +21,8 @@ import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def is_sharded(tensor) -> bool:
-    return isinstance(tensor, DTensor)
-
-
-def local(tensor):
-    """The local shard of a DTensor (a view); any other tensor (or None) as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def shard_start(tensor) -> int:
-    """Where the local shard of `tensor` begins in its flattened (TP-local) whole: row offset
-    times row size for FSDP's dim-0 shards (torch.chunk's split), 0 for a plain tensor."""
-    if not isinstance(tensor, DTensor):
-        return 0
-    row = 1
-    for size in tensor.shape[1:]:
-        row *= size
-    return shard_row_offset(tensor) * row
-
-
-def shard_row_offset(tensor) -> int:
-    """The first dim-0 row of this rank's shard of a DTensor sharded on dim 0 (torch.chunk)."""
-    mesh = tensor.device_mesh
-    rank = mesh.get_local_rank()
-    rows = tensor.shape[0]
-    per_rank = -(-rows // mesh.size())  # torch.chunk: ceil, the last chunks may be short
-    return min(rank * per_rank, rows)
+from megatron.mpu.fsdp_shards import local, shard_start
 
 
 def local_shards(params, grads) -> Tuple[List, List, List[int]]:

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.distributed.fsdp import local
+from megatron.mpu.fsdp_shards import local
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 from megatron.mpu.sharding import duplicated_tail, parameter_meta
 

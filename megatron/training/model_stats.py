@@ -7,7 +7,8 @@ from typing import List
 
 import torch
 
-from megatron.distributed.fsdp import is_sharded, local_shards
+from megatron.distributed.fsdp import local_shards
+from megatron.mpu.fsdp_shards import is_sharded
 from megatron.distributed.grads import expert_norm_groups, grad_of, norm_and_nonfinite, norm_parts
 from megatron.mpu.mappings import all_reduce
 

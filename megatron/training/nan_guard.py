@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.distributed.fsdp import local
+from megatron.mpu.fsdp_shards import local
 
 
 class NumericalError(RuntimeError):
