@@ -95,6 +95,15 @@ def _shard_regions(entry: Entry, tensor: torch.Tensor):
     return split_regions(entry.place, view, shard_offsets(param))
 
 
+def saves_fp32(optimizer) -> bool:
+    """Whether the optimizer's fp32 main parameters are saved (`fp32_param`) apart from the
+    weights: those of the distributed optimizer and of a bf16 / fp16 model; under FSDP with
+    bf16 compute (`fp32_main_params`), the fp32 shards, so that a bf16 run without FSDP
+    resumes from them exactly."""
+    return (optimizer.is_distributed or optimizer.mixed
+            or getattr(optimizer, "fp32_main_params", False))
+
+
 def moment_names(optimizer) -> List[str]:
     """Names of the per-element optimizer tensors (Adam's exp_avg, exp_avg_sq; SGD's
     momentum_buffer); empty before the first step."""
@@ -120,7 +129,7 @@ class OptimizerTensors:
         opt = self.optimizer
         main = opt.pieces[k].main if opt.is_distributed else opt.main_params[k]
         state = opt.optimizer.state.get(main, {})
-        out = {FP32: main} if opt.is_distributed or opt.mixed else {}
+        out = {FP32: main} if saves_fp32(opt) else {}
         out.update({m: state[m] for m in self.moments if m in state})
         return out
 
@@ -129,7 +138,7 @@ class OptimizerTensors:
             return self._live(k)
         shape = (unit.main.numel(),) if self.optimizer.is_distributed else local_shape(unit)
         opt = self.optimizer
-        names = ([FP32] if opt.is_distributed or opt.mixed else []) + list(self.moments)
+        names = ([FP32] if saves_fp32(opt) else []) + list(self.moments)
         return {name: torch.zeros(shape, dtype=torch.float32) for name in names}
 
     def state(self, rank: int, world: int, saving: bool) -> dict:
@@ -224,9 +233,9 @@ def load_regular(optimizer, loaded: OptimizerTensors, common: dict, have_fp32: b
                          for name, value in torch_state.items()}
             at += 1
     regular = {"optimizer": {"state": state, "param_groups": _param_groups(optimizer, common)}}
-    if optimizer.mixed:
+    if optimizer.mixed or (saves_fp32(optimizer) and have_fp32):
         regular["fp32_from_fp16_params"] = [
-            loaded.tensors[i][FP32].view(p.shape) if have_fp32 else p.detach().float()
+            loaded.tensors[i][FP32].view(local_shape(p)) if have_fp32 else p.detach().float()
             for i, p in enumerate(optimizer.model_params)]
     if "grad_scaler" in common:
         regular["grad_scaler"] = common["grad_scaler"]

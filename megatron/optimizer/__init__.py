@@ -11,7 +11,8 @@ def build_optimizer(config, models, pstate, reducers=None):
     DistributedOptimizer (which needs the models' reduce-scattering `reducers`)."""
     scaler = build_grad_scaler(config.optimizer, config.training.fp16, config.training.bf16)
     if config.parallel.use_torch_fsdp2:
-        return FSDPOptimizer(config.optimizer, models, pstate, scaler)
+        return FSDPOptimizer(config.optimizer, models, pstate, scaler,
+                             fp32_main_params=config.training.bf16)
     if config.parallel.use_distributed_optimizer:
         if reducers is None:
             raise ValueError("--use-distributed-optimizer needs the models' gradient reducers")
