@@ -40,7 +40,7 @@ ZEROS_SLACK = 3
 FSDP = ["--use-torch-fsdp2"]
 CLIP = ["--clip-grad", "0.5", "--log-params-norm", "--log-num-zeros-in-grad",
         "--ckpt-format", "torch_dist"]
-LLAMA_BF16 = [*llama_style(32), "--bf16", "--clip-grad", "0.5"]
+LLAMA_BF16 = [*llama_style(32), "--bf16", "--clip-grad", "0.5", "--ckpt-format", "torch_dist"]
 LLAMA = [*llama_style(32), "--clip-grad", "0.5", "--log-num-zeros-in-grad",
          "--log-params-norm"]
 LLAMA_TP2 = [*LLAMA, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -66,7 +66,7 @@ def _train(prefix, cache, *extra, mbs=2):
 
 def _rank2(rank, world, prefix, out):
     cache = os.path.join(out, "cache")
-    save = os.path.join(out, "ckpt-fsdp")
+    save, bf16_save = os.path.join(out, "ckpt-fsdp"), os.path.join(out, "ckpt-bf16-fsdp")
     return {
         "fsdp": _train(prefix, cache, *FSDP, *CLIP, mbs=1),
         "fsdp/first": _train(prefix, cache, *FSDP, *CLIP, "--save", save, "--save-interval",
@@ -77,11 +77,20 @@ def _rank2(rank, world, prefix, out):
                                         mbs=1),
         "bf16": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--no-fsdp-reshard-after-forward",
                        mbs=1),
+        "bf16/first": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--save", bf16_save,
+                             "--save-interval", str(SAVE_AT), "--exit-interval", str(SAVE_AT),
+                             mbs=1),
+        "bf16/resumed": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--load", bf16_save, mbs=1),
+        "bf16/from-one-process": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--load",
+                                        os.path.join(out, "ckpt-bf16-one", f"iter_{SAVE_AT:07d}"),
+                                        mbs=1),
     }
 
 
 def _rank4(rank, world, prefix, out):
-    return _train(prefix, os.path.join(out, "cache"), *FSDP, *LLAMA_TP2, mbs=1)
+    cache = os.path.join(out, "cache")
+    return {"tp2": _train(prefix, cache, *FSDP, *LLAMA_TP2, mbs=1),
+            "dp4": _train(prefix, cache, *FSDP, *CLIP, mbs=1)}
 
 
 def _close(got, want, tol, what):
@@ -99,14 +108,22 @@ def runs(workdir):
     with one_thread():
         one = _train(prefix, cache, *CLIP, "--save", str(out / "ckpt-one"), "--save-interval",
                      str(SAVE_AT))
-        bf16 = _train(prefix, cache, *LLAMA_BF16)
+        bf16 = _train(prefix, cache, *LLAMA_BF16, "--save", str(out / "ckpt-bf16-one"),
+                      "--save-interval", str(SAVE_AT))
         tp_ref = _train(prefix, cache, *LLAMA)
     ranks2 = run_ranks(_rank2, 2, prefix, str(out), timeout=1800)
     with one_thread():
         resumed_one = _train(prefix, cache, *CLIP, "--load", str(out / "ckpt-fsdp"))
+        bf16_one = _train(prefix, cache, *LLAMA_BF16, "--load", str(out / "ckpt-bf16-fsdp"))
     ranks4 = run_ranks(_rank4, 4, prefix, str(out), timeout=1800)
     return {"one": one, "bf16": bf16, "tp ref": tp_ref, "ranks2": ranks2,
-            "resumed one": resumed_one, "ranks4": ranks4}
+            "resumed one": resumed_one, "bf16 one": bf16_one, "ranks4": ranks4,
+            "bf16 keys": _saved_keys(out / "ckpt-bf16-fsdp" / f"iter_{SAVE_AT:07d}")}
+
+
+def _saved_keys(directory):
+    from torch.distributed.checkpoint import FileSystemReader
+    return sorted(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
 
 
 def test_fsdp_dp2_equals_one_process_with_clipping(runs):
@@ -152,12 +169,40 @@ def test_fsdp_bf16_equals_bf16_without_fsdp(runs):
         _close(result["bf16"]["losses"], runs["bf16"]["losses"], BF16_TOL, f"rank {rank} bf16")
 
 
+def test_fsdp_bf16_checkpoints_resume_both_ways(runs):
+    """Under FSDP exactly; across FSDP and no FSDP within BF16_TOL of the run continued
+    (the fp32 main params travel as optimizer.state.fp32_param, saved by both)."""
+    keys = runs["bf16 keys"]
+    weights = {k for k in keys if not k.startswith("optimizer.")}
+    fp32 = "optimizer.state.fp32_param."
+    assert "output_layer.weight" in weights, keys
+    assert {k[len(fp32):] for k in keys if k.startswith(fp32)} == weights, keys
+    for rank, result in enumerate(runs["ranks2"]):
+        full, first, resumed = result["bf16"], result["bf16/first"], result["bf16/resumed"]
+        assert first["losses"] == full["losses"][:SAVE_AT], rank
+        assert resumed["losses"] == full["losses"][SAVE_AT:], f"rank {rank}: resumed run differs"
+        _close(result["bf16/from-one-process"]["losses"], runs["bf16"]["losses"][SAVE_AT:],
+               BF16_TOL, f"rank {rank}: one-process bf16 checkpoint under FSDP")
+    one = runs["bf16 one"]
+    assert one["iterations"] == list(range(SAVE_AT + 1, ITERS + 1))
+    _close(one["losses"], runs["ranks2"][0]["bf16"]["losses"][SAVE_AT:], BF16_TOL,
+           "FSDP bf16 checkpoint in one process")
+
+
+def test_fsdp_dp4_equals_one_process(runs):
+    for rank, result in enumerate(runs["ranks4"]):
+        _close(result["dp4"]["losses"], runs["one"]["losses"], LOSS_TOL, f"rank {rank} losses")
+        _close(result["dp4"]["grad norms"], runs["one"]["grad norms"], LOSS_TOL,
+               f"rank {rank} grad norms")
+
+
 def test_tp2_fsdp2_sequence_parallel_equals_one_process(runs):
     ref = runs["tp ref"]
     for rank, result in enumerate(runs["ranks4"]):
+        result = result["tp2"]
         _close(result["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
         _close(result["grad norms"], ref["grad norms"], LOSS_TOL, f"rank {rank} grad norms")
-    last = runs["ranks4"][-1]
+    last = runs["ranks4"][-1]["tp2"]
     _close(last["params norms"], ref["params norms"], LOSS_TOL, "params norms")
     # the untied embedding rows of tokens a batch lacks: exact zeros, counted once
     assert min(ref["zeros"]) > 1000, ref["zeros"]
