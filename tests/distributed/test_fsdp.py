@@ -31,10 +31,11 @@ from tests.gpt_setup import assert_exits_2_with_one_line, one_thread, tiny_gpt_a
 
 ITERS = 6
 SAVE_AT = 3
-BF16_TOL = 2e-3
-"""Relative loss difference allowed between bf16 FSDP and bf16 without FSDP: the same math,
-but bf16 gradients reduced in another order (FSDP's reduce-scatter of each micro batch's
-bf16 gradient cast to fp32, against our reducer's fp32 accumulation then all-reduce)."""
+BF16_TOL = 1e-4
+"""Relative loss difference allowed between bf16 FSDP and bf16 without FSDP (measured: 5.6e-6
+over 6 iterations): the same math, but gradients reduced in another order (FSDP's
+reduce-scatter of each micro batch's bf16 gradient cast to fp32, against our reducer's fp32
+accumulation then all-reduce)."""
 ZEROS_SLACK = 3
 """Gradient entries allowed to be exactly 0 in one run and not the other (rounding)."""
 FSDP = ["--use-torch-fsdp2"]
@@ -89,8 +90,32 @@ def _rank2(rank, world, prefix, out):
 
 def _rank4(rank, world, prefix, out):
     cache = os.path.join(out, "cache")
-    return {"tp2": _train(prefix, cache, *FSDP, *LLAMA_TP2, mbs=1),
+    return {"offsets": _uneven_shards(world),
+            "tp2": _train(prefix, cache, *FSDP, *LLAMA_TP2, mbs=1),
             "dp4": _train(prefix, cache, *FSDP, *CLIP, mbs=1)}
+
+
+def _uneven_shards(world):
+    """Rows that do not divide by DP (5, 2: the last ranks' shards short or empty): the
+    shard FSDP gives this rank is the whole's rows [shard_row_offset, + its length), and
+    shard_start is where it begins flattened. Returns the mismatches."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from megatron.distributed.fsdp import apply_fsdp  # noqa: F401 (the module under test)
+    from megatron.mpu.fsdp_shards import local, shard_row_offset, shard_start
+    bad = []
+    for rows in (5, 2):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, rows)
+        whole = module.weight.detach().clone()
+        fully_shard(module)
+        part = local(module.weight).detach()
+        at = shard_row_offset(module.weight)
+        if not torch.equal(part, whole[at:at + part.shape[0]]) or \
+                shard_start(module.weight) != at * 3:
+            bad.append((rows, dist.get_rank(), at, tuple(part.shape)))
+    return bad
 
 
 def _close(got, want, tol, what):
@@ -187,6 +212,10 @@ def test_fsdp_bf16_checkpoints_resume_both_ways(runs):
     assert one["iterations"] == list(range(SAVE_AT + 1, ITERS + 1))
     _close(one["losses"], runs["ranks2"][0]["bf16"]["losses"][SAVE_AT:], BF16_TOL,
            "FSDP bf16 checkpoint in one process")
+
+
+def test_shard_offsets_follow_fsdp_on_uneven_rows(runs):
+    assert [r["offsets"] for r in runs["ranks4"]] == [[]] * 4
 
 
 def test_fsdp_dp4_equals_one_process(runs):
