@@ -167,6 +167,12 @@ def _add_parallel_args(parser):
     _flag(g, "--overlap-grad-reduce", "parallel", action="store_true")
     _flag(g, "--ddp-bucket-size", "parallel", type=int, default=40_000_000)
     _flag(g, "--accumulate-allreduce-grads-in-fp32", "parallel", action="store_true")
+    _flag(g, "--use-torch-fsdp2", "parallel", action="store_true")
+    g.add_argument("--fsdp-reshard-after-forward", dest="parallel.fsdp_reshard_after_forward",
+                   action="store_true", default=True, help=HELP["--fsdp-reshard-after-forward"])
+    g.add_argument("--no-fsdp-reshard-after-forward", "--torch-fsdp2-no-reshard-after-forward",
+                   dest="parallel.fsdp_reshard_after_forward", action="store_false",
+                   help=HELP["--no-fsdp-reshard-after-forward"])
     # torch.distributed.launch passes --local-rank (or --local_rank); torchrun sets LOCAL_RANK.
     g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
                    help=HELP["--local-rank"])

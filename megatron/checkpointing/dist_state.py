@@ -23,6 +23,7 @@ import torch
 from megatron.checkpointing.dist_regions import (Placement, flat_piece_regions, placement,
                                                  sharded_tensors, split_regions)
 from megatron.checkpointing.mcore_keys import mcore_key, optimizer_key, stacks_layers
+from megatron.mpu.fsdp_shards import like, local, local_shape, shard_offsets
 
 FP32 = "fp32_param"
 
@@ -80,10 +81,27 @@ def model_state(entries: List[Entry], rank: int, world: int, saving: bool) -> di
     for e in entries:
         if saving and e.head_copy:
             continue
-        zeros = (0,) * e.tensor.dim()
-        _add(regions, shapes, e.place.key, e.place.global_shape,
-             split_regions(e.place, e.tensor.detach(), zeros))
+        _add(regions, shapes, e.place.key, e.place.global_shape, _shard_regions(e, e.tensor))
     return sharded_tensors(regions, shapes, rank, world)
+
+
+def _shard_regions(entry: Entry, tensor: torch.Tensor):
+    """The regions of `tensor` (the entry's parameter, or its optimizer state, as shaped as
+    it): under FSDP this rank's dim-0 shard of it, at its row offset; none when empty."""
+    param = entry.tensor
+    view = local(tensor).detach().view(local_shape(param))
+    if view.dim() and not view.numel():
+        return []
+    return split_regions(entry.place, view, shard_offsets(param))
+
+
+def saves_fp32(optimizer) -> bool:
+    """Whether the optimizer's fp32 main parameters are saved (`fp32_param`) apart from the
+    weights: those of the distributed optimizer and of a bf16 / fp16 model; under FSDP with
+    bf16 compute (`fp32_main_params`), the fp32 shards, so that a bf16 run without FSDP
+    resumes from them exactly."""
+    return (optimizer.is_distributed or optimizer.mixed
+            or getattr(optimizer, "fp32_main_params", False))
 
 
 def moment_names(optimizer) -> List[str]:
@@ -111,16 +129,16 @@ class OptimizerTensors:
         opt = self.optimizer
         main = opt.pieces[k].main if opt.is_distributed else opt.main_params[k]
         state = opt.optimizer.state.get(main, {})
-        out = {FP32: main} if opt.is_distributed or opt.mixed else {}
+        out = {FP32: main} if saves_fp32(opt) else {}
         out.update({m: state[m] for m in self.moments if m in state})
         return out
 
     def _tensors(self, k: int, unit) -> Dict[str, torch.Tensor]:
         if not self.fresh:
             return self._live(k)
-        shape = (unit.main.numel(),) if self.optimizer.is_distributed else tuple(unit.shape)
+        shape = (unit.main.numel(),) if self.optimizer.is_distributed else local_shape(unit)
         opt = self.optimizer
-        names = ([FP32] if opt.is_distributed or opt.mixed else []) + list(self.moments)
+        names = ([FP32] if saves_fp32(opt) else []) + list(self.moments)
         return {name: torch.zeros(shape, dtype=torch.float32) for name in names}
 
     def state(self, rank: int, world: int, saving: bool) -> dict:
@@ -141,7 +159,7 @@ class OptimizerTensors:
         if self.optimizer.is_distributed:
             return flat_piece_regions(entry.place, tuple(param.shape), tensor.detach().view(-1),
                                       self.optimizer.pieces[k].start)
-        return split_regions(entry.place, tensor.detach().view(param.shape), (0,) * param.dim())
+        return _shard_regions(entry, tensor)
 
 
 
@@ -209,12 +227,15 @@ def load_regular(optimizer, loaded: OptimizerTensors, common: dict, have_fp32: b
     for group in optimizer.optimizer.param_groups:
         for main in group["params"]:
             i = index_of[id(main)]
-            state[at] = _torch_state(loaded.tensors[i], common, tuple(main.shape))
+            torch_state = _torch_state(loaded.tensors[i], common, local_shape(main))
+            # under FSDP each moment a DTensor placed as its parameter (the step stays plain)
+            state[at] = {name: like(value, main) if value.dim() else value
+                         for name, value in torch_state.items()}
             at += 1
     regular = {"optimizer": {"state": state, "param_groups": _param_groups(optimizer, common)}}
-    if optimizer.mixed:
+    if optimizer.mixed or (saves_fp32(optimizer) and have_fp32):
         regular["fp32_from_fp16_params"] = [
-            loaded.tensors[i][FP32].view(p.shape) if have_fp32 else p.detach().float()
+            loaded.tensors[i][FP32].view(local_shape(p)) if have_fp32 else p.detach().float()
             for i, p in enumerate(optimizer.model_params)]
     if "grad_scaler" in common:
         regular["grad_scaler"] = common["grad_scaler"]

@@ -5,6 +5,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 
 from megatron.checkpointing.io import CheckpointError
+from megatron.mpu.fsdp_shards import local
 
 _ADVICE = "the run that saved it had diverged: load an earlier iteration"
 
@@ -13,7 +14,7 @@ def nonfinite(value) -> int:
     """How many nan/inf values a floating-point tensor holds (0 for anything else)."""
     if not (torch.is_tensor(value) and value.is_floating_point()):
         return 0
-    return int((~torch.isfinite(value)).sum())
+    return int((~torch.isfinite(local(value))).sum())  # FSDP: this rank's shard
 
 
 def finite_model_state(flat: Dict[str, torch.Tensor], root: str) -> Dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from typing import Optional
 from megatron.config.batch_schedule import parse_step_schedule
 from megatron.config.data import CheckpointConfig, DataConfig
 from megatron.config.errors import ConfigError, require
+from megatron.config.fsdp import check_fsdp
 from megatron.config.model import ModelConfig
 from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
@@ -75,6 +76,7 @@ class Config:
                     f"--micro-batch-size x data-parallel size ({step})")
         self._check_virtual_pipeline(pp, dp)
         self._check_experts()
+        check_fsdp(self, dp)
 
     def dims(self, world_size: int) -> ParallelDims:
         """The parallel degrees of this run on `world_size` processes (ParallelDims checks

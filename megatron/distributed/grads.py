@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.fsdp_shards import local
 from megatron.mpu.mappings import all_reduce, group_rank, group_size
 from megatron.mpu.sharding import duplicated_tail, parameter_meta
 
@@ -61,7 +62,7 @@ def allreduce_embedding_grads(models, pstate) -> None:
 
 
 def allreduce_sequence_parallel_grads(models, tp_group) -> None:
-    grads = [grad_of(p) for m in models for p in m.parameters()
+    grads = [local(grad_of(p)) for m in models for p in m.parameters()
              if getattr(p, "sequence_parallel", False) and grad_of(p) is not None]
     _all_reduce_coalesced(grads, tp_group)
 

@@ -78,6 +78,10 @@ class OptimizerBase:
 class MegatronOptimizer(OptimizerBase):
     """Every DP rank holds the full optimizer state (see DistributedOptimizer for ZeRO-1)."""
 
+    flat_allowed = True
+    """Whether the update may run over flat buffers (FlatAdamW), the parameters becoming
+    views of them."""
+
     def __init__(self, cfg, models, pstate, grad_scaler=None):
         super().__init__(cfg, pstate, grad_scaler)
         named = [(n, p) for m in models for n, p in m.named_parameters() if p.requires_grad]
@@ -94,7 +98,8 @@ class MegatronOptimizer(OptimizerBase):
         # one CPU or GPU): the parameters become views of the flat buffer.
         # The update reads the reducers' gradient buffers in place where it can.
         self.flat = None
-        if cfg.optimizer == "adam" and fused_adamw_available(self.main_params):
+        if cfg.optimizer == "adam" and self.flat_allowed and fused_adamw_available(
+                self.main_params):
             grad_of = {id(main): getattr(mp, "main_grad", None)
                        for mp, main in zip(self.model_params, self.main_params)}
             self.flat = FlatAdamW(self.optimizer, [
@@ -126,6 +131,11 @@ class MegatronOptimizer(OptimizerBase):
             if g is not None:
                 g.mul_(factor)
 
+    def _norm_and_nonfinite(self, grads) -> Tuple[float, bool]:
+        """The global gradient norm and whether any gradient is non-finite."""
+        return norm_and_nonfinite(self.model_params, grads, self.pstate.tp_group,
+                                  self.pstate.mp_group, **expert_norm_groups(self.pstate))
+
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], bool]:
         """One update. Returns (applied, grad_norm, skipped_for_overflow)."""
@@ -133,9 +143,7 @@ class MegatronOptimizer(OptimizerBase):
         try:
             if self.grad_scaler is not None:
                 self._scale_grads(grads, 1.0 / self.grad_scaler.scale.item())
-            norm, found_inf = norm_and_nonfinite(self.model_params, grads, self.pstate.tp_group,
-                                                 self.pstate.mp_group,
-                                                 **expert_norm_groups(self.pstate))
+            norm, found_inf = self._norm_and_nonfinite(grads)
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if found_inf:
@@ -148,13 +156,16 @@ class MegatronOptimizer(OptimizerBase):
                     self._scale_grads(grads, coeff)
                 self.optimizer.step()
         finally:
-            # The grads are views of the reducer's buffer: never let the next
-            # backward accumulate into them through `.grad`.
-            for main_param in self.main_params:
-                main_param.grad = None
+            self._release_grads()
         if self.mixed:
             torch._foreach_copy_(self.model_params, self.main_params)
         return True, norm, False
+
+    def _release_grads(self) -> None:
+        """The grads are views of the reducer's buffer: never let the next backward
+        accumulate into them through `.grad`."""
+        for main_param in self.main_params:
+            main_param.grad = None
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -7,6 +7,8 @@ from typing import List
 
 import torch
 
+from megatron.distributed.fsdp import local_shards
+from megatron.mpu.fsdp_shards import is_sharded
 from megatron.distributed.grads import expert_norm_groups, grad_of, norm_and_nonfinite, norm_parts
 from megatron.mpu.mappings import all_reduce
 
@@ -15,11 +17,25 @@ def _params(models) -> List[torch.nn.Parameter]:
     return [p for m in models for p in m.parameters()]
 
 
+def _with_grads(models):
+    """(parameters, their gradients) of `models`, the parameters without one left out."""
+    params = [p for p in _params(models) if grad_of(p) is not None]
+    return params, [grad_of(p) for p in params]
+
+
+def _shard_group(params, pstate):
+    """The DP group over which FSDP's shards (DTensors) are summed; None without FSDP."""
+    return pstate.dp_group if any(is_sharded(p) for p in params) else None
+
+
 def params_norm(models, pstate) -> float:
-    """L2 norm of all model parameters (Megatron's ` params norm:`)."""
+    """L2 norm of all model parameters (Megatron's ` params norm:`); FSDP's local shards
+    summed over DP."""
     params = _params(models)
-    norm, _ = norm_and_nonfinite(params, [p.detach() for p in params], pstate.tp_group,
-                                 pstate.mp_group, **expert_norm_groups(pstate))
+    params, tensors, starts = local_shards(params, [p.detach() for p in params])
+    norm, _ = norm_and_nonfinite(params, tensors, pstate.tp_group, pstate.mp_group,
+                                 dp_group=_shard_group(params, pstate), starts=starts,
+                                 **expert_norm_groups(pstate))
     return norm
 
 
@@ -29,14 +45,17 @@ def num_zeros_in_grad(models, pstate) -> int:
     TP x PP, the experts' over their own group (ETP x EP x PP) when they have one."""
     groups = expert_norm_groups(pstate)
     own = groups["expert_mp_group"] is not None
-    params = _params(models)
-    parts = norm_parts(params, [grad_of(p) for p in params], pstate.tp_group, **groups)
+    params, grads, starts = local_shards(*_with_grads(models))
+    parts = norm_parts(params, grads, pstate.tp_group, starts=starts, **groups)
     device = parts[0][1].device if parts else torch.device("cpu")
     dense, expert = (torch.zeros(1, dtype=torch.float64, device=device) for _ in range(2))
     for p, part, counted in parts:
         if counted:
             total = expert if own and getattr(p, "expert_parallel", False) else dense
             total += (part == 0).sum()
+    shards = _shard_group(params, pstate)
+    if shards is not None:
+        all_reduce(dense, shards)
     all_reduce(dense, pstate.mp_group)
     if own:
         all_reduce(expert, groups["expert_mp_group"])

@@ -12,6 +12,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.mpu.fsdp_shards import local
+
 
 class NumericalError(RuntimeError):
     """Training produced non-finite values; the message says where."""
@@ -28,7 +30,7 @@ def first_nonfinite_grad(models) -> Optional[str]:
         for name, param in model.named_parameters():
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
-            if grad is not None and not bool(torch.isfinite(grad).all()):
+            if grad is not None and not bool(torch.isfinite(local(grad)).all()):
                 return name if len(models) == 1 else f"model chunk {index}: {name}"
     return None
 

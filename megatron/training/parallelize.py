@@ -15,7 +15,11 @@ this order:
 6. activation recomputation: the spec's `--recompute-granularity` / `--recompute-method`,
    read by the layers themselves (a model built in one process recomputes alike);
 7. dtype and device;
-8. `--torch-compile`: each transformer layer compiled in place.
+8. `--torch-compile`: each transformer layer compiled in place;
+9. `--use-torch-fsdp2`: last, as torchtitan does: each transformer layer (and an untied
+   model's embedding) an FSDP unit, the chunk the root unit, sharded over the DP group
+   (megatron/distributed/fsdp.py). The parameters stay fp32 (the optimizer's main
+   parameters); with --bf16 FSDP gathers them in bf16 and reduces gradients in fp32.
 
 Then every rank agrees on the fused kernels' choices for the run's shapes
 (megatron/training/kernel_choices.py): a collective, here because every rank builds its model
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import ModelConfig
+from megatron.distributed.fsdp import apply_fsdp
 from megatron.model.transformer import enable_context_parallel
 from megatron.training.kernel_choices import agree_kernel_choices
 from megatron.pipeline.p2p import P2PCommunicator
@@ -65,12 +70,17 @@ def build_model(config, pstate, device, model_provider: Callable) -> List[torch.
 
 
 def parallelize(model: torch.nn.Module, config, pstate, device) -> torch.nn.Module:
-    """Steps 4 to 8 of the module docstring, on one chunk built with `pstate`'s groups."""
+    """Steps 4 to 9 of the module docstring, on one chunk built with `pstate`'s groups."""
     model.init_weights(config.training.seed)
     enable_context_parallel(model, pstate.cp_group, config.parallel.cp_comm_type)
-    model = model.to(device=device, dtype=params_dtype(config))
+    fsdp = config.parallel.use_torch_fsdp2
+    model = model.to(device=device, dtype=torch.float32 if fsdp else params_dtype(config))
     if config.training.torch_compile:
         compile_layers(model)
+    if fsdp:
+        compute = params_dtype(config)
+        apply_fsdp(model, pstate.dp_group, device, config.parallel.fsdp_reshard_after_forward,
+                   param_dtype=None if compute == torch.float32 else compute)
     return model
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.distributed.ddp import build_grad_reducers
+from megatron.distributed.fsdp import FSDPReducer
 from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
 from megatron.model.moe.layer import collect_moe_metrics, update_expert_bias
@@ -75,8 +76,10 @@ class Trainer:
         grad_dtype = torch.float32 if (config.training.fp16 or config.training.bf16
                                        or config.parallel.accumulate_allreduce_grads_in_fp32) \
             else params_dtype(config)
-        self.reducers = build_grad_reducers(models, pstate, config.parallel, grad_dtype,
-                                            tied_embedding_params(models, pstate))
+        self.fsdp = config.parallel.use_torch_fsdp2
+        # Under FSDP our reducer is bypassed: FSDP reduce-scatters the gradients itself.
+        self.reducers = ([FSDPReducer(m) for m in models] if self.fsdp else build_grad_reducers(
+            models, pstate, config.parallel, grad_dtype, tied_embedding_params(models, pstate)))
         self.torch_ddp = config.parallel.DDP_impl == "torch"
         # --DDP-impl torch: the forward goes through the DDP wrapper (the plain
         # module stays in self.models for checkpoints and set_input_tensor).

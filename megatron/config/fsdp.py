@@ -1,0 +1,28 @@
+"""What --use-torch-fsdp2 composes with (megatron/distributed/fsdp.py), checked up front."""
+from megatron.config.errors import require
+
+
+def check_fsdp(config, dp: int) -> None:
+    """Refuse, naming the flags, each combination FSDP here does not serve."""
+    p, t, m = config.parallel, config.training, config.model
+    if not p.use_torch_fsdp2:
+        return
+    refused = [
+        (p.use_distributed_optimizer, "--use-distributed-optimizer (FSDP already shards the "
+                                      "optimizer state; drop one of them)"),
+        (p.DDP_impl == "torch", "--DDP-impl torch (FSDP reduces the gradients itself)"),
+        (t.fp16, "--fp16 (loss scaling is not done under FSDP; use --bf16)"),
+        (p.pipeline_model_parallel_size > 1,
+         f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} (use 1)"),
+        (p.context_parallel_size > 1, f"--context-parallel-size {p.context_parallel_size} (use 1)"),
+        (m.moe is not None and m.moe.enabled, "--num-experts (MoE layers; use a dense model)"),
+        (m.recompute_granularity is not None,
+         f"--recompute-granularity {m.recompute_granularity} (activation recomputation)"),
+        (t.torch_compile, "--torch-compile"),
+        (dp == 1, "a data-parallel size of 1 (nothing to shard; launch more ranks or drop it)"),
+        (config.checkpoint.ckpt_format != "torch_dist" and (config.checkpoint.save or
+                                                           config.checkpoint.load),
+         f"--ckpt-format {config.checkpoint.ckpt_format} (use --ckpt-format torch_dist)"),
+    ]
+    for bad, what in refused:
+        require(not bad, f"--use-torch-fsdp2 is not supported with {what}")
