@@ -91,6 +91,11 @@ class Bed:
         out = _ip("netns", "pids", self.namespaces[host], check=False).stdout
         return [int(p) for p in out.split()]
 
+    def kill(self, host: str) -> None:
+        """Every process of `host` SIGKILLed at once, as when the machine dies."""
+        for pid in self.pids(host):
+            signal_quietly(pid, signal.SIGKILL)
+
     def reachable(self, source: str, target: str, port: int = 29999, timeout=2.0) -> bool:
         """Whether `source` opens a TCP connection to `target` (a listener started there)."""
         listener = self.popen(target, [sys.executable, "-c", _LISTEN, str(port)],
@@ -128,6 +133,12 @@ def _build(bed: Bed) -> None:
         _ip("-n", ns, "link", "set", "eth0", "up")
 
 
+def signal_quietly(pid: int, sig: int) -> None:
+    """Send `sig` to `pid`, which may have exited already."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
 def _kill_all(bed: Bed) -> None:
     """SIGKILL everything in the namespaces, until nothing is left there."""
     for proc in bed.procs:
@@ -140,8 +151,7 @@ def _kill_all(bed: Bed) -> None:
         if not left:
             break
         for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            signal_quietly(pid, signal.SIGKILL)
         time.sleep(0.1)
     for proc in bed.procs:
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -4,7 +4,6 @@ the last complete checkpoint at the new world size, and finished, with the losse
 sample order of an uninterrupted run."""
 import os
 import re
-import signal
 import time
 
 import pytest
@@ -28,15 +27,6 @@ def _latest(save) -> int:
         return 0
 
 
-def _kill_host(bed, host) -> None:
-    """Every process of `host` SIGKILLed at once, as when the machine dies."""
-    for pid in bed.pids(host):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_killed_host_ends_in_a_restarted_resumed_finished_job(tmp_path):
     prefix = byte_dataset(tmp_path, docs=60)
     argv = tiny_argv(prefix, tmp_path / "cache", iters=ITERS)  # micro 2, global 4
@@ -52,7 +42,7 @@ def test_a_killed_host_ends_in_a_restarted_resumed_finished_job(tmp_path):
             time.sleep(0.1)
         assert _latest(save) >= 2, open(started[0][2]).read()[-3000:]
         killed_at = _latest(save)
-        _kill_host(bed, "node02")
+        bed.kill("node02")
         codes = wait_all(started[:1], 300)
         survivor = open(started[0][2]).read()
         lost = open(started[1][2]).read()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.multinode.bed import test_bed
+from tests.multinode.bed import signal_quietly, test_bed
 from tests.multinode.jobs import find_rank, logs, start_torchrun, wait_all, wait_for_text
 from tests.reliability_setup import byte_dataset, tiny_argv
 
@@ -31,10 +31,7 @@ def _bursts(pid: int, stop: threading.Event, cycles: list, stopped=0.04, running
     except ProcessLookupError:
         pass
     finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        signal_quietly(pid, signal.SIGCONT)
 
 
 def test_a_rank_slowed_by_sigstop_bursts_is_named_with_its_host(tmp_path):

@@ -41,6 +41,13 @@ LAYOUTS = {
 }
 
 
+def assert_losses(text: str, reference) -> None:
+    """Every iteration's logged loss equals the one-process run's."""
+    found = logged_losses(text)
+    assert len(found) == ITERS, text[-4000:]
+    assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_hosts_by_torchrun_match_one_process(job, layout, tmp_path):
     argv, reference = job
@@ -49,9 +56,7 @@ def test_two_hosts_by_torchrun_match_one_process(job, layout, tmp_path):
         codes = wait_all(started, TIMEOUT)
         text = logs(started)
     assert codes == {"node01": 0, "node02": 0}, text[-4000:]
-    found = logged_losses(text)
-    assert len(found) == ITERS, text[-4000:]
-    assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert_losses(text, reference)
 
 
 def test_srun_tasks_from_slurms_environment_match_one_process(job, tmp_path):
@@ -66,9 +71,7 @@ def test_srun_tasks_from_slurms_environment_match_one_process(job, tmp_path):
                                  OUTPUT_ARGS="")
     text = log.read_text()
     assert code == 0, text[-4000:]
-    found = logged_losses(text)
-    assert len(found) == ITERS, text[-4000:]
-    assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert_losses(text, reference)
 
 
 @pytest.mark.parametrize("variable", ["GLOO_SOCKET_IFNAME"])
@@ -102,6 +105,4 @@ def test_the_pytorchjob_pods_match_one_process(job, tmp_path):
         codes = wait_all(started, TIMEOUT)
         text = logs(started)
     assert codes == {"node01": 0, "node02": 0}, text[-4000:]
-    found = logged_losses(text)
-    assert len(found) == ITERS, text[-4000:]
-    assert found == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert_losses(text, reference)
