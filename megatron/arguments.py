@@ -334,7 +334,8 @@ def fail(message: str, prog: Optional[str] = None, agreed: bool = False,
     """Print one line and exit with status 2 (argparse's convention for bad usage).
 
     Under torchrun, before the process group starts every rank checks the same flags and
-    files, so only rank 0 prints; the others exit 2 silently, a moment later. So it is for
+    files, so only rank 0 prints; the others exit 2 silently, a moment later (one still
+    importing when rank 0 exits is stopped by torchrun instead). So it is for
     an `agreed` error (every rank raised it together: a --save lock refusal, a save that
     failed on some rank; io.CheckpointError.agreed). A `per_host` error (a host's own
     network interfaces) is printed by the first rank of each host (LOCAL_RANK 0)."""
