@@ -11,6 +11,7 @@ stage (or of --pp-rank): parameters, gradients, optimizer state, activations
 (per micro batch and the micro batches in flight) and the total, in GiB; with
 --device-flops (FLOP/s of one device) the step time from the hardware FLOPs,
 the pipeline bubble and, with --link-bandwidth (bytes/s), the communication.
+--explain-memory adds what one transformer layer saves for backward, tensor by tensor.
 See megatron/training/memory.py for what is counted.
 """
 import argparse
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import fail  # noqa: E402
-from megatron.training.memory import GiB, Layout, estimate  # noqa: E402
+from megatron.training.memory import GiB, Layout, estimate, layer_activations  # noqa: E402
 
 ROWS = ("parameters", "gradients", "optimizer", "activations", "total")
 
@@ -37,6 +38,8 @@ def parse(argv=None):
     p.add_argument("--link-bandwidth", type=float, default=None,
                    help="bytes/s between two devices, e.g. 100e9")
     p.add_argument("--pp-rank", type=int, default=None, help="one pipeline stage (default: all)")
+    p.add_argument("--explain-memory", action="store_true",
+                   help="list what one transformer layer saves for backward, tensor by tensor")
     ours, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -65,7 +68,27 @@ def report(config, ours) -> str:
         lines.append(f"step time: {timing['step_seconds']:.3f} s (compute {timing['compute_seconds']:.3f} s "
                      f"incl. pipeline bubble, communication {timing['communication_seconds']:.3f} s; "
                      f"{timing['hardware_flops'] / 1e12:.1f} TFLOP per step)")
+    if ours.explain_memory:
+        lines += explain_layer(config, ours.device)
     return "\n".join(lines)
+
+
+def explain_layer(config, device: str):
+    """One transformer layer's saved activations over one micro batch, largest first,
+    against Megatron's 34 s b h / t bytes (its formula for a 16-bit layer with sequence
+    parallelism and selective recomputation)."""
+    m, p = config.model, config.parallel
+    b = config.training.micro_batch_size
+    parts = layer_activations(config, b, device)
+    total = sum(parts.values())
+    s = m.seq_length // p.context_parallel_size
+    megatron = 34 * s * b * m.hidden_size / p.tensor_model_parallel_size
+    lines = [f"one transformer layer saves for backward (micro batch {b}, per rank):"]
+    for name, size in sorted(parts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<34} {size / 2 ** 20:>10.2f} MiB {100 * size / total:>5.1f}%")
+    lines.append(f"  {'total':<34} {total / 2 ** 20:>10.2f} MiB "
+                 f"({total / megatron:.2f}x Megatron's 34 s b h / t = {megatron / 2 ** 20:.2f} MiB)")
+    return lines
 
 
 def main(argv=None):

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.mpu.mappings import (
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, group_rank, group_size,
+    copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region, group_rank,
+    group_size, linear_with_sequence_gather,
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
 from megatron.mpu.random import _MODEL_PARALLEL_SEED_OFFSET
@@ -151,12 +151,11 @@ class ColumnParallelLinear(torch.nn.Module):
             set_parallel_attributes(self.bias, True, 0, stride, _zeros)
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        if self.sequence_parallel:  # saves only x's shard, gathered again in the backward
+            y = linear_with_sequence_gather(x, self.weight, bias, self.tp_group)
+        else:
+            y = F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight, bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y

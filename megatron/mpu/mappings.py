@@ -11,6 +11,8 @@ the backward of its partner:
     scatter_to_sequence         fwd split first       bwd gather first
     gather_from_sequence        fwd gather first      bwd reduce-scatter first
     reduce_scatter_to_sequence  fwd reduce-scatter    bwd gather first
+    linear_with_sequence_gather fwd gather first, then the linear; bwd gather first again
+                                (only the input's shard is saved), reduce-scatter first
     sum_replica_grads           fwd identity          bwd sum the trailing rows over
                                                       the ranks of the same replica set
 
@@ -22,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 class WaitClock:
@@ -185,6 +188,41 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather(grad, 0, ctx.group), None
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """F.linear(all-gather(x), weight, bias), saving x's sequence shard rather than the
+    gathered input: the backward gathers it again (as Megatron's sequence-parallel
+    linear does), so a column-parallel layer keeps s b h / t of its input, not s b h."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, 0, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_x = grad_weight = grad_bias = None
+        if needs_x:  # each rank's gradient is a partial sum over its columns
+            grad_x = _reduce_scatter(grad.matmul(weight), 0, ctx.group)
+        flat = grad.reshape(-1, grad.shape[-1])
+        if needs_weight:
+            total = _gather(x, 0, ctx.group)
+            grad_weight = flat.t().matmul(total.reshape(-1, total.shape[-1]))
+        if needs_bias and ctx.has_bias:
+            grad_bias = flat.sum(0)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear_with_sequence_gather(x, weight, bias, group):
+    """The linear of a column-parallel layer whose input is split along the sequence
+    (first) dimension over `group`: see _LinearWithSequenceGather."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _LinearWithSequenceGather.apply(x, weight, bias, group)
 
 
 def copy_to_tensor_model_parallel_region(x, group):

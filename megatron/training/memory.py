@@ -13,13 +13,17 @@ a built model, its optimizer and the tensors autograd saves):
   recomputation; sequence parallelism), times the micro batches the schedule keeps in
   flight on the rank.
 
-Element counts per layer, one micro batch of b sequences of s tokens, TP = t,
-s' = s / t under sequence parallelism (else s), q = heads x kv_channels,
-k = query groups x kv_channels (per rank: at least one group), f = ffn width:
-  norm inputs 2 s' b h; linear inputs after the norms 2 s b h (all-gathered under SP);
-  QKV output s b (q + 2k) / t; attention output (SDPA) s b q / t; its copy for the
-  dense layer s b q / t; MLP: activation input and output 2 s b f / t (gated: 4);
-  explicit softmax: the probabilities b (heads / t) s^2.
+Element counts per layer (layer_activations gives them in bytes, tensor by tensor), one
+micro batch of b sequences of s tokens, TP = t, s' = s / t under sequence parallelism
+(else s), q = heads x kv_channels, k = query groups x kv_channels (per rank: at least one
+group), f = ffn width:
+  norm inputs 2 s' b h; linear inputs after the norms 2 s' b h (under SP the column-parallel
+  linears keep their input's shard and gather it again in the backward); QKV output
+  s b (q + 2k) / t; attention output (SDPA) s b q / t; its copy for the dense layer
+  s b q / t; MLP: activation input and output 2 s b f / t (gated: 4); explicit softmax:
+  the probabilities b (heads / t) s^2; hidden dropout: two masks of s' b h, a byte each
+  (the model's dtype with torch's CPU dropout, --no-bias-dropout-fusion).
+With bf16, SP and selective recomputation that is Megatron's 34 s b h / t bytes.
 At the peak, the start of the backward, the last layer's MLP backward also holds the
 gradients of its inner tensors and its activation's temporaries (`backward_working_set`:
 s b (h + 5 f / t) for a gated MLP, s b (h + 3 f / t) otherwise; measured with
@@ -232,24 +236,62 @@ def cp_ring_buffers(config) -> float:
     return 4 * s * b * _kv_per_rank(config.model, tp) * _bytes_per(config)
 
 
-def layer_activation_elements(config, micro_batch: int, device_type: str) -> float:
-    """Elements one transformer layer saves for backward over one micro batch."""
+def _mask_bytes(config, device_type: str) -> int:
+    """Bytes per element of a dropout mask: a bool (our fused CPU dropout, CUDA's native
+    dropout), or the model's dtype (torch's CPU dropout keeps its noise tensor)."""
+    if device_type == "cpu" and not config.model.bias_dropout_fusion:
+        return _bytes_per(config)
+    return 1
+
+
+def _core_attention(config, micro_batch: int, device_type: str) -> Dict[str, float]:
+    """What the attention core (q k^T, softmax, dropout, times v) saves beyond its inputs
+    q, k, v; nothing under selective recomputation, which recomputes it."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    s, b, h = local_seq_length(config), micro_batch, m.hidden_size
+    if m.recompute_granularity == "selective":
+        return {}
+    s, b, item = local_seq_length(config), micro_batch, _bytes_per(config)
+    heads, q = m.num_attention_heads // tp, m.query_projection_size // tp
+    if not _saves_probabilities(config, device_type):  # SDPA or our kernel
+        return {"attention output": s * b * q * item, "attention log-sum-exp": b * heads * s * 4}
+    probs = b * heads * s * s
+    out = {"attention probabilities": probs * item}
+    if m.attention_dropout > 0:  # the mask and the dropped probabilities (times v)
+        out["attention dropout mask"] = probs * _mask_bytes(config, device_type)
+        out["attention dropped probabilities"] = probs * item
+    return out
+
+
+def layer_activations(config, micro_batch: int, device_type: str) -> Dict[str, float]:
+    """Bytes one transformer layer saves for backward over one micro batch, tensor by
+    tensor (tests/unit/test_estimate.py measures them). Under sequence parallelism every
+    tensor between the column- and row-parallel linears is split over TP by heads or
+    columns, and everything else by the sequence: the column-parallel linears keep their
+    input's shard and gather it again in the backward (mpu.linear_with_sequence_gather).
+    With selective recomputation and bf16 that is Megatron's 34 s b h / t."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    s, b, h, item = local_seq_length(config), micro_batch, m.hidden_size, _bytes_per(config)
     sp = s // tp if config.parallel.sequence_parallel else s
     if m.recompute_granularity == "full":
-        return sp * b * h / m.checkpoint_num_layers
+        return {"layer input (full recomputation)": sp * b * h * item / m.checkpoint_num_layers}
     q, k, f = m.query_projection_size // tp, _kv_per_rank(m, tp), m.ffn_hidden_size // tp
-    heads = m.num_attention_heads // tp
-    elements = 2 * sp * b * h + 2 * s * b * h + s * b * (q + 2 * k) + s * b * q
-    elements += s * b * f * (4 if m.gated_mlp else 2)
-    elements += 4 * sp * b  # the norms' mean and 1 / std
-    selective = m.recompute_granularity == "selective"
-    if not _saves_probabilities(config, device_type):
-        elements += 0 if selective else s * b * q + b * heads * s  # output, log-sum-exp
-    elif not selective:
-        elements += b * heads * s * s  # the probabilities
-    return elements
+    linear_in = sp if config.parallel.sequence_parallel else s
+    stats = 1 if m.normalization == "RMSNorm" else 2  # 1 / rms; or mean and 1 / std
+    out = {
+        "attention norm input": sp * b * h * item,
+        "QKV input": linear_in * b * h * item,
+        "q, k, v": s * b * (q + 2 * k) * item,
+        **_core_attention(config, micro_batch, device_type),
+        "attention projection input": s * b * q * item,
+        "MLP norm input": sp * b * h * item,
+        "MLP input": linear_in * b * h * item,
+        # gated: gate, its activation, up and the product; else the input and the output
+        "MLP activation": s * b * f * (4 if m.gated_mlp else 2) * item,
+        "norm statistics": 2 * stats * sp * b * 4,
+    }
+    if m.hidden_dropout > 0:
+        out["dropout masks (2)"] = 2 * sp * b * h * _mask_bytes(config, device_type)
+    return out
 
 
 def backward_working_set(config) -> float:
@@ -308,11 +350,11 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     m = config.model
     b = config.training.micro_batch_size
     pp = config.parallel.pipeline_model_parallel_size
-    per_micro = stage_layers(config) * layer_activation_elements(config, b, layout.device_type)
-    per_micro += _moe_activation_correction(config, b, layout.pp_rank)
+    per_micro = stage_layers(config) * sum(layer_activations(config, b, layout.device_type).values())
+    extra = _moe_activation_correction(config, b, layout.pp_rank)
     if layout.pp_rank == pp - 1:
-        per_micro += head_activation_elements(config, b)
-    per_micro *= _bytes_per(config)
+        extra += head_activation_elements(config, b)
+    per_micro += extra * _bytes_per(config)
     head_fp32 = 4 * local_seq_length(config) * b * m.padded_vocab_size / \
         config.parallel.tensor_model_parallel_size
     if layout.pp_rank == pp - 1 and _bytes_per(config) == 2 and not m.fp16_lm_cross_entropy:
