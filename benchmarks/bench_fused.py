@@ -18,9 +18,9 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
     [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x);
   - causal self-attention forward+backward (seq 256 / head_dim 32, seq 512, 1024, 2048 and
-    4096 / head_dim 64; with --long also 8192 and 16384, 5 samples each): SDPA vs our kernel
-    (target: >= 1.1x), and with attention dropout 0.1 the explicit path (what auto runs
-    without our kernel) vs our kernel.
+    4096 / head_dim 64; with --long also 8192 and 16384, 5 samples each), float32 and
+    bfloat16: SDPA vs our kernel (target: >= 1.1x), and with attention dropout 0.1 the
+    explicit path (what auto runs without our kernel) vs our kernel.
 Every CPU line ends with the path the default takes for those inputs (`auto: fused` or
 `auto: plain`) and whether it is the faster one in this run (`faster`, `SLOWER`, or `tie`
 when the two are within 10% of each other, as close as repeated runs here agree). The
@@ -234,10 +234,13 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
     math with Bernoulli sampling)."""
     from megatron.config import ModelConfig
     from megatron.model.transformer import CoreAttention
-    for s, b, heads, dim in ATTENTION_SHAPES + (LONG_ATTENTION_SHAPES if long else ()):
+    shapes = ATTENTION_SHAPES + (LONG_ATTENTION_SHAPES if long else ())
+    for dtype, (s, b, heads, dim) in ((d, shape) for d in (torch.float32, torch.bfloat16)
+                                      for shape in shapes):
         if max_seq is not None and s > max_seq:
             continue
-        qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+        qkv = torch.randn(s, b, heads, 3 * dim, dtype=dtype)
+        grad = torch.randn(s, b, heads * dim, dtype=dtype)
         cfg = ModelConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
                           seq_length=s, max_position_embeddings=s, padded_vocab_size=64,
                           attention_dropout=dropout, attention_impl="fused")
@@ -263,7 +266,8 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
         q = qkv[..., :dim]
         other = "explicit" if dropout else "SDPA"
         samples = min(repeat, LONG_REPEAT) if s > ATTENTION_SHAPES[-1][0] else repeat
-        report(f"CPU causal attention fwd+bwd s{s} b{b} h{heads} d{dim} dropout {dropout}: "
+        report(f"CPU causal attention fwd+bwd {str(dtype)[6:]} s{s} b{b} h{heads} d{dim} "
+               f"dropout {dropout}: "
                f"{other} vs ours", compare([step(False), step(True)], samples), 1.1,
                fused.causal_attention_preferred(q, q, q, dropout))
 

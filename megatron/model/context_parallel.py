@@ -108,7 +108,7 @@ def _use_kernel(q, k, causal: bool, fusion: bool) -> bool:
     if not (fusion and q.shape == k.shape):
         return False
     q_s, k_s = _kernel_layout(q, k)
-    return fused.causal_attention_fusable(q_s, k_s, k_s)
+    return fused.causal_attention_fusable(q_s, k_s, k_s, dtypes=(torch.float32,))
 
 
 def _kernel_forward(q, k, v, scale, causal):

@@ -32,11 +32,41 @@ def test_causal_attention_kernel_matches_sdpa(s, b, heads, dim):
     assert rel_err(dqkv, ref_grad) < 5e-6
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_bfloat16_attention_is_the_float32_kernel_rounded(p):
+    """bfloat16 q, k, v: the float32 kernel on their widened values, its output rounded to
+    bfloat16 (bit for bit); gradients in bfloat16 within its rounding of the float32 ones,
+    and as close to SDPA's float32 result as SDPA's own bfloat16 kernel is."""
+    s, b, heads, dim = 96, 2, 3, 32
+    torch.manual_seed(0)
+    qkv = torch.randn(s, b, heads, 3 * dim).bfloat16()
+    grad = torch.randn(s, b, heads * dim).bfloat16()
+
+    def kernel(x):
+        return fused.causal_attention(*x.split(dim, dim=-1), dim ** -0.5, p, 1234)
+    out, (dqkv,) = outputs_and_grads(kernel, [qkv], grad)
+    assert out.dtype == dqkv.dtype == torch.bfloat16
+    ref_out, (ref_dqkv,) = outputs_and_grads(kernel, [qkv.float()], grad.float())
+    assert torch.equal(out, ref_out.bfloat16())
+    assert rel_err(dqkv.float(), ref_dqkv) < 1e-2
+    if p == 0.0:
+        sdpa = [outputs_and_grads(lambda x: sdpa_attention(*x.split(dim, dim=-1)), [x], g)
+                for x, g in ((qkv, grad), (qkv.float(), grad.float()))]
+        (sdpa_bf16, (sdpa_bf16_grad,)), (exact, (exact_grad,)) = sdpa
+        assert rel_err(out.float(), exact) <= 1.5 * rel_err(sdpa_bf16.float(), exact) + 1e-3
+        assert (rel_err(dqkv.float(), exact_grad)
+                <= 1.5 * rel_err(sdpa_bf16_grad.float(), exact_grad) + 1e-3)
+
+
 def test_causal_attention_dispatch():
     q = torch.randn(8, 1, 2, 32)
     assert fused.causal_attention_fusable(q, q, q)
     assert not fused.causal_attention_fusable(q.double(), q.double(), q.double())
-    assert not fused.causal_attention_fusable(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    assert not fused.causal_attention_fusable(q.half(), q.half(), q.half())
+    bf16 = q.bfloat16()  # widened at the kernel's edges, in training; ring blocks: float32 only
+    assert fused.causal_attention_fusable(bf16, bf16, bf16)
+    assert not fused.causal_attention_fusable(bf16, bf16, bf16, dtypes=(torch.float32,))
+    assert not fused.causal_attention_fusable(bf16, q, q)
     odd = torch.randn(8, 1, 2, 24)
     assert not fused.causal_attention_fusable(odd, odd, odd)  # head_dim % 16
     longer = torch.randn(9, 1, 2, 32)
