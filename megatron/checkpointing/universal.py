@@ -55,7 +55,7 @@ def load(found: Found, run: RunState, inference: bool = False) -> Counters:
             raise reshard.ReshardError("re-sharding makes one model chunk per stage; drop "
                                        "--num-layers-per-virtual-pipeline-stage")
         full, stored = fmt.read_model(found)
-        mine = _this_rank(full, stored, pstate)
+        mine = _this_rank(full, stored, pstate, run.config.pipeline_layout())
     except reshard.ReshardError as err:
         raise _refusal(found.root, str(err), pstate, inference) from None
     _load_weights(run, mine, found.root)
@@ -69,9 +69,11 @@ def load(found: Found, run: RunState, inference: bool = False) -> Counters:
     return _counters(found, run, stored)
 
 
-def _this_rank(full, stored: dict, pstate):
-    """This rank's parameters (local names) cut from the whole model."""
-    cells = reshard.cut(full, stored, pstate.tp_size, pstate.pp_size, 1, pstate.etp_size)
+def _this_rank(full, stored: dict, pstate, layout):
+    """This rank's parameters (local names) cut from the whole model, its layers where the
+    run's pipeline `layout` places them."""
+    cells = reshard.cut(full, stored, pstate.tp_size, pstate.pp_size, 1, pstate.etp_size,
+                        layout)
     mine = cells[(pstate.tp_rank, pstate.pp_rank)]
     sharding = reshard.Sharding(stored.get("sharding") or {})
     problem = check_split(mine, pstate.ep_size, sharding)

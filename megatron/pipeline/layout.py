@@ -109,10 +109,17 @@ def pipeline_layout(num_layers: int, pp_size: int, vp_size: Optional[int] = None
         if count % vp:
             raise LayoutError(f"pipeline rank {rank} holds {count} layers, not divisible by "
                               f"the {vp} virtual pipeline stages")
-    stages = [LAYER * (counts[r] // vp) for v in range(vp) for r in range(pp_size)]
+    return layout_of_counts([[count // vp] * vp for count in counts])
+
+
+def layout_of_counts(counts: List[List[int]]) -> PipelineLayout:
+    """The layout whose pipeline rank r, chunk v holds counts[r][v] transformer layers (what
+    a saved checkpoint's files hold), numbered in stage order as every layout is."""
+    pp, vp = len(counts), len(counts[0])
+    stages = [LAYER * counts[r][v] for v in range(vp) for r in range(pp)]
     stages[0] = EMBEDDING + stages[0]
     stages[-1] += LOSS
-    return PipelineLayout(pp_size, tuple(stages))
+    return PipelineLayout(pp, tuple(stages))
 
 
 def rank_layer_counts(num_layers: int, pp_size: int, first: Optional[int],
@@ -131,8 +138,9 @@ def rank_layer_counts(num_layers: int, pp_size: int, first: Optional[int],
                           f"--pipeline-model-parallel-size ({pp_size})")
     if middle < 0 or bool(middle) != bool(middle_ranks) or (middle_ranks and
                                                             middle % middle_ranks):
-        raise LayoutError(f"{FIRST_FLAG} {first} / {LAST_FLAG} {last} do not fit --num-layers "
-                          f"{num_layers} at --pipeline-model-parallel-size {pp_size}: the "
+        named = " / ".join(f"{flag} {value}" for flag, value in given if value is not None)
+        raise LayoutError(f"{named} do not fit --num-layers {num_layers} at "
+                          f"--pipeline-model-parallel-size {pp_size}: the "
                           f"{middle} other layers must split evenly over the {middle_ranks} "
                           f"other ranks (and be none when there are none)")
     counts = [middle // middle_ranks if middle_ranks else 0] * pp_size

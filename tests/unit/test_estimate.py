@@ -51,10 +51,12 @@ def saved_activation_bytes(model, b, s, h) -> int:
 
 
 def measured_stage(config, pp_rank, pp_size, tp_group=None):
-    layers = config.model.num_layers // pp_size
-    model = GPTModel(chunk_config(config), tp_group=tp_group, pre_process=pp_rank == 0,
-                     post_process=pp_rank == pp_size - 1, layer_offset=pp_rank * layers, num_layers=layers,
-                     dtype=params_dtype(config))
+    """The stage's one chunk, as the pipeline layout places it (megatron/pipeline/layout.py)."""
+    chunk = config.pipeline_layout().chunk(pp_rank)
+    assert config.pipeline_layout().pp_size == pp_size
+    model = GPTModel(chunk_config(config), tp_group=tp_group, pre_process=chunk.embedding,
+                     post_process=chunk.loss, layer_offset=chunk.layer_offset,
+                     num_layers=chunk.num_layers, dtype=params_dtype(config))
     params = sum(p.numel() for p in model.parameters())
     m = config.model
     return params, saved_activation_bytes(model, config.training.micro_batch_size, m.seq_length,
@@ -113,6 +115,20 @@ def test_pipeline_stage_params_and_activations(pp_rank):
     predicted = estimate(config, Layout(world_size=2, pp_rank=pp_rank, device_type="cpu"))
     _close(predicted["activations_per_micro_batch"], acts, f"stage {pp_rank} activations")
     assert predicted["in_flight_micro_batches"] == 2 - pp_rank  # 1F1B: PP - stage
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+@pytest.mark.parametrize("split", [["--pipeline-model-parallel-layout", "Ettt|tL"],
+                                   ["--decoder-first-pipeline-num-layers", "1"]])
+def test_uneven_pipeline_stages(pp_rank, split):
+    """The planner counts each stage's layers as the pipeline layout places them."""
+    config = config_for("--pipeline-model-parallel-size", "2", "--global-batch-size", "8", *split,
+                        world_size=2)
+    with one_thread():
+        params, acts = measured_stage(config, pp_rank, 2)
+    assert stage_params(config, pp_rank) == params
+    predicted = estimate(config, Layout(world_size=2, pp_rank=pp_rank, device_type="cpu"))
+    _close(predicted["activations_per_micro_batch"], acts, f"stage {pp_rank} activations")
 
 
 def _two_ranks(rank, world_size):

@@ -4,9 +4,11 @@ against Megatron-Core 0.16.1's own code (PipelineParallelLayerLayout, and the of
 counts of transformer_layer / transformer_block), on many settings, in a child process."""
 import pytest
 
-from megatron.pipeline.layout import LayoutError, PipelineLayout, parse_layout, pipeline_layout
-from megatron.pipeline.schedule import chunk_layers
+from megatron.arguments import parse_args
+from megatron.pipeline.layout import (FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LayoutError,
+                                      PipelineLayout, parse_layout, pipeline_layout)
 from tests import oracles
+from tests.gpt_setup import assert_exits_2_with_one_line
 from tests.mcore_setup import run_mcore_script
 
 LAYOUTS = [  # (layout, PP, layers): accepted by both
@@ -62,12 +64,15 @@ def test_every_layer_has_one_place_in_stage_order():
 
 
 @pytest.mark.parametrize("layers, pp, vp", EVEN)
-def test_without_the_new_flags_the_split_is_the_schedules(layers, pp, vp):
-    layout = pipeline_layout(layers, pp, vp)
+def test_without_the_new_flags_the_split_is_megatrons_interleaved_one(layers, pp, vp):
+    """Chunk v of rank r holds layers [v L/V + r L/(P V), + L/(P V)), as before the flags."""
+    layout, chunks = pipeline_layout(layers, pp, vp), vp or 1
+    per_chunk = layers // (pp * chunks)
     for r in range(pp):
-        for v in range(vp or 1):
+        for v in range(chunks):
             c = layout.chunk(r, v)
-            assert (c.layer_offset, c.num_layers) == chunk_layers(layers, pp, r, vp, v)
+            assert (c.layer_offset, c.num_layers) == (v * layers // chunks + r * per_chunk,
+                                                      per_chunk)
             assert c.embedding == (r == 0 and v == 0)
             assert c.loss == (r == pp - 1 and v == (vp or 1) - 1)
 
@@ -183,3 +188,41 @@ def test_megatron_core_places_every_layer_alike():
         assert ours == got, (n, pp, vp, first, last, ours, got)
     assert sum(v is None for v in theirs["layouts"]) == len(REFUSED)
     assert sum(v is None for v in theirs["splits"]) == len(UNEVEN_REFUSED)
+
+
+FLAGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+         "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "1",
+         "--pipeline-model-parallel-size", "2"]
+BAD_FLAGS = {
+    "MTP without --mtp-num-layers": (
+        [LAYOUT_FLAG, "Ett|tmL"], ["'Ett|tmL'", "MTP layers need --mtp-num-layers"]),
+    "layer count": ([LAYOUT_FLAG, "Ettt|tL"], ["4 transformer layers", "--num-layers is 3"]),
+    "stages not PP x VP": ([LAYOUT_FLAG, "Et|t|tL"], ["3 stages", "multiple of", "size 2"]),
+    "E not first": ([LAYOUT_FLAG, "tE|ttL"], ["E (the embedding)", "first"]),
+    "L not last": ([LAYOUT_FLAG, "Ett|Lt"], ["L (the loss)", "last"]),
+    "layout with virtual stages": ([LAYOUT_FLAG, "Et|t||tL",
+                                    "--num-layers-per-virtual-pipeline-stage", "1"],
+                                   ["drop --num-layers-per-virtual-pipeline-stage"]),
+    "layout with uneven stages": ([LAYOUT_FLAG, "Et|ttL", FIRST_FLAG, "1"],
+                                  ["cannot be combined", FIRST_FLAG]),
+    "uneven stages that do not fit": ([FIRST_FLAG, "3"], [f"{FIRST_FLAG} 3", "do not fit"]),
+    "uneven stages with virtual stages": ([LAST_FLAG, "1",
+                                           "--num-layers-per-virtual-pipeline-stage", "1"],
+                                          ["--decoder-first/last-pipeline-num-layers"]),
+    "layout stages at PP 1": ([LAYOUT_FLAG, "Et|ttL", "--pipeline-model-parallel-size", "1"],
+                              ["2 stages for 1 pipeline rank"]),
+    "no layout, uneven layer count": (["--num-layers", "3"], ["--num-layers (3)", "(2)"]),
+}
+
+
+@pytest.mark.parametrize("flags, words", BAD_FLAGS.values(), ids=list(BAD_FLAGS))
+def test_bad_settings_exit_2_with_one_line(capsys, flags, words):
+    assert_exits_2_with_one_line(capsys, lambda: parse_args(FLAGS + flags, world_size=2), words)
+
+
+def test_the_flags_set_the_layout_and_its_virtual_stages():
+    config, _ = parse_args(FLAGS + [LAYOUT_FLAG, "Et|t||tL"], world_size=2)
+    assert config.virtual_pipeline_size == 2 and str(config.pipeline_layout()) == "Et|t||tL"
+    config, _ = parse_args(FLAGS + [LAST_FLAG, "2"], world_size=2)
+    assert config.virtual_pipeline_size is None and str(config.pipeline_layout()) == "Et|ttL"
