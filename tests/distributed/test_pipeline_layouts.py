@@ -94,6 +94,7 @@ def test_the_checkpoint_holds_each_chunk_as_the_layout_places_it(workdir, spawn2
     for p in range(2):
         state = read_model_file(os.path.join(iteration, f"mp_rank_00_{p:03d}",
                                              "model_optim_rng.pt"))
+        assert state["parallel"]["pipeline_layout"] == "Et|t||tL"
         for v in range(2):
             held[p, v] = sorted({part(n) for n in from_megatron_layout(state[f"model{v}"])})
     assert held == {(0, 0): ["layers.0", "position_embeddings", "word_embeddings"], (0, 1): [],

@@ -6,7 +6,7 @@ import torch
 from megatron.arguments import parse_args
 from megatron.model import GPTModel
 from megatron.mpu import model_parallel_seed, single_process_state
-from megatron.training.memory import Layout, estimate, stage_params
+from megatron.training.memory import Layout, estimate, stage_layers, stage_params
 from megatron.training.parallelize import build_model, chunk_config, params_dtype
 from megatron.training.trainer import Trainer
 from tests.distributed.run_ranks import run_ranks
@@ -118,12 +118,14 @@ def test_pipeline_stage_params_and_activations(pp_rank):
 
 
 @pytest.mark.parametrize("pp_rank", [0, 1])
-@pytest.mark.parametrize("split", [["--pipeline-model-parallel-layout", "Ettt|tL"],
-                                   ["--decoder-first-pipeline-num-layers", "1"]])
-def test_uneven_pipeline_stages(pp_rank, split):
+@pytest.mark.parametrize("split, layers", [
+    (["--pipeline-model-parallel-layout", "Ettt|tL"], [3, 1]),
+    (["--decoder-first-pipeline-num-layers", "1"], [1, 3])])
+def test_uneven_pipeline_stages(pp_rank, split, layers):
     """The planner counts each stage's layers as the pipeline layout places them."""
     config = config_for("--pipeline-model-parallel-size", "2", "--global-batch-size", "8", *split,
                         world_size=2)
+    assert stage_layers(config, pp_rank) == layers[pp_rank]
     with one_thread():
         params, acts = measured_stage(config, pp_rank, 2)
     assert stage_params(config, pp_rank) == params
@@ -179,6 +181,7 @@ def test_cli_reads_pretrain_flags(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["stage", "parameters", "gradients"]
     assert [line.split()[0] for line in out[1:3]] == ["0", "1"]
+    assert out[0].split()[-1] == "layers" and [line.split()[-1] for line in out[1:3]] == ["2", "2"]
     assert out[-1].startswith("step time: ")
     with pytest.raises(SystemExit):  # the layout does not fit: one line, exit 2
         tool.main(["--world-size", "3", "--", "--num-layers", "4", "--hidden-size", "64",

@@ -226,3 +226,20 @@ def test_the_flags_set_the_layout_and_its_virtual_stages():
     assert config.virtual_pipeline_size == 2 and str(config.pipeline_layout()) == "Et|t||tL"
     config, _ = parse_args(FLAGS + [LAST_FLAG, "2"], world_size=2)
     assert config.virtual_pipeline_size is None and str(config.pipeline_layout()) == "Et|ttL"
+
+
+def test_a_torch_checkpoint_of_another_split_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from megatron.checkpointing.io import CheckpointError
+    from megatron.checkpointing.model_file import check_layout
+    pstate = SimpleNamespace(tp_size=1, pp_size=2, ep_size=1, etp_size=1)
+    saved = {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                          "virtual_pipeline_model_parallel_size": 2,
+                          "pipeline_layout": "Et|t||tL"}}
+    check_layout(saved, pstate, 2, "ckpt", "Et|t||tL")
+    with pytest.raises(CheckpointError) as err:
+        check_layout(saved, pstate, 2, "ckpt", "Et||t|tL")
+    assert "'Et|t||tL'" in str(err.value) and "--universal-checkpoint" in str(err.value)
+    del saved["parallel"]["pipeline_layout"]  # saved before the split was recorded
+    check_layout(saved, pstate, 2, "ckpt", "Et||t|tL")
