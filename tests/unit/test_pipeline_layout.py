@@ -243,3 +243,12 @@ def test_a_torch_checkpoint_of_another_split_is_refused_in_one_line():
     assert "'Et|t||tL'" in str(err.value) and "--universal-checkpoint" in str(err.value)
     del saved["parallel"]["pipeline_layout"]  # saved before the split was recorded
     check_layout(saved, pstate, 2, "ckpt", "Et||t|tL")
+
+
+def test_the_flags_have_help_and_are_in_the_readme():
+    from megatron.arguments import build_parser
+    from tests.data_setup import ROOT
+    readme = (ROOT / "README.md").read_text()
+    actions = build_parser()._option_string_actions
+    for flag in (LAYOUT_FLAG, FIRST_FLAG, LAST_FLAG):
+        assert actions[flag].help and f"`{flag}" in readme, flag
