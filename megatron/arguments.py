@@ -158,6 +158,9 @@ def _add_parallel_args(parser):
     _flag(g, "--tensor-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--pipeline-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--num-layers-per-virtual-pipeline-stage", "parallel", type=int, default=None)
+    _flag(g, "--pipeline-model-parallel-layout", "parallel", default=None)
+    for name in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        _flag(g, name, "parallel", type=int, default=None)
     _flag(g, "--context-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--cp-comm-type", "parallel", choices=["p2p", "a2a"], default="p2p")
     _flag(g, "--sequence-parallel", "parallel", action="store_true")

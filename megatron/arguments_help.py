@@ -101,8 +101,17 @@ HELP = {
     "--pad-vocab-size-to": "pad the vocabulary to exactly this many rows (a multiple of TP)",
     # parallelism
     "--tensor-model-parallel-size": "ranks that split each layer (TP)",
-    "--pipeline-model-parallel-size": "pipeline stages (PP); layers divisible by it",
+    "--pipeline-model-parallel-size": "pipeline stages (PP); layers divisible by it unless a "
+                                      "layout or uneven first/last stages say otherwise",
     "--num-layers-per-virtual-pipeline-stage": "layers per virtual stage: interleaved 1F1B",
+    "--pipeline-model-parallel-layout": "every stage's layers, Megatron-LM's grammar: E "
+                                        "embedding, t layer, m MTP layer, L loss, | stage "
+                                        "boundary, (...)*N / X*N repetition, e.g. "
+                                        "'Ett|(tt|)*2tL'; PP x VP stages (it sets VP)",
+    "--decoder-first-pipeline-num-layers": "transformer layers of the first pipeline rank; "
+                                           "the other ranks split the rest evenly",
+    "--decoder-last-pipeline-num-layers": "transformer layers of the last pipeline rank; the "
+                                          "other ranks split the rest evenly",
     "--sequence-parallel": "split layer norms and dropout along the sequence over TP",
     "--distributed-backend": "nccl or gloo (default: nccl with CUDA, else gloo)",
     "--DDP-impl": "local (bucketed all-reduce) or torch (DistributedDataParallel)",

@@ -8,7 +8,8 @@ code, for the given world size, default $WORLD_SIZE or 1), builds the tokenizer
 they name for the padded vocabulary (or takes --vocab-size with
 --tokenizer-type NullTokenizer), and prints for one rank of each pipeline
 stage (or of --pp-rank): parameters, gradients, optimizer state, activations
-(per micro batch and the micro batches in flight) and the total, in GiB; with
+(per micro batch and the micro batches in flight) and the total, in GiB, and its
+transformer layers (as the pipeline layout places them); with
 --device-flops (FLOP/s of one device) the step time from the hardware FLOPs,
 the pipeline bubble and, with --link-bandwidth (bytes/s), the communication.
 --explain-memory adds what one transformer layer saves for backward, tensor by tensor.
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import fail  # noqa: E402
-from megatron.training.memory import GiB, Layout, estimate, layer_activations  # noqa: E402
+from megatron.training.memory import GiB, Layout, estimate, layer_activations, stage_layers  # noqa: E402
 
 ROWS = ("parameters", "gradients", "optimizer", "activations", "total")
 
@@ -51,7 +52,8 @@ def parse(argv=None):
 def report(config, ours) -> str:
     pp = config.parallel.pipeline_model_parallel_size
     ranks = range(pp) if ours.pp_rank is None else [ours.pp_rank]
-    lines = [f"{'stage':>6} " + " ".join(f"{row:>12}" for row in ROWS) + f" {'in flight':>10}"]
+    lines = [f"{'stage':>6} " + " ".join(f"{row:>12}" for row in ROWS) + f" {'in flight':>10}"
+             + f" {'layers':>7}"]
     timing = {}
     for rank in ranks:
         if not 0 <= rank < pp:
@@ -59,9 +61,9 @@ def report(config, ours) -> str:
         out = estimate(config, Layout(ours.world_size, rank, ours.device), ours.device_flops,
                        ours.link_bandwidth)
         lines.append(f"{rank:>6} " + " ".join(f"{out[row] / GiB:>9.3f}GiB" for row in ROWS)
-                     + f" {out['in_flight_micro_batches']:>10.2f}")
+                     + f" {out['in_flight_micro_batches']:>10.2f} {stage_layers(config, rank):>7}")
         if "step_seconds" in out:
-            timing = out  # the same for every stage
+            timing = out  # compute is every stage's; communication the last stage's
     first = estimate(config, Layout(ours.world_size, 0, ours.device))
     lines.append(f"activations per micro batch (stage 0): {first['activations_per_micro_batch'] / GiB:.3f} GiB")
     if timing:

@@ -35,6 +35,12 @@ class RunState:
     consumed_train: int = 0
     consumed_valid: int = 0
 
+    def pipeline_split(self):
+        """The run's pipeline layout as a layout string ("Ett|tL") when PP > 1, else None:
+        saved with the torch format's layout, so that a checkpoint of another split is
+        re-sharded (--universal-checkpoint) or refused, never loaded into the wrong layers."""
+        return str(self.config.pipeline_layout()) if self.pstate.pp_size > 1 else None
+
 
 @dataclass(frozen=True)
 class Found:

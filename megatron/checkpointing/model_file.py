@@ -154,9 +154,16 @@ def _misfit(root: str, err: Exception) -> CheckpointError:
                            f"({first}); check the model flags")
 
 
-def check_layout(state: dict, pstate, num_chunks: int, root: str) -> None:
-    """Refuse a checkpoint saved with another TP / PP / virtual-PP / EP layout."""
+def check_layout(state: dict, pstate, num_chunks: int, root: str,
+                 split: Optional[str] = None) -> None:
+    """Refuse a checkpoint saved with another TP / PP / virtual-PP / EP layout, or another
+    pipeline split (`split`: the run's layout string, RunState.pipeline_split; checkpoints
+    saved before it was recorded are not checked for it)."""
     saved = state.get("parallel", {})
+    if split is not None and saved.get("pipeline_layout", split) != split:
+        raise CheckpointError(f"checkpoint {root} was saved under the pipeline layout "
+                              f"{saved['pipeline_layout']!r}, this run's is {split!r}; use the "
+                              f"saved split or load it with --universal-checkpoint")
     expected = {"tensor_model_parallel_size": pstate.tp_size,
                 "pipeline_model_parallel_size": pstate.pp_size,
                 "virtual_pipeline_model_parallel_size": num_chunks,

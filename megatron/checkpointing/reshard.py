@@ -39,7 +39,7 @@ from megatron.files import publish
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.mpu.sharding import check_shardable, merge_shards, shard_tensor
-from megatron.pipeline.schedule import chunk_layers
+from megatron.pipeline.layout import PipelineLayout, layout_of_counts, pipeline_layout
 
 WORD = "language_model.embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
@@ -52,6 +52,9 @@ SPLIT_BY_ROWS = ("self_attention.query_key_value.weight", "self_attention.query_
 SPLIT_BY_COLUMNS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 
 Flat = Dict[str, torch.Tensor]
+EVEN_SPLIT = {"num_layers_per_virtual_pipeline_stage": None, "pipeline_model_parallel_layout": None,
+              "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None}
+"""The parallel config fields of a re-sharded checkpoint's even, one-chunk split."""
 
 
 class ReshardError(RuntimeError):
@@ -252,24 +255,23 @@ def _renumber(flat: Flat, offset: int) -> Flat:
 
 
 def global_shard(source: Source, tp_rank: int) -> Tuple[Flat, int]:
-    """One TP rank's parameters over all stages and chunks, with global layer numbers."""
+    """One TP rank's parameters over all stages and chunks, with global layer numbers: the
+    layers each chunk holds, numbered in the pipeline layout's stage order (any split:
+    even, uneven first / last, a --pipeline-model-parallel-layout)."""
     chunks = {p: [from_megatron_layout(m) for m in model_chunks(source.states[(tp_rank, p)])]
               for p in range(source.pp)}
     vpp = len(chunks[0])
-    per_chunk = _layer_count(chunks[0][0])
-    num_layers = per_chunk * source.pp * vpp
-    merged: Flat = {}
     for p in range(source.pp):
         if len(chunks[p]) != vpp:
             raise ReshardError(f"pipeline stage {p} has {len(chunks[p])} model chunks, stage 0 "
                                f"has {vpp}")
-        for v, flat in enumerate(chunks[p]):
-            offset, count = chunk_layers(num_layers, source.pp, p, vpp if vpp > 1 else None, v)
-            if _layer_count(flat) != count:
-                raise ReshardError(f"stage {p} chunk {v} holds {_layer_count(flat)} layers, "
-                                   f"expected {count} (layers must be spread evenly)")
-            merged.update(_renumber(flat, offset))
-    return merged, num_layers
+    layout = layout_of_counts([[_layer_count(flat) for flat in chunks[p]]
+                               for p in range(source.pp)])
+    merged: Flat = {}
+    for p in range(source.pp):
+        for chunk, flat in zip(layout.chunks(p), chunks[p]):
+            merged.update(_renumber(flat, chunk.layer_offset))
+    return merged, layout.num_layers
 
 
 def merge_tensor_parallel(shards: List[Flat], sharding: Sharding) -> Flat:
@@ -306,10 +308,11 @@ def check_shapes(full: Flat, config: dict) -> None:
 
 
 def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int,
-                 sharding: Sharding) -> None:
+                 sharding: Sharding, even: bool = True) -> None:
+    """The target TP x PP fits the model (`even`: its layers split evenly over PP)."""
     if tp < 1 or pp < 1:
         raise ReshardError(f"target sizes must be >= 1, got TP {tp} and PP {pp}")
-    if num_layers % pp:
+    if even and num_layers % pp:
         raise ReshardError(f"the model has {num_layers} layers, not divisible by "
                            f"--target-pipeline-model-parallel-size {pp}")
     heads = config.get("model", {}).get("num_attention_heads")
@@ -327,22 +330,22 @@ def check_target(full: Flat, config: dict, num_layers: int, tp: int, pp: int,
             raise ReshardError(f"{name}: {problem} (--target-tensor-model-parallel-size {tp})")
 
 
-def target_stages(name: str, layers_per_stage: int, pp: int) -> Tuple[int, str]:
-    """(target pipeline stage, local name) of a full-model parameter."""
+def target_stages(name: str, layout: PipelineLayout) -> Tuple[int, str]:
+    """(target pipeline stage, local name) of a full-model parameter in a one-chunk-per-rank
+    `layout`."""
     match = LAYER.match(name)
     if match:
-        index = int(match.group(1))
-        return (index // layers_per_stage,
-                f"language_model.encoder.layers.{index % layers_per_stage}.{match.group(2)}")
+        stage, _, local = layout.place(int(match.group(1)))
+        return stage, f"language_model.encoder.layers.{local}.{match.group(2)}"
     if name.startswith(FINAL_NORM) or name.startswith(OUTPUT) or name == HEAD:
-        return pp - 1, name
+        return layout.pp_size - 1, name
     return 0, name
 
 
-def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
+def split_for_target(full: Flat, layout: PipelineLayout, tp: int,
                      sharding: Sharding) -> Dict[Tuple[int, int], Flat]:
     """Parameters of each target (tp_rank, pp_rank), each tensor its own copy."""
-    full = dict(full)
+    full, pp = dict(full), layout.pp_size
     untied = any(name.startswith(OUTPUT) for name in full)
     if pp == 1:
         full.pop(HEAD, None)  # one stage: the head is the embedding itself
@@ -350,7 +353,7 @@ def split_for_target(full: Flat, num_layers: int, tp: int, pp: int,
         full[HEAD] = full[WORD]
     out: Dict[Tuple[int, int], Flat] = {(t, p): {} for t in range(tp) for p in range(pp)}
     for name, tensor in full.items():
-        stage, local = target_stages(name, num_layers // pp, pp)
+        stage, local = target_stages(name, layout)
         meta = sharding(name)
         for t in range(tp):
             out[(t, stage)][local] = shard_tensor(tensor, meta, t, tp).clone()
@@ -366,7 +369,7 @@ def target_state(stored: dict, flat: Flat, tp: int, pp: int, sharding: Sharding,
     if config:
         parallel = dict(config.get("parallel", {}))
         parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                        num_layers_per_virtual_pipeline_stage=None)
+                        **EVEN_SPLIT)
         if ep > 1 or "expert_model_parallel_size" in parallel:
             parallel["expert_model_parallel_size"] = ep
         if etp is not None or "expert_tensor_parallel_size" in parallel:
@@ -405,11 +408,12 @@ def full_model(source: Source) -> Flat:
     return full
 
 
-def cut(full: Flat, stored: dict, tp: int, pp: int, ep: int = 1,
-        etp: Optional[int] = None) -> Dict[Tuple[int, int], Flat]:
+def cut(full: Flat, stored: dict, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None,
+        layout: Optional[PipelineLayout] = None) -> Dict[Tuple[int, int], Flat]:
     """The whole model cut for TP `tp` x PP `pp`, by (tp rank, pp rank), each holding all
     experts cut at expert TP `etp` (None: TP), checked to split over `ep` EP ranks, after
-    checking that it is the model its stored config describes."""
+    checking that it is the model its stored config describes. The layers go where `layout`
+    (one chunk per rank; None: the even split) places them."""
     if ep < 1:
         raise ReshardError(f"--target-expert-model-parallel-size must be >= 1, got {ep}")
     etp = tp if etp is None else etp
@@ -417,8 +421,13 @@ def cut(full: Flat, stored: dict, tp: int, pp: int, ep: int = 1,
     sharding = Sharding(stored.get("sharding") or {})
     num_layers = _layer_count(full)
     check_shapes(full, stored.get("config") or {})
-    check_target(full, stored.get("config") or {}, num_layers, tp, pp, sharding)
-    shards = split_for_target(full, num_layers, tp, pp, sharding)
+    check_target(full, stored.get("config") or {}, num_layers, tp, pp, sharding,
+                 even=layout is None)
+    layout = layout or pipeline_layout(num_layers, pp)
+    if (layout.pp_size, layout.vp_size, layout.num_layers) != (pp, 1, num_layers):
+        raise ReshardError(f"the pipeline layout {str(layout)!r} does not place the model's "
+                           f"{num_layers} layers on {pp} stages of one chunk each")
+    shards = split_for_target(full, layout, tp, sharding)
     for flat in shards.values():
         problem = ep_files.check_split(flat, ep, sharding)
         if problem:

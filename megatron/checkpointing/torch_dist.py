@@ -31,7 +31,7 @@ from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.mcore_keys import mcore_key, stacks_layers
 from megatron.checkpointing.megatron_legacy import stored_config_from_args
 from megatron.checkpointing.finite import check_finite_optimizer, finite_model_state
-from megatron.checkpointing.reshard import WORD
+from megatron.checkpointing.reshard import EVEN_SPLIT, WORD
 from megatron.checkpointing.rng import rng_state, set_rng_state
 from megatron.checkpointing.tracker import CHECKPOINT_VERSION, iteration_dir
 from megatron.config import ModelConfig
@@ -99,7 +99,7 @@ class TorchDistFormat:
         if missing:
             raise CheckpointError(f"the checkpoint lacks {missing[0]} of the model of its config")
         parallel = dict(config.get("parallel", {}), tensor_model_parallel_size=1,
-                        pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None)
+                        pipeline_model_parallel_size=1, **EVEN_SPLIT)
         common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                   "config": dict(config, parallel=parallel),
                   "consumed_train_samples": stored.get("consumed_train_samples", 0),

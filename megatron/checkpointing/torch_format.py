@@ -102,7 +102,7 @@ class TorchFormat:
     def load(self, found: Found, run: RunState) -> Counters:
         ckpt, pstate = run.config.checkpoint, run.pstate
         state = read_rank_file(found, pstate, ckpt.verify_checkpoint)
-        check_layout(state, pstate, len(run.models), found.root)
+        check_layout(state, pstate, len(run.models), found.root, run.pipeline_split())
         load_into_models(state, run.models, found.root)
         if run.optimizer is None:  # inference: the weights only
             return stored_counters(state)
@@ -177,6 +177,8 @@ def saved_layout(run: RunState) -> dict:
     layout = {"tensor_model_parallel_size": pstate.tp_size,
               "pipeline_model_parallel_size": pstate.pp_size,
               "virtual_pipeline_model_parallel_size": len(run.models)}
+    if run.pipeline_split() is not None:
+        layout["pipeline_layout"] = run.pipeline_split()
     if pstate.ep_size > 1:
         layout["expert_model_parallel_size"] = pstate.ep_size
     if pstate.etp_size != pstate.tp_size:

@@ -19,19 +19,21 @@ from megatron.checkpointing.io import CheckpointError
 from megatron.checkpointing.model_file import load_into_models, to_megatron_layout
 
 
-def saved_layout(stored: Dict[str, Any]) -> tuple:
-    """(TP, PP, virtual chunks, EP, expert TP) a checkpoint's stored state says it was saved at."""
+def saved_layout(stored: Dict[str, Any], run: RunState) -> tuple:
+    """(TP, PP, virtual chunks, EP, expert TP, pipeline split) a checkpoint's stored state
+    says it was saved at (a split it does not record, saved before it was: the run's)."""
     saved = stored.get("parallel") or {}
     tp = int(saved.get("tensor_model_parallel_size", 1))
     return (tp, int(saved.get("pipeline_model_parallel_size", 1)),
             int(saved.get("virtual_pipeline_model_parallel_size", 1)),
             int(saved.get("expert_model_parallel_size", 1)),
-            int(saved.get("expert_tensor_parallel_size") or tp))
+            int(saved.get("expert_tensor_parallel_size") or tp),
+            saved.get("pipeline_layout", run.pipeline_split()))
 
 
 def run_layout(run: RunState) -> tuple:
     p = run.pstate
-    return p.tp_size, p.pp_size, len(run.models), p.ep_size, p.etp_size
+    return p.tp_size, p.pp_size, len(run.models), p.ep_size, p.etp_size, run.pipeline_split()
 
 
 def _refusal(root: str, problem: str, pstate, inference: bool) -> CheckpointError:
@@ -47,7 +49,7 @@ def _refusal(root: str, problem: str, pstate, inference: bool) -> CheckpointErro
 def load(found: Found, run: RunState, inference: bool = False) -> Counters:
     """Load `found` at this run's layout, re-sharding it when it was saved at another."""
     fmt, pstate = found.format, run.pstate
-    saved = saved_layout(fmt.stored_state(found))
+    saved = saved_layout(fmt.stored_state(found), run)
     if saved == run_layout(run):
         return fmt.load(found, run)
     try:
@@ -55,7 +57,7 @@ def load(found: Found, run: RunState, inference: bool = False) -> Counters:
             raise reshard.ReshardError("re-sharding makes one model chunk per stage; drop "
                                        "--num-layers-per-virtual-pipeline-stage")
         full, stored = fmt.read_model(found)
-        mine = _this_rank(full, stored, pstate)
+        mine = _this_rank(full, stored, pstate, run.config.pipeline_layout())
     except reshard.ReshardError as err:
         raise _refusal(found.root, str(err), pstate, inference) from None
     _load_weights(run, mine, found.root)
@@ -69,9 +71,11 @@ def load(found: Found, run: RunState, inference: bool = False) -> Counters:
     return _counters(found, run, stored)
 
 
-def _this_rank(full, stored: dict, pstate):
-    """This rank's parameters (local names) cut from the whole model."""
-    cells = reshard.cut(full, stored, pstate.tp_size, pstate.pp_size, 1, pstate.etp_size)
+def _this_rank(full, stored: dict, pstate, layout):
+    """This rank's parameters (local names) cut from the whole model, its layers where the
+    run's pipeline `layout` places them."""
+    cells = reshard.cut(full, stored, pstate.tp_size, pstate.pp_size, 1, pstate.etp_size,
+                        layout)
     mine = cells[(pstate.tp_rank, pstate.pp_rank)]
     sharding = reshard.Sharding(stored.get("sharding") or {})
     problem = check_split(mine, pstate.ep_size, sharding)

@@ -15,6 +15,7 @@ from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
 from megatron.mpu.topology import ParallelDims
+from megatron.pipeline.layout import LayoutError, PipelineLayout, parse_layout, pipeline_layout
 
 __all__ = ["Config", "SECTIONS", "ConfigError", "ModelConfig", "ParallelConfig",
            "TrainingConfig", "OptimizerConfig", "MoEConfig", "DataConfig", "CheckpointConfig", "LoggingConfig"]
@@ -42,6 +43,7 @@ class Config:
         m, p, t = self.model, self.parallel, self.training
         tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size)
+        self._check_layout_stages(pp)
         self.dims(world_size)
         require(m.num_attention_heads % tp == 0,
                 f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
@@ -50,9 +52,6 @@ class Config:
         require(groups % tp == 0 or tp % groups == 0,
                 f"--num-query-groups ({groups}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp}), or divide it")
-        require(m.num_layers % pp == 0,
-                f"--num-layers ({m.num_layers}) must be divisible by "
-                f"--pipeline-model-parallel-size ({pp})")
         require(m.ffn_hidden_size % tp == 0,
                 f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})")
@@ -75,6 +74,7 @@ class Config:
                     f"--rampup-batch-size START ({start}) and INCR ({incr}) must be multiples of "
                     f"--micro-batch-size x data-parallel size ({step})")
         self._check_virtual_pipeline(pp, dp)
+        self.pipeline_layout()
         self._check_experts()
         check_fsdp(self, dp)
 
@@ -158,14 +158,29 @@ class Config:
         require(kind != "p2p" or not m.apply_query_key_layer_scaling,
                 "--apply-query-key-layer-scaling with --cp-comm-type p2p is not supported")
 
+    def _check_layout_stages(self, pp: int) -> None:
+        text = self.parallel.pipeline_model_parallel_layout
+        if text is not None and pp == 1 and self.virtual_pipeline_size:
+            raise ConfigError(f"--pipeline-model-parallel-layout {text!r} has "
+                              f"{self.virtual_pipeline_size} stages for 1 pipeline rank; "
+                              f"virtual stages need --pipeline-model-parallel-size > 1")
+
     def _check_virtual_pipeline(self, pp: int, dp: int) -> None:
         layers_per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
-        if layers_per_virtual is None:
+        if layers_per_virtual is not None:
+            require(self.parallel.pipeline_model_parallel_layout is None,
+                    "--pipeline-model-parallel-layout sets the virtual pipeline stages itself; "
+                    "drop --num-layers-per-virtual-pipeline-stage")
+            require(self.parallel.decoder_first_pipeline_num_layers is None and
+                    self.parallel.decoder_last_pipeline_num_layers is None,
+                    "--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                    "--decoder-first/last-pipeline-num-layers (chunks differ in size); drop one")
+            layers_per_stage = self.model.num_layers // pp
+            require(layers_per_stage % layers_per_virtual == 0,
+                    f"layers per pipeline stage ({layers_per_stage}) must be divisible by "
+                    f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual})")
+        if self.virtual_pipeline_size is None:
             return
-        layers_per_stage = self.model.num_layers // pp
-        require(layers_per_stage % layers_per_virtual == 0,
-                f"layers per pipeline stage ({layers_per_stage}) must be divisible by "
-                f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual})")
         microbatches = self.training.global_batch_size // (self.training.micro_batch_size * dp)
         require(microbatches % pp == 0,
                 f"the interleaved schedule needs the number of micro batches ({microbatches}) "
@@ -173,10 +188,33 @@ class Config:
 
     @property
     def virtual_pipeline_size(self):
-        per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
+        """Model chunks per pipeline rank (None: one), from the layout's stage count or
+        --num-layers-per-virtual-pipeline-stage."""
+        p = self.parallel
+        if p.pipeline_model_parallel_layout is not None:
+            try:
+                stages = len(parse_layout(p.pipeline_model_parallel_layout))
+            except LayoutError as err:
+                raise ConfigError(str(err)) from None
+            vp = stages // p.pipeline_model_parallel_size
+            return vp if vp > 1 else None
+        per_virtual = p.num_layers_per_virtual_pipeline_stage
         if per_virtual is None:
             return None
-        return self.model.num_layers // self.parallel.pipeline_model_parallel_size // per_virtual
+        return self.model.num_layers // p.pipeline_model_parallel_size // per_virtual
+
+    def pipeline_layout(self) -> PipelineLayout:
+        """Every layer's place on the pipeline (megatron/pipeline/layout.py): the one source
+        of the split that the model, the planner and checkpoint re-sharding use."""
+        p = self.parallel
+        text = p.pipeline_model_parallel_layout
+        try:
+            return pipeline_layout(self.model.num_layers, p.pipeline_model_parallel_size,
+                                   None if text else self.virtual_pipeline_size, text,
+                                   p.decoder_first_pipeline_num_layers,
+                                   p.decoder_last_pipeline_num_layers)
+        except LayoutError as err:
+            raise ConfigError(str(err)) from None
 
     def to_dict(self) -> dict:
         return asdict(self)

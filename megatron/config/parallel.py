@@ -13,6 +13,13 @@ class ParallelConfig:
     """Pipeline stages (--pipeline-model-parallel-size)."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual stage for the interleaved schedule."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """Every stage's layers (--pipeline-model-parallel-layout, Megatron-LM's grammar:
+    "Ett|tL"; megatron/pipeline/layout.py); its PP x VP stages set the virtual stages."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Transformer layers of the first pipeline rank; the others split the rest evenly."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Transformer layers of the last pipeline rank; the others split the rest evenly."""
     context_parallel_size: int = 1
     """Ranks that split each sequence (--context-parallel-size): 2·CP load-balanced chunks."""
     cp_comm_type: str = "p2p"

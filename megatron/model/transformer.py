@@ -363,4 +363,6 @@ class ParallelTransformer(torch.nn.Module):
             hidden = self._run(0, len(self.layers), inference_params)(hidden, mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
-        return hidden
+        elif not self.layers:  # an empty pipeline chunk passes its input on as a view: a
+            hidden = hidden.view_as(hidden)  # new tensor, so freeing it once sent frees
+        return hidden  # nothing the backward needs, and the backward reaches the input

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 
 class Kind(str, enum.Enum):
@@ -382,14 +382,3 @@ def build_schedule(schedule: str, pp_rank: int, pp_size: int, num_model_chunks: 
                                        forward_only)
     raise ValueError(f"unknown pipeline schedule {schedule!r}; use 'none', '1f1b' or 'interleaved'")
 
-
-def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int],
-                 vpp_rank: int):
-    """(global index of the first layer, number of layers) of one model chunk.
-
-    With V virtual stages, chunk v of stage r holds layers
-    [v * L/V + r * L/(P V), ... + L/(P V)) (Megatron's interleaved assignment).
-    """
-    chunks = vpp_size or 1
-    per_chunk = num_layers // (pp_size * chunks)
-    return vpp_rank * (num_layers // chunks) + pp_rank * per_chunk, per_chunk

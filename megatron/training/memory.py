@@ -37,7 +37,7 @@ as many elements.
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from megatron.pipeline.schedule import chunk_layers, interleaved_num_warmup, num_warmup_microbatches
+from megatron.pipeline.schedule import interleaved_num_warmup, num_warmup_microbatches
 from megatron.training.flops import hardware_flops
 
 GiB = 2 ** 30
@@ -96,12 +96,9 @@ def _dense_mlp_params(m, tp: int) -> int:
 
 def stage_layer_numbers(config, pp_rank: int):
     """Global (1-based) numbers of the layers of the rank at `pp_rank`, all its chunks."""
-    m, p = config.model, config.parallel
     numbers = []
-    for v in range(config.virtual_pipeline_size or 1):
-        first, count = chunk_layers(m.num_layers, p.pipeline_model_parallel_size, pp_rank,
-                                    config.virtual_pipeline_size, v)
-        numbers += range(first + 1, first + count + 1)
+    for chunk in config.pipeline_layout().chunks(pp_rank):
+        numbers += range(chunk.layer_offset + 1, chunk.layer_offset + chunk.num_layers + 1)
     return numbers
 
 
@@ -123,9 +120,9 @@ def _moe_layers_correction(config, pp_rank: int) -> int:
     return len(moe) * (sum(moe_mlp_params(m, tp, ep, p.expert_tp)) - _dense_mlp_params(m, tp))
 
 
-def stage_layers(config) -> int:
-    """Transformer layers of one pipeline stage (every stage holds the same number)."""
-    return config.model.num_layers // config.parallel.pipeline_model_parallel_size
+def stage_layers(config, pp_rank: int) -> int:
+    """Transformer layers of the rank at `pp_rank`, all its chunks (the pipeline layout's)."""
+    return len(stage_layer_numbers(config, pp_rank))
 
 
 def stage_params(config, pp_rank: int) -> int:
@@ -135,7 +132,7 @@ def stage_params(config, pp_rank: int) -> int:
     h, vocab = m.hidden_size, m.padded_vocab_size // tp
     first, last = pp_rank == 0, pp_rank == pp - 1
     norm = h if m.normalization == "RMSNorm" else 2 * h
-    params = stage_layers(config) * layer_params(m, tp) + _moe_layers_correction(config, pp_rank)
+    params = stage_layers(config, pp_rank) * layer_params(m, tp) + _moe_layers_correction(config, pp_rank)
     if first:
         params += vocab * h
         params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
@@ -350,7 +347,8 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     m = config.model
     b = config.training.micro_batch_size
     pp = config.parallel.pipeline_model_parallel_size
-    per_micro = stage_layers(config) * sum(layer_activations(config, b, layout.device_type).values())
+    per_micro = stage_layers(config, layout.pp_rank) * sum(
+        layer_activations(config, b, layout.device_type).values())
     extra = _moe_activation_correction(config, b, layout.pp_rank)
     if layout.pp_rank == pp - 1:
         extra += head_activation_elements(config, b)
@@ -406,7 +404,7 @@ def step_time(config, layout: Layout, micro: int, device_flops: float,
     if link_bandwidth:
         item = _bytes_per(config)
         tokens = micro * t.micro_batch_size * local_seq_length(config)
-        layers = stage_layers(config)
+        layers = stage_layers(config, layout.pp_rank)
         # 2 all-reduces forward + 2 backward per layer, ring: 2 (t - 1) / t of the data each
         comm += 4 * layers * tokens * m.hidden_size * item * 2 * (tp - 1) / tp / link_bandwidth
         shards = dp * p.context_parallel_size  # one gradient reduction over DP x CP

@@ -3,9 +3,10 @@
 `build_model` makes this rank's chunks and `parallelize` applies what each still needs, in
 this order:
 
-1. pipeline parallelism: this stage's chunks of layers, the schedule's split
-   (megatron/pipeline/schedule.py `chunk_layers`; `--num-layers-per-virtual-pipeline-stage`
-   gives several chunks per stage);
+1. pipeline parallelism: this stage's chunks of layers, embedding and loss, as
+   megatron/pipeline/layout.py places them (`Config.pipeline_layout()`: the even split,
+   --decoder-first/last-pipeline-num-layers or --pipeline-model-parallel-layout;
+   `--num-layers-per-virtual-pipeline-stage` or the layout give several chunks per stage);
 2. tensor and sequence parallelism: at construction, from `chunk_config` (the model flags
    with `--sequence-parallel`) and the state's TP group, which the spec's layers take;
 3. expert parallelism (and expert TP): at construction, from the state's expert groups;
@@ -39,7 +40,6 @@ from megatron.distributed.fsdp import apply_fsdp
 from megatron.model.transformer import enable_context_parallel
 from megatron.training.kernel_choices import agree_kernel_choices
 from megatron.pipeline.p2p import P2PCommunicator
-from megatron.pipeline.schedule import chunk_layers
 
 
 def params_dtype(config) -> torch.dtype:
@@ -57,13 +57,10 @@ def chunk_config(config) -> ModelConfig:
 def build_model(config, pstate, device, model_provider: Callable) -> List[torch.nn.Module]:
     """This rank's model chunks, parallelised. `model_provider(cfg=, pre_process=,
     post_process=, layer_offset=, num_layers=)` builds one chunk of the spec `cfg`."""
-    vpp, cfg = config.virtual_pipeline_size, chunk_config(config)
-    models = []
-    for v in range(vpp or 1):
-        offset, count = chunk_layers(config.model.num_layers, pstate.pp_size, pstate.pp_rank, vpp, v)
-        model = model_provider(cfg=cfg, pre_process=pstate.is_first_stage() and v == 0,
-                               post_process=pstate.is_last_stage() and v == (vpp or 1) - 1,
-                               layer_offset=offset, num_layers=count)
+    cfg, models = chunk_config(config), []
+    for chunk in config.pipeline_layout().chunks(pstate.pp_rank):
+        model = model_provider(cfg=cfg, pre_process=chunk.embedding, post_process=chunk.loss,
+                               layer_offset=chunk.layer_offset, num_layers=chunk.num_layers)
         models.append(parallelize(model, config, pstate, device))
     agree_kernel_choices(config, device)  # every rank, here: megatron/fused/choice.py
     return models

@@ -23,7 +23,7 @@ from megatron.checkpointing.io import save_file
 from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.mpu.layers import shard_of
 from megatron.checkpointing.model_file import from_megatron_layout, to_megatron_layout
-from megatron.pipeline.schedule import chunk_layers
+from megatron.pipeline.layout import pipeline_layout
 from tests.data_setup import bpe_dir
 from tests.gpt_setup import preprocess_wiki
 from tests.distributed.run_ranks import run_ranks
@@ -70,7 +70,8 @@ def write_layout(root, full, cfg, tp, pp, vpp=1, iteration=5):
 
 
 def _chunk(full, num_layers, t, tp, p, pp, v, vpp):
-    offset, count = chunk_layers(num_layers, pp, p, vpp if vpp > 1 else None, v)
+    chunk = pipeline_layout(num_layers, pp, vpp).chunk(p, v)
+    offset, count = chunk.layer_offset, chunk.num_layers
     first, last = p == 0 and v == 0, p == pp - 1 and v == vpp - 1
     flat = {}
     for name, tensor in full.items():

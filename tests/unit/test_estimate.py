@@ -6,7 +6,7 @@ import torch
 from megatron.arguments import parse_args
 from megatron.model import GPTModel
 from megatron.mpu import init_parameters, model_parallel_seed, single_process_state
-from megatron.training.memory import Layout, estimate, layer_activations, stage_params
+from megatron.training.memory import Layout, estimate, layer_activations, stage_layers, stage_params
 from megatron.training.parallelize import build_model, chunk_config, params_dtype
 from megatron.training.trainer import Trainer
 from tests.distributed.run_ranks import run_ranks
@@ -72,10 +72,12 @@ def layer_saved_bytes(config, tp_group=None, tp=1) -> int:
 
 
 def measured_stage(config, pp_rank, pp_size, tp_group=None):
-    layers = config.model.num_layers // pp_size
-    model = GPTModel(chunk_config(config), tp_group=tp_group, pre_process=pp_rank == 0,
-                     post_process=pp_rank == pp_size - 1, layer_offset=pp_rank * layers, num_layers=layers,
-                     dtype=params_dtype(config))
+    """The stage's one chunk, as the pipeline layout places it (megatron/pipeline/layout.py)."""
+    chunk = config.pipeline_layout().chunk(pp_rank)
+    assert config.pipeline_layout().pp_size == pp_size
+    model = GPTModel(chunk_config(config), tp_group=tp_group, pre_process=chunk.embedding,
+                     post_process=chunk.loss, layer_offset=chunk.layer_offset,
+                     num_layers=chunk.num_layers, dtype=params_dtype(config))
     params = sum(p.numel() for p in model.parameters())
     m = config.model
     return params, saved_activation_bytes(model, config.training.micro_batch_size, m.seq_length,
@@ -136,6 +138,22 @@ def test_pipeline_stage_params_and_activations(pp_rank):
     assert predicted["in_flight_micro_batches"] == 2 - pp_rank  # 1F1B: PP - stage
 
 
+@pytest.mark.parametrize("pp_rank", [0, 1])
+@pytest.mark.parametrize("split, layers", [
+    (["--pipeline-model-parallel-layout", "Ettt|tL"], [3, 1]),
+    (["--decoder-first-pipeline-num-layers", "1"], [1, 3])])
+def test_uneven_pipeline_stages(pp_rank, split, layers):
+    """The planner counts each stage's layers as the pipeline layout places them."""
+    config = config_for("--pipeline-model-parallel-size", "2", "--global-batch-size", "8", *split,
+                        world_size=2)
+    assert stage_layers(config, pp_rank) == layers[pp_rank]
+    with one_thread():
+        params, acts = measured_stage(config, pp_rank, 2)
+    assert stage_params(config, pp_rank) == params
+    predicted = estimate(config, Layout(world_size=2, pp_rank=pp_rank, device_type="cpu"))
+    _close(predicted["activations_per_micro_batch"], acts, f"stage {pp_rank} activations")
+
+
 def _two_ranks(rank, world_size):
     """TP = 2 (with and without SP) then DP = 2 with the distributed optimizer."""
     from megatron.mpu import initialize_model_parallel
@@ -184,6 +202,7 @@ def test_cli_reads_pretrain_flags(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["stage", "parameters", "gradients"]
     assert [line.split()[0] for line in out[1:3]] == ["0", "1"]
+    assert out[0].split()[-1] == "layers" and [line.split()[-1] for line in out[1:3]] == ["2", "2"]
     assert out[-1].startswith("step time: ")
     with pytest.raises(SystemExit):  # the layout does not fit: one line, exit 2
         tool.main(["--world-size", "3", "--", "--num-layers", "4", "--hidden-size", "64",

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron.pipeline.schedule import chunk_layers
+from megatron.pipeline.layout import pipeline_layout
 from megatron.training.initialize import initialize_distributed
 from megatron.training.memory import GiB, Layout, estimate, stage_expert_params, stage_params
 from tests.unit.test_examples import launcher_world_size, recorded_launch
@@ -89,7 +89,8 @@ def test_megatron_lm_mixtral_launch_sets_up_at_world_32(tmp_path, monkeypatch, t
 
     for pp_rank, (rank, pstate) in stages.items():
         world.rank = rank
-        offset, count = chunk_layers(m.num_layers, 4, pp_rank, None, 0)
+        chunk = pipeline_layout(m.num_layers, 4).chunk(pp_rank)
+        offset, count = chunk.layer_offset, chunk.num_layers
         model = pretrain_gpt.model_provider(
             config, pstate.tp_group, pretrain_gpt.real_vocab_rows(config, tokenizer),
             expert_groups=pstate.expert_groups(), cfg=config.model, device="meta",
