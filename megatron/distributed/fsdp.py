@@ -123,10 +123,14 @@ def apply_fsdp(model: torch.nn.Module, groups: FSDPGroups, device: torch.device,
 class FSDPReducer:
     """The Trainer's reducer under FSDP: gradients are FSDP's sharded `.grad`, reduce-scattered
     at the backward of the chunk's last micro batch; `no_sync` (every other backward) keeps
-    them unsharded and accumulating, with no communication."""
+    them unsharded and accumulating, with no communication. `keep_gathered`
+    (--no-fsdp-reshard-after-forward): the gathered parameters also stay from one micro
+    batch to the next, so each unit is all-gathered once per global batch; the last
+    backward frees them (the optimizer then steps the shards)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, keep_gathered: bool = False):
         self.module = module
+        self.keep_gathered = keep_gathered
 
     def begin_step(self, num_micro_batches: int) -> None:
         pass
@@ -146,6 +150,8 @@ class FSDPReducer:
     def _set_sync(self, sync: bool) -> None:
         self.module.set_requires_gradient_sync(sync)
         self.module.set_is_last_backward(sync)
+        if self.keep_gathered:
+            self.module.set_reshard_after_backward(sync)
 
     def finish_grad_sync(self) -> None:
         pass  # FSDP waits for its reduce-scatters at the end of the last backward

@@ -79,31 +79,39 @@ workdir = wiki_workdir("fsdp")
 
 
 @contextlib.contextmanager
-def _counting_reduce_scatters():
-    """A list that gets one entry per reduce-scatter FSDP runs in the block."""
+def _counting_fsdp_collectives():
+    """{"reduce-scatters": n, "all-gathers": n}: the collectives FSDP2 runs in the block
+    (torch.distributed's reduce_scatter_single / all_gather_single, which nothing else here
+    calls), counted as they are called."""
     import torch.distributed as dist
-    calls, real = [], dist.reduce_scatter_single
+    counts = {"reduce-scatters": 0, "all-gathers": 0}
+    names = {"reduce-scatters": "reduce_scatter_single", "all-gathers": "all_gather_single"}
+    real = {key: getattr(dist, name) for key, name in names.items()}
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    dist.reduce_scatter_single = counted
+    def counted(key):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return real[key](*args, **kwargs)
+        return call
+    for key, name in names.items():
+        setattr(dist, name, counted(key))
     try:
-        yield calls
+        yield counts
     finally:
-        dist.reduce_scatter_single = real
+        for key, name in names.items():
+            setattr(dist, name, real[key])
 
 
 def _train(prefix, cache, *extra, mbs=2):
-    """{losses, grad norms, params norms, zeros, iterations, reduce-scatters} of one run,
-    from its history and its printed log lines (the last rank prints them)."""
+    """{losses, grad norms, params norms, zeros, iterations, reduce-scatters, all-gathers}
+    of one run, from its history and its printed log lines (the last rank prints them)."""
     import pretrain_gpt
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), _counting_reduce_scatters() as reduce_scatters:
+    with contextlib.redirect_stdout(out), _counting_fsdp_collectives() as collectives:
         state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, *extra, mbs=mbs, gbs=8,
                                                 iters=ITERS))
     text = out.getvalue()
-    return {"reduce-scatters": len(reduce_scatters),
+    return {**collectives,
             "losses": [h["lm loss"] for h in state.history],
             "grad norms": [h.get("grad norm") for h in state.history],
             "iterations": [h["iteration"] for h in state.history],
@@ -336,6 +344,15 @@ def test_gradients_reduce_scattered_once_per_global_batch(runs, name):
     per rank here): once per unit and iteration, the pipeline schedules' included."""
     results = runs["ranks2"] if name in ("fsdp", *LAYOUTS2) else runs["ranks4"]
     assert [r[name]["reduce-scatters"] for r in results] == [UNITS[name] * ITERS] * len(results)
+
+
+def test_kept_gathered_parameters_are_all_gathered_once_per_global_batch(runs):
+    """--no-fsdp-reshard-after-forward: the untied LLaMA-style model's 4 units (embedding,
+    2 layers, root) stay gathered over the 4 micro batches, and are gathered once more for
+    the validation after the last iteration; resharding after forward gathers far more."""
+    for result in runs["ranks2"]:
+        assert result["bf16"]["all-gathers"] == 4 * (ITERS + 1)
+        assert result["bf16/first"]["all-gathers"] > 4 * 4 * SAVE_AT
 
 
 @pytest.mark.parametrize("flags, words", [
