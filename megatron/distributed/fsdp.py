@@ -95,9 +95,12 @@ def _shard(module, group, dp_size: int, device, **options) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     fully_shard(module, mesh=DeviceMesh.from_group(group, device.type), **options)
-    if group_size(group) != dp_size:
+    size = group_size(group)
+    if size != dp_size:
         module.set_gradient_divide_factor(float(dp_size))
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one rank, where torch
+        # 2.13 (no collective to run) would divide twice (by the factor, then after "the sum").
+        module.set_force_sum_reduction_for_comms(size > 1)
 
 
 def apply_fsdp(model: torch.nn.Module, groups: FSDPGroups, device: torch.device,

@@ -62,6 +62,8 @@ LAYOUTS2 = {  # name: (flags, micro batch size, the reference's name); FSDP at D
     "recompute-full": ([*CLIP, "--recompute-granularity", "full", "--recompute-method",
                         "uniform", "--recompute-num-layers", "1"], 1, "one"),
     "recompute-selective": ([*CLIP, "--recompute-granularity", "selective"], 1, "one"),
+    # expert-DP of one rank: the experts' unit divides its unsummed gradient by DP once
+    "ep2-expert-dp1": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),
 }
 LAYOUTS4 = {  # the same, in a world of 4
     "cp2": ([*LLAMA, *DIST, "--context-parallel-size", "2"], 1, "tp ref"),
