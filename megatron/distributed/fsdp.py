@@ -21,7 +21,7 @@ the reduce dtype) without communicating.
 
 `local_shards` gives each parameter's (or gradient's) local shard and where it starts in
 the flattened TP-local tensor: what the norms (clipping, --log-params-norm, zeros) count,
-summed over the DP group once, each shard exactly once.
+summed once over the group each shard belongs to (shard_groups), each shard exactly once.
 """
 import contextlib
 from dataclasses import dataclass
@@ -71,7 +71,7 @@ def fsdp_units(model: torch.nn.Module) -> List[torch.nn.Module]:
 def expert_units(layer: torch.nn.Module) -> List[torch.nn.Module]:
     """The outermost sub-modules of `layer` whose parameters are all MoE experts'
     (`expert_parallel`): the units sharded over the expert-data-parallel group."""
-    units: List[torch.nn.Module] = []
+    units: List[Tuple[str, torch.nn.Module]] = []
     for name, module in layer.named_modules():
         params = list(module.parameters())
         inside = any(name.startswith(prefix + ".") for prefix, _ in units)
