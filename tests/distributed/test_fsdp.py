@@ -19,8 +19,8 @@ LLaMA-style model, fp32: GQA's k / v and the SP norms' partial gradients under F
 shards) against one process, zero counts included (thousands: the untied embedding rows
 of absent tokens), DP 4, and LAYOUTS4: CP 2 x DP 2 (the FSDP mesh DP x CP), PP 2 x DP 2
 with 1F1B and with the interleaved schedule (tied embeddings across the first and last
-stage), and an MoE model at EP 2 x DP 4 (experts sharded over expert-DP 2, dense weights
-over DP 4). Each of LAYOUTS2 / LAYOUTS4 matches its single-process reference over ITERS
+stage), an MoE model at EP 2 x DP 4 (experts sharded over expert-DP 2, dense weights
+over DP 4), CP 2 x PP 2 and EP 2 x PP 2. Each of LAYOUTS2 / LAYOUTS4 matches its single-process reference over ITERS
 iterations (losses, gradient norms, params norms, zero counts) and resumes bit for bit from
 its SAVE_AT checkpoint; FSDP's reduce-scatters are counted: once per unit and global batch
 (4 micro batches per rank). Unsupported combinations are one line.
@@ -70,6 +70,8 @@ LAYOUTS4 = {  # the same, in a world of 4
     "pp2": ([*CLIP, *PP2], 1, "one"),
     "pp2-interleaved": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"], 1, "one"),
     "ep2": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),  # DP 4, expert-DP 2
+    "cp2-pp2": ([*LLAMA, *DIST, "--context-parallel-size", "2", *PP2], 1, "tp ref"),  # DP 1
+    "ep2-pp2": ([*MOE, "--expert-model-parallel-size", "2", *PP2], 2, "moe"),  # expert-DP 1
 }
 UNITS = {"fsdp": 5, "recompute-full": 5, "pp2": 3, "pp2-interleaved": 3}
 """FSDP units with parameters on each rank: the tied GPT's 4 layers and the root (the
