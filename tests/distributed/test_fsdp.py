@@ -69,11 +69,14 @@ LAYOUTS4 = {  # the same, in a world of 4
     "cp2": ([*LLAMA, *DIST, "--context-parallel-size", "2"], 1, "tp ref"),
     "pp2": ([*CLIP, *PP2], 1, "one"),
     "pp2-interleaved": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"], 1, "one"),
+    "pp2-interleaved-kept": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
+                              "--no-fsdp-reshard-after-forward"], 1, "one"),
     "ep2": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),  # DP 4, expert-DP 2
     "cp2-pp2": ([*LLAMA, *DIST, "--context-parallel-size", "2", *PP2], 1, "tp ref"),  # DP 1
     "ep2-pp2": ([*MOE, "--expert-model-parallel-size", "2", *PP2], 2, "moe"),  # expert-DP 1
 }
-UNITS = {"fsdp": 5, "recompute-full": 5, "pp2": 3, "pp2-interleaved": 3}
+UNITS = {"fsdp": 5, "recompute-full": 5, "pp2": 3, "pp2-interleaved": 3,
+         "pp2-interleaved-kept": 3}
 """FSDP units with parameters on each rank: the tied GPT's 4 layers and the root (the
 embedding, final norm and head); each PP stage 2 layers and a root (the embedding, or the
 final norm and head copy), with virtual stages chunk 0's and 1's layer and one root on each
@@ -352,11 +355,15 @@ def test_gradients_reduce_scattered_once_per_global_batch(runs, name):
 
 def test_kept_gathered_parameters_are_all_gathered_once_per_global_batch(runs):
     """--no-fsdp-reshard-after-forward: the untied LLaMA-style model's 4 units (embedding,
-    2 layers, root) stay gathered over the 4 micro batches, and are gathered once more for
-    the validation after the last iteration; resharding after forward gathers far more."""
+    2 layers, root), and under the interleaved schedule each rank's 3 (UNITS), stay gathered
+    over the 4 micro batches, and are gathered once more for the validation after the last
+    iteration; resharding after forward gathers far more."""
     for result in runs["ranks2"]:
         assert result["bf16"]["all-gathers"] == 4 * (ITERS + 1)
         assert result["bf16/first"]["all-gathers"] > 4 * 4 * SAVE_AT
+    for result in runs["ranks4"]:
+        assert result["pp2-interleaved-kept"]["all-gathers"] == 3 * (ITERS + 1)
+        assert result["pp2-interleaved"]["all-gathers"] > 3 * 4 * ITERS
 
 
 @pytest.mark.parametrize("flags, words", [
