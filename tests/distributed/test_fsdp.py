@@ -12,18 +12,20 @@ One spawn of 2 ranks (FSDP at DP 2) runs, in turn:
   in bf16 (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
   main params) with --no-fsdp-reshard-after-forward, against the same bf16 run in one
   process without FSDP, within BF16_TOL.
-- full and selective activation recomputation (LAYOUTS2).
+- full and selective activation recomputation, and MoE at EP 2 x DP 2 (LAYOUTS2).
 The parent resumes the FSDP checkpoint in one process without FSDP, to the uninterrupted
 losses within 1e-5. A spawn of 4 ranks runs TP 2 x FSDP 2 with sequence parallelism (the
 LLaMA-style model, fp32: GQA's k / v and the SP norms' partial gradients under FSDP's
 shards) against one process, zero counts included (thousands: the untied embedding rows
 of absent tokens), DP 4, and LAYOUTS4: CP 2 x DP 2 (the FSDP mesh DP x CP), PP 2 x DP 2
 with 1F1B and with the interleaved schedule (tied embeddings across the first and last
-stage), an MoE model at EP 2 x DP 4 (experts sharded over expert-DP 2, dense weights
-over DP 4), CP 2 x PP 2 and EP 2 x PP 2. Each of LAYOUTS2 / LAYOUTS4 matches its single-process reference over ITERS
-iterations (losses, gradient norms, params norms, zero counts) and resumes bit for bit from
-its SAVE_AT checkpoint; FSDP's reduce-scatters are counted: once per unit and global batch
-(4 micro batches per rank). Unsupported combinations are one line.
+stage; also with --no-fsdp-reshard-after-forward), an MoE model at EP 2 x DP 4 (experts
+sharded over expert-DP 2, dense weights over DP 4), CP 2 x PP 2 and EP 2 x PP 2. Each of
+LAYOUTS2 / LAYOUTS4 matches its single-process reference over ITERS iterations (losses,
+gradient norms, params norms, zero counts) and resumes bit for bit from its SAVE_AT
+checkpoint (those of IN_ONE also in one process without FSDP). FSDP's collectives are
+counted: one reduce-scatter per unit and global batch (4 micro batches per rank), and with
+kept parameters one all-gather. Unsupported combinations are one line.
 """
 import contextlib
 import io
@@ -75,6 +77,9 @@ LAYOUTS4 = {  # the same, in a world of 4
     "cp2-pp2": ([*LLAMA, *DIST, "--context-parallel-size", "2", *PP2], 1, "tp ref"),  # DP 1
     "ep2-pp2": ([*MOE, "--expert-model-parallel-size", "2", *PP2], 2, "moe"),  # expert-DP 1
 }
+IN_ONE = {"cp2": [*LLAMA, *DIST], "pp2-interleaved": CLIP, "ep2": MOE, "ep2-pp2": MOE}
+"""Layouts of LAYOUTS4 whose FSDP checkpoints (at SAVE_AT) the parent resumes in one process
+without FSDP: the reference's flags."""
 UNITS = {"fsdp": 5, "recompute-full": 5, "pp2": 3, "pp2-interleaved": 3,
          "pp2-interleaved-kept": 3}
 """FSDP units with parameters on each rank: the tied GPT's 4 layers and the root (the
@@ -216,8 +221,12 @@ def runs(workdir):
         resumed_one = _train(prefix, cache, *CLIP, "--load", str(out / "ckpt-fsdp"))
         bf16_one = _train(prefix, cache, *LLAMA_BF16, "--load", str(out / "ckpt-bf16-fsdp"))
     ranks4 = run_ranks(_rank4, 4, prefix, str(out), timeout=1800)
+    with one_thread():
+        in_one = {name: _train(prefix, cache, *flags, "--load", str(
+            out / f"ckpt-{name}" / f"iter_{SAVE_AT:07d}")) for name, flags in IN_ONE.items()}
     return {"one": one, "bf16": bf16, "tp ref": tp_ref, "moe": moe, "ranks2": ranks2,
             "resumed one": resumed_one, "bf16 one": bf16_one, "ranks4": ranks4,
+            "in one process": in_one,
             "bf16 keys": _saved_keys(out / "ckpt-bf16-fsdp" / f"iter_{SAVE_AT:07d}")}
 
 
@@ -343,6 +352,16 @@ def test_layout_resumes_exactly(runs, name):
         if full["losses"]:
             assert resumed["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), (name, rank)
         assert resumed["losses"] == full["losses"][SAVE_AT:], f"{name}: rank {rank} differs"
+
+
+@pytest.mark.parametrize("name", IN_ONE)
+def test_layout_checkpoint_resumes_in_one_process_without_fsdp(runs, name):
+    """The shards of every rank (DP x CP, both pipeline stages, the experts' over expert-DP
+    within each EP rank's) make the whole model and optimizer state again."""
+    ref, _ = _layout_results(runs, name)
+    got = runs["in one process"][name]
+    assert got["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), name
+    _close(got["losses"], ref["losses"][SAVE_AT:], LOSS_TOL, f"{name} in one process")
 
 
 @pytest.mark.parametrize("name", UNITS)
