@@ -115,12 +115,14 @@ HELP = {
     "--sequence-parallel": "split layer norms and dropout along the sequence over TP",
     "--distributed-backend": "nccl or gloo (default: nccl with CUDA, else gloo)",
     "--DDP-impl": "local (bucketed all-reduce) or torch (DistributedDataParallel)",
-    "--use-torch-fsdp2": "shard parameters, gradients and optimizer state over DP with torch's "
-                         "FSDP2 (each transformer layer one unit)",
+    "--use-torch-fsdp2": "shard parameters, gradients and optimizer state over DP x CP with "
+                         "torch's FSDP2 (each transformer layer one unit, MoE experts over "
+                         "expert-DP)",
     "--fsdp-reshard-after-forward": "free gathered parameters after each unit's forward "
                                     "(the default, ZeRO-3-like)",
     "--no-fsdp-reshard-after-forward": "keep each unit's gathered parameters from its forward "
-                                       "to its backward (ZeRO-2-like); Megatron-LM's "
+                                       "to its backward and across micro batches (ZeRO-2-"
+                                       "like); Megatron-LM's "
                                        "--torch-fsdp2-no-reshard-after-forward is the same",
     "--use-distributed-optimizer": "shard fp32 main params and optimizer state over DP (ZeRO-1)",
     "--overlap-grad-reduce": "start each gradient bucket's all-reduce during backward",

@@ -4,7 +4,7 @@ from megatron.config.errors import require
 
 def check_fsdp(config, dp: int) -> None:
     """Refuse, naming the flags, each combination FSDP here does not serve."""
-    p, t, m = config.parallel, config.training, config.model
+    p, t = config.parallel, config.training
     if not p.use_torch_fsdp2:
         return
     refused = [
@@ -12,14 +12,9 @@ def check_fsdp(config, dp: int) -> None:
                                       "optimizer state; drop one of them)"),
         (p.DDP_impl == "torch", "--DDP-impl torch (FSDP reduces the gradients itself)"),
         (t.fp16, "--fp16 (loss scaling is not done under FSDP; use --bf16)"),
-        (p.pipeline_model_parallel_size > 1,
-         f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} (use 1)"),
-        (p.context_parallel_size > 1, f"--context-parallel-size {p.context_parallel_size} (use 1)"),
-        (m.moe is not None and m.moe.enabled, "--num-experts (MoE layers; use a dense model)"),
-        (m.recompute_granularity is not None,
-         f"--recompute-granularity {m.recompute_granularity} (activation recomputation)"),
         (t.torch_compile, "--torch-compile"),
-        (dp == 1, "a data-parallel size of 1 (nothing to shard; launch more ranks or drop it)"),
+        (dp * p.context_parallel_size == 1, "a data-parallel x context-parallel size of 1 "
+                                            "(nothing to shard; launch more ranks or drop it)"),
         (config.checkpoint.ckpt_format != "torch_dist" and (config.checkpoint.save or
                                                            config.checkpoint.load),
          f"--ckpt-format {config.checkpoint.ckpt_format} (use --ckpt-format torch_dist)"),

@@ -42,12 +42,12 @@ class ParallelConfig:
     """Elements per gradient bucket of --DDP-impl local (--ddp-bucket-size)."""
     accumulate_allreduce_grads_in_fp32: bool = False
     use_torch_fsdp2: bool = False
-    """Shard parameters, gradients and optimizer state over DP with torch's FSDP2
-    (--use-torch-fsdp2; megatron/distributed/fsdp.py)."""
+    """Shard parameters, gradients and optimizer state over DP x CP (MoE experts over
+    expert-DP) with torch's FSDP2 (--use-torch-fsdp2; megatron/distributed/fsdp.py)."""
     fsdp_reshard_after_forward: bool = True
     """Free each FSDP unit's gathered parameters after its forward and gather them again for
-    its backward (ZeRO-3-like; Megatron-Core's default), or keep them to the backward
-    (--no-fsdp-reshard-after-forward, ZeRO-2-like)."""
+    its backward (ZeRO-3-like; Megatron-Core's default), or keep them to the backward and
+    from one micro batch to the next (--no-fsdp-reshard-after-forward, ZeRO-2-like)."""
     distributed_timeout_minutes: float = 10.0
     """Timeout of every collective; a silent peer ends the run with one line."""
 

@@ -57,7 +57,8 @@ def tied_embedding_params(models, pstate) -> List[torch.nn.Parameter]:
 
 def allreduce_embedding_grads(models, pstate) -> None:
     """Sum the word-embedding gradients of the first and last pipeline stage."""
-    grads = [grad_of(p) for p in tied_embedding_params(models, pstate)]
+    # under FSDP the local shards: both stages shard the weight alike over their DP groups
+    grads = [local(grad_of(p)) for p in tied_embedding_params(models, pstate)]
     _all_reduce_coalesced([g for g in grads if g is not None], pstate.embedding_group)
 
 

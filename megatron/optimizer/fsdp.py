@@ -4,7 +4,7 @@ The parameters are fp32 DTensors, each rank holding its dim-0 shard (over DP) of
 one, so the main parameters are the model parameters themselves and Adam's moments exist
 once across DP. The torch optimizer steps the shards (DTensor arithmetic is local for
 element-wise updates); the gradient norm (clipping, the nan / inf skip) is taken over the
-local gradient shards, summed once over the DP group and then over TP x PP, each element
+local gradient shards, summed once over the DP x CP group (the experts' over expert-DP) and then over TP x PP, each element
 counted once (megatron.distributed.fsdp.local_shards gives where each shard begins, for
 the k / v replicas that TP above the query groups leaves).
 """
@@ -12,7 +12,7 @@ from typing import Tuple
 
 import torch
 
-from megatron.distributed.fsdp import local_shards
+from megatron.distributed.fsdp import local_shards, shard_groups
 from megatron.mpu.fsdp_shards import local
 from megatron.distributed.grads import expert_norm_groups, norm_and_nonfinite
 from megatron.optimizer.optimizer import MegatronOptimizer
@@ -31,7 +31,7 @@ class FSDPOptimizer(MegatronOptimizer):
     def _norm_and_nonfinite(self, grads) -> Tuple[float, bool]:
         params, shards, starts = local_shards(self.model_params, grads)
         return norm_and_nonfinite(params, shards, self.pstate.tp_group, self.pstate.mp_group,
-                                  dp_group=self.pstate.dp_group, starts=starts,
+                                  starts=starts, **shard_groups(self.pstate),
                                   **expert_norm_groups(self.pstate))
 
     def _release_grads(self) -> None:

@@ -7,7 +7,7 @@ from typing import List
 
 import torch
 
-from megatron.distributed.fsdp import local_shards
+from megatron.distributed.fsdp import local_shards, shard_groups
 from megatron.mpu.fsdp_shards import is_sharded
 from megatron.distributed.grads import expert_norm_groups, grad_of, norm_and_nonfinite, norm_parts
 from megatron.mpu.mappings import all_reduce
@@ -23,18 +23,19 @@ def _with_grads(models):
     return params, [grad_of(p) for p in params]
 
 
-def _shard_group(params, pstate):
-    """The DP group over which FSDP's shards (DTensors) are summed; None without FSDP."""
-    return pstate.dp_group if any(is_sharded(p) for p in params) else None
+def _shard_groups(params, pstate) -> dict:
+    """The groups over which FSDP's shards (DTensors) are summed (dense, experts); none
+    without FSDP."""
+    return shard_groups(pstate) if any(is_sharded(p) for p in params) else {}
 
 
 def params_norm(models, pstate) -> float:
     """L2 norm of all model parameters (Megatron's ` params norm:`); FSDP's local shards
-    summed over DP."""
+    summed over the groups they shard over."""
     params = _params(models)
     params, tensors, starts = local_shards(params, [p.detach() for p in params])
     norm, _ = norm_and_nonfinite(params, tensors, pstate.tp_group, pstate.mp_group,
-                                 dp_group=_shard_group(params, pstate), starts=starts,
+                                 starts=starts, **_shard_groups(params, pstate),
                                  **expert_norm_groups(pstate))
     return norm
 
@@ -53,9 +54,11 @@ def num_zeros_in_grad(models, pstate) -> int:
         if counted:
             total = expert if own and getattr(p, "expert_parallel", False) else dense
             total += (part == 0).sum()
-    shards = _shard_group(params, pstate)
-    if shards is not None:
-        all_reduce(dense, shards)
+    shards = _shard_groups(params, pstate)
+    if shards:
+        all_reduce(dense, shards["dp_group"])
+        if own:
+            all_reduce(expert, shards["edp_group"])
     all_reduce(dense, pstate.mp_group)
     if own:
         all_reduce(expert, groups["expert_mp_group"])

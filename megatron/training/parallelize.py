@@ -18,8 +18,8 @@ this order:
 7. dtype and device;
 8. `--torch-compile`: each transformer layer compiled in place;
 9. `--use-torch-fsdp2`: last, as torchtitan does: each transformer layer (and an untied
-   model's embedding) an FSDP unit, the chunk the root unit, sharded over the DP group
-   (megatron/distributed/fsdp.py). The parameters stay fp32 (the optimizer's main
+   model's embedding) an FSDP unit, the chunk the root unit, sharded over the DP x CP group,
+   each layer's MoE experts a unit over the expert-DP group (megatron/distributed/fsdp.py). The parameters stay fp32 (the optimizer's main
    parameters); with --bf16 FSDP gathers them in bf16 and reduces gradients in fp32.
 
 Then every rank agrees on the fused kernels' choices for the run's shapes
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import ModelConfig
-from megatron.distributed.fsdp import apply_fsdp
+from megatron.distributed.fsdp import FSDPGroups, apply_fsdp
 from megatron.model.transformer import enable_context_parallel
 from megatron.training.kernel_choices import agree_kernel_choices
 from megatron.pipeline.p2p import P2PCommunicator
@@ -76,7 +76,8 @@ def parallelize(model: torch.nn.Module, config, pstate, device) -> torch.nn.Modu
         compile_layers(model)
     if fsdp:
         compute = params_dtype(config)
-        apply_fsdp(model, pstate.dp_group, device, config.parallel.fsdp_reshard_after_forward,
+        groups = FSDPGroups(pstate.dp_cp_group, pstate.edp_group, pstate.dp_size)
+        apply_fsdp(model, groups, device, config.parallel.fsdp_reshard_after_forward,
                    param_dtype=None if compute == torch.float32 else compute)
     return model
 

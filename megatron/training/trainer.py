@@ -78,7 +78,8 @@ class Trainer:
             else params_dtype(config)
         self.fsdp = config.parallel.use_torch_fsdp2
         # Under FSDP our reducer is bypassed: FSDP reduce-scatters the gradients itself.
-        self.reducers = ([FSDPReducer(m) for m in models] if self.fsdp else build_grad_reducers(
+        keep = not config.parallel.fsdp_reshard_after_forward
+        self.reducers = ([FSDPReducer(m, keep) for m in models] if self.fsdp else build_grad_reducers(
             models, pstate, config.parallel, grad_dtype, tied_embedding_params(models, pstate)))
         self.torch_ddp = config.parallel.DDP_impl == "torch"
         # --DDP-impl torch: the forward goes through the DDP wrapper (the plain

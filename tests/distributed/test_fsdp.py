@@ -6,17 +6,26 @@ One spawn of 2 ranks (FSDP at DP 2) runs, in turn:
   --log-num-zeros-in-grad: losses, gradient norms and params norms equal the
   single-process run's within 1e-5 relative (the layout tests' tolerance), zero counts
   within ZEROS_SLACK entries that round to 0 in one order and not the other; saved at
-  iteration 3 (torch_dist) it resumes to the uninterrupted losses bit for bit;
+  iteration 5 (torch_dist) it resumes to the uninterrupted losses bit for bit;
 - the same run resumed under FSDP from a checkpoint the single-process run saved;
 - the LLaMA-style model (untied: the embedding its own unit; GQA, RoPE, RMSNorm, SwiGLU)
   in bf16 (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
   main params) with --no-fsdp-reshard-after-forward, against the same bf16 run in one
   process without FSDP, within BF16_TOL.
+- full and selective activation recomputation, and MoE at EP 2 x DP 2 (LAYOUTS2).
 The parent resumes the FSDP checkpoint in one process without FSDP, to the uninterrupted
 losses within 1e-5. A spawn of 4 ranks runs TP 2 x FSDP 2 with sequence parallelism (the
 LLaMA-style model, fp32: GQA's k / v and the SP norms' partial gradients under FSDP's
 shards) against one process, zero counts included (thousands: the untied embedding rows
-of absent tokens). Unsupported combinations are one line.
+of absent tokens), DP 4, and LAYOUTS4: CP 2 x DP 2 (the FSDP mesh DP x CP), PP 2 x DP 2
+with 1F1B and with the interleaved schedule (tied embeddings across the first and last
+stage; also with --no-fsdp-reshard-after-forward), an MoE model at EP 2 x DP 4 (experts
+sharded over expert-DP 2, dense weights over DP 4), CP 2 x PP 2 and EP 2 x PP 2. Each of
+LAYOUTS2 / LAYOUTS4 matches its single-process reference over ITERS iterations (losses,
+gradient norms, params norms, zero counts) and resumes bit for bit from its SAVE_AT
+checkpoint (those of IN_ONE also in one process without FSDP). FSDP's collectives are
+counted: one reduce-scatter per unit and global batch (4 micro batches per rank), and with
+kept parameters one all-gather. Unsupported combinations are one line.
 """
 import contextlib
 import io
@@ -29,8 +38,8 @@ from tests.distributed.layouts import LOSS_TOL, llama_style
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import assert_exits_2_with_one_line, one_thread, tiny_gpt_argv, wiki_workdir
 
-ITERS = 6
-SAVE_AT = 3
+ITERS = 10
+SAVE_AT = 5
 BF16_TOL = 1e-4
 """Relative loss difference allowed between bf16 FSDP and bf16 without FSDP (measured: 5.6e-6
 over 6 iterations): the same math, but gradients reduced in another order (FSDP's
@@ -45,30 +54,100 @@ LLAMA_BF16 = [*llama_style(32), "--bf16", "--clip-grad", "0.5", "--ckpt-format",
 LLAMA = [*llama_style(32), "--clip-grad", "0.5", "--log-num-zeros-in-grad",
          "--log-params-norm"]
 LLAMA_TP2 = [*LLAMA, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+DIST = ["--ckpt-format", "torch_dist"]
+MOE = [*llama_style(32), "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+       "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2", "--clip-grad", "0.5",
+       "--log-num-zeros-in-grad", "--log-params-norm", *DIST]
+"""A LLaMA-style MoE model: layer 0 of 2 has 4 experts (top-2), layer 1 is dense."""
+PP2 = ["--pipeline-model-parallel-size", "2"]
+LAYOUTS2 = {  # name: (flags, micro batch size, the reference's name); FSDP at DP 2
+    "recompute-full": ([*CLIP, "--recompute-granularity", "full", "--recompute-method",
+                        "uniform", "--recompute-num-layers", "1"], 1, "one"),
+    "recompute-selective": ([*CLIP, "--recompute-granularity", "selective"], 1, "one"),
+    # expert-DP of one rank: the experts' unit divides its unsummed gradient by DP once
+    "ep2-expert-dp1": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),
+}
+LAYOUTS4 = {  # the same, in a world of 4
+    "cp2": ([*LLAMA, *DIST, "--context-parallel-size", "2"], 1, "tp ref"),
+    "pp2": ([*CLIP, *PP2], 1, "one"),
+    "pp2-interleaved": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"], 1, "one"),
+    "pp2-interleaved-kept": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
+                              "--no-fsdp-reshard-after-forward"], 1, "one"),
+    "ep2": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),  # DP 4, expert-DP 2
+    "cp2-pp2": ([*LLAMA, *DIST, "--context-parallel-size", "2", *PP2], 1, "tp ref"),  # DP 1
+    "ep2-pp2": ([*MOE, "--expert-model-parallel-size", "2", *PP2], 2, "moe"),  # expert-DP 1
+}
+IN_ONE = {"cp2": [*LLAMA, *DIST], "pp2-interleaved": CLIP, "ep2": MOE, "ep2-pp2": MOE}
+"""Layouts of LAYOUTS4 whose FSDP checkpoints (at SAVE_AT) the parent resumes in one process
+without FSDP: the reference's flags."""
+UNITS = {"fsdp": 5, "recompute-full": 5, "pp2": 3, "pp2-interleaved": 3,
+         "pp2-interleaved-kept": 3}
+"""FSDP units with parameters on each rank: the tied GPT's 4 layers and the root (the
+embedding, final norm and head); each PP stage 2 layers and a root (the embedding, or the
+final norm and head copy), with virtual stages chunk 0's and 1's layer and one root on each
+rank (the other chunk's root holds nothing). Each reduce-scatters once per global batch."""
 
 workdir = wiki_workdir("fsdp")
 
 
+@contextlib.contextmanager
+def _counting_fsdp_collectives():
+    """{"reduce-scatters": n, "all-gathers": n}: the collectives FSDP2 runs in the block
+    (torch.distributed's reduce_scatter_single / all_gather_single, which nothing else here
+    calls), counted as they are called."""
+    import torch.distributed as dist
+    counts = {"reduce-scatters": 0, "all-gathers": 0}
+    names = {"reduce-scatters": "reduce_scatter_single", "all-gathers": "all_gather_single"}
+    real = {key: getattr(dist, name) for key, name in names.items()}
+
+    def counted(key):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return real[key](*args, **kwargs)
+        return call
+    for key, name in names.items():
+        setattr(dist, name, counted(key))
+    try:
+        yield counts
+    finally:
+        for key, name in names.items():
+            setattr(dist, name, real[key])
+
+
 def _train(prefix, cache, *extra, mbs=2):
-    """{losses, grad norms, params norms, zeros, iterations} of one run, from its history
-    and its printed log lines (the last rank prints them)."""
+    """{losses, grad norms, params norms, zeros, iterations, reduce-scatters, all-gathers}
+    of one run, from its history and its printed log lines (the last rank prints them)."""
     import pretrain_gpt
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), _counting_fsdp_collectives() as collectives:
         state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, *extra, mbs=mbs, gbs=8,
                                                 iters=ITERS))
     text = out.getvalue()
-    return {"losses": [h["lm loss"] for h in state.history],
+    return {**collectives,
+            "losses": [h["lm loss"] for h in state.history],
             "grad norms": [h.get("grad norm") for h in state.history],
             "iterations": [h["iteration"] for h in state.history],
             "params norms": [float(v) for v in re.findall(r"params norm: ([0-9.]+)", text)],
             "zeros": [float(v) for v in re.findall(r"num zeros: ([0-9.]+)", text)]}
 
 
+def _train_layouts(layouts, prefix, out):
+    """Each layout under FSDP for ITERS iterations, saving at SAVE_AT, and resumed from
+    there: {name: run, name/resumed: run}."""
+    cache, results = os.path.join(out, "cache"), {}
+    for name, (flags, mbs, _) in layouts.items():
+        save = os.path.join(out, f"ckpt-{name}")
+        results[name] = _train(prefix, cache, *FSDP, *flags, "--save", save,
+                               "--save-interval", str(SAVE_AT), mbs=mbs)
+        results[name + "/resumed"] = _train(prefix, cache, *FSDP, *flags, "--load", os.path.join(
+            save, f"iter_{SAVE_AT:07d}"), mbs=mbs)
+    return results
+
+
 def _rank2(rank, world, prefix, out):
     cache = os.path.join(out, "cache")
     save, bf16_save = os.path.join(out, "ckpt-fsdp"), os.path.join(out, "ckpt-bf16-fsdp")
-    return {
+    return {**_train_layouts(LAYOUTS2, prefix, out),
         "fsdp": _train(prefix, cache, *FSDP, *CLIP, mbs=1),
         "fsdp/first": _train(prefix, cache, *FSDP, *CLIP, "--save", save, "--save-interval",
                              str(SAVE_AT), "--exit-interval", str(SAVE_AT), mbs=1),
@@ -90,7 +169,7 @@ def _rank2(rank, world, prefix, out):
 
 def _rank4(rank, world, prefix, out):
     cache = os.path.join(out, "cache")
-    return {"offsets": _uneven_shards(world),
+    return {**_train_layouts(LAYOUTS4, prefix, out), "offsets": _uneven_shards(world),
             "tp2": _train(prefix, cache, *FSDP, *LLAMA_TP2, mbs=1),
             "dp4": _train(prefix, cache, *FSDP, *CLIP, mbs=1)}
 
@@ -136,13 +215,18 @@ def runs(workdir):
         bf16 = _train(prefix, cache, *LLAMA_BF16, "--save", str(out / "ckpt-bf16-one"),
                       "--save-interval", str(SAVE_AT))
         tp_ref = _train(prefix, cache, *LLAMA)
+        moe = _train(prefix, cache, *MOE)
     ranks2 = run_ranks(_rank2, 2, prefix, str(out), timeout=1800)
     with one_thread():
         resumed_one = _train(prefix, cache, *CLIP, "--load", str(out / "ckpt-fsdp"))
         bf16_one = _train(prefix, cache, *LLAMA_BF16, "--load", str(out / "ckpt-bf16-fsdp"))
     ranks4 = run_ranks(_rank4, 4, prefix, str(out), timeout=1800)
-    return {"one": one, "bf16": bf16, "tp ref": tp_ref, "ranks2": ranks2,
+    with one_thread():
+        in_one = {name: _train(prefix, cache, *flags, "--load", str(
+            out / f"ckpt-{name}" / f"iter_{SAVE_AT:07d}")) for name, flags in IN_ONE.items()}
+    return {"one": one, "bf16": bf16, "tp ref": tp_ref, "moe": moe, "ranks2": ranks2,
             "resumed one": resumed_one, "bf16 one": bf16_one, "ranks4": ranks4,
+            "in one process": in_one,
             "bf16 keys": _saved_keys(out / "ckpt-bf16-fsdp" / f"iter_{SAVE_AT:07d}")}
 
 
@@ -238,10 +322,75 @@ def test_tp2_fsdp2_sequence_parallel_equals_one_process(runs):
     _zeros_close(last["zeros"], ref["zeros"], "zeros")
 
 
+def _layout_results(runs, name):
+    """(the reference's run, every rank's results) of a layout of LAYOUTS2 or LAYOUTS4."""
+    world = 2 if name in LAYOUTS2 else 4
+    return runs[{**LAYOUTS2, **LAYOUTS4}[name][2]], runs[f"ranks{world}"]
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS2, *LAYOUTS4])
+def test_layout_equals_one_process(runs, name):
+    """Losses and gradient norms on every rank that reports them (the last PP stage), and
+    the params norm and zero count the last rank logs."""
+    ref, results = _layout_results(runs, name)
+    reporting = [r[name] for r in results if r[name]["losses"]]
+    assert len(reporting) == (2 if "pp2" in name else len(results)), name
+    for rank, got in enumerate(reporting):
+        assert got["iterations"] == list(range(1, ITERS + 1)), (name, rank)
+        _close(got["losses"], ref["losses"], LOSS_TOL, f"{name}: rank {rank} losses")
+        _close(got["grad norms"], ref["grad norms"], LOSS_TOL, f"{name}: rank {rank} grad norms")
+    last = results[-1][name]
+    _close(last["params norms"], ref["params norms"], LOSS_TOL, f"{name}: params norms")
+    _zeros_close(last["zeros"], ref["zeros"], f"{name}: zeros")
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS2, *LAYOUTS4])
+def test_layout_resumes_exactly(runs, name):
+    _, results = _layout_results(runs, name)
+    for rank, result in enumerate(results):
+        full, resumed = result[name], result[name + "/resumed"]
+        if full["losses"]:
+            assert resumed["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), (name, rank)
+        assert resumed["losses"] == full["losses"][SAVE_AT:], f"{name}: rank {rank} differs"
+
+
+@pytest.mark.parametrize("name", IN_ONE)
+def test_layout_checkpoint_resumes_in_one_process_without_fsdp(runs, name):
+    """The shards of every rank (DP x CP, both pipeline stages, the experts' over expert-DP
+    within each EP rank's) make the whole model and optimizer state again."""
+    ref, _ = _layout_results(runs, name)
+    got = runs["in one process"][name]
+    assert got["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), name
+    _close(got["losses"], ref["losses"][SAVE_AT:], LOSS_TOL, f"{name} in one process")
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_gradients_reduce_scattered_once_per_global_batch(runs, name):
+    """Only the backward of each chunk's last micro batch reduce-scatters (4 micro batches
+    per rank here): once per unit and iteration, the pipeline schedules' included."""
+    results = runs["ranks2"] if name in ("fsdp", *LAYOUTS2) else runs["ranks4"]
+    assert [r[name]["reduce-scatters"] for r in results] == [UNITS[name] * ITERS] * len(results)
+
+
+def test_kept_gathered_parameters_are_all_gathered_once_per_global_batch(runs):
+    """--no-fsdp-reshard-after-forward: the untied LLaMA-style model's 4 units (embedding,
+    2 layers, root), and under the interleaved schedule each rank's 3 (UNITS), stay gathered
+    over the 4 micro batches, and are gathered once more for the validation after the last
+    iteration; resharding after forward gathers far more."""
+    for result in runs["ranks2"]:
+        assert result["bf16"]["all-gathers"] == 4 * (ITERS + 1)
+        assert result["bf16/first"]["all-gathers"] > 4 * 4 * SAVE_AT
+    for result in runs["ranks4"]:
+        assert result["pp2-interleaved-kept"]["all-gathers"] == 3 * (ITERS + 1)
+        assert result["pp2-interleaved"]["all-gathers"] > 3 * 4 * ITERS
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--use-distributed-optimizer"], ["--use-torch-fsdp2", "--use-distributed-optimizer"]),
     (["--fp16"], ["--use-torch-fsdp2", "--fp16"]),
-    (["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size 2"]),
+    (["--DDP-impl", "torch"], ["--use-torch-fsdp2", "--DDP-impl torch"]),
+    (["--torch-compile"], ["--use-torch-fsdp2", "--torch-compile"]),
+    (["--tensor-model-parallel-size", "4"], ["--use-torch-fsdp2", "context-parallel size of 1"]),
     (["--save", "x", "--ckpt-format", "torch"], ["--ckpt-format torch", "torch_dist"]),
 ])
 def test_unsupported_combinations_are_one_line(flags, words, capsys):
