@@ -23,7 +23,8 @@ number) and the charts: step_time.png (ms per step against the peers per configu
 dtype and ISA), attention_speedup.png (our attention kernel's speed-up against sequence
 length per ISA), kernels.png (the other kernels' speed-ups per ISA) and long_context.png.
 Every chart and the summary name the CPU, the ISAs, the thread count and the git commit.
-The whole run takes about 10 minutes on 2 quiet cores; it prints its elapsed time.
+The whole run took 12.3 minutes on 2 shared cores (7.7 minutes of CPU time); it prints
+its elapsed time.
 `--quick` runs tiny sizes with one repetition, the best ISA only (unless `--isa` says
 otherwise), in about a minute: a smoke test of the report, not a measurement.
 Needs matplotlib (`pip install matplotlib`, part of the `test` extra): without it, one line

@@ -253,7 +253,7 @@ def runs_section(results) -> list:
              "ok" if not r["rc"] else f"exit {r['rc']}"] for r in results]
     return ["## Runs", "", *table(["command", "ISA", "seconds", "load average", "status"], rows),
             "", "## Make your own", "",
-            "`python benchmarks/report.py` (about 10 minutes on 2 cores) writes this folder; "
+            "`python benchmarks/report.py` (under 15 minutes on 2 cores) writes this folder; "
             "`--out DIR` writes another, `--quick` runs tiny sizes in about a minute, `--isa` "
             "and `--only` choose the ISAs and the benchmarks, `--threads N` the threads. "
             "results.json holds every number.", ""]
