@@ -186,11 +186,18 @@ def step_section(results) -> list:
                     "minimal ms", "MFU"], rows), ""]
 
 
+def by_line(rows) -> list:
+    """Attention rows in the order of the chart's lines: ISA (as run), dropout, then length."""
+    order = {isa: i for i, isa in enumerate(dict.fromkeys(row["isa"] for row in rows))}
+    return sorted(rows, key=lambda row: (order[row["isa"]], row["dropout"],
+                                         row.get("dtype", "float32"), row["seq"]))
+
+
 def attention_section(results) -> list:
     rows = [[row["seq"], f"b{row['batch']} h{row['heads']} d{row['head_dim']}",
              row.get("dtype", "float32"), row["dropout"], row["isa"],
              f"{row['ms'][0]:.2f}", f"{row['ms'][1]:.2f}", f"{row['speedup']:.2f}x",
-             f"{row['auto']} ({row['verdict']})"] for row in fused_rows(results, True)]
+             f"{row['auto']} ({row['verdict']})"] for row in by_line(fused_rows(results, True))]
     return ["## Attention kernel", "", "![Attention speed-up against sequence length]"
             "(attention_speedup.png)", "",
             "Causal self-attention forward + backward (bench_fused.py): SDPA (with dropout: the "

@@ -89,7 +89,7 @@ def fake_results() -> list:
                 ratios={"transformers": 1.4, "minimal": 1.2})
     rows = [{"name": f"CPU causal attention fwd+bwd s{s}", "ms": [2.0, 1.0], "speedup": 2.0,
              "auto": "fused", "verdict": "faster", "kernel": "attention", "seq": s, "batch": 1,
-             "heads": 8, "head_dim": 64, "dropout": 0.0} for s in (256, 512, 1024)]
+             "heads": 8, "head_dim": 64, "dropout": 0.0} for s in (1024, 256, 512)]
     rows.append({"name": "CPU layer norm fwd+bwd [2048,256] float32", "ms": [1.5, 1.0],
                  "speedup": 1.5, "auto": "plain", "verdict": "SLOWER"})
     long = dict(benchmark="long_context", budget_gib=0.25, layers=2, rows=[
@@ -113,6 +113,8 @@ def test_charts_cover_every_isa(tmp_path):
         assert label.startswith("CPU Test CPU | ISA avx512") and label.endswith("abc1234567")
     assert "+ avx2 (forced)" in check_png(tmp_path / "attention_speedup.png")
     assert summary.count("| 1024 | b1 h8 d64 | float32 | 0.0 |") == 2  # one row per ISA
+    seqs = re.findall(r"^\| (\d+) \| b1 h8 d64 \| float32 \| 0.0 \| (\w+) \|", summary, re.M)
+    assert seqs == [(s, isa) for isa in ("avx512", "avx2") for s in ("256", "512", "1024")]
     assert "| layer norm [2048,256] float32 | avx2 | 1.50 | 1.00 | 1.50x | plain (SLOWER) |" in summary
     results = fake_results()
     results[0]["load_after"] = 9.0
