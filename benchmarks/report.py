@@ -1,5 +1,5 @@
-"""A benchmark report people can look at: runs the training-step, MoE, kernel and long-context
-benchmarks and writes a Markdown summary with PNG charts.
+"""Runs the training-step, MoE, kernel and long-context benchmarks; writes a Markdown summary.
+A benchmark report people can look at: the summary has a table per benchmark and PNG charts.
 
     python benchmarks/report.py [--out benchmarks/report] [--quick] [--isa avx512 avx2]
                                 [--threads 2] [--only train_step moe fused long_context]
