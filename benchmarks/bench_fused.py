@@ -3,7 +3,8 @@
     python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
                                     [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy,
                                              attention,attention_dropout}]
-                                    [--max-seq N] [--long]
+                                    [--min-seq N] [--max-seq N] [--long] [--json PATH]
+                                    [--attention-dtypes float32,bfloat16]
 
 CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal softmax forward+backward on [32, 512, 512]: fused kernel vs
@@ -41,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench_json
 import isa_env  # noqa: F401  (before torch: MEGATRON_CPU_ISA holds torch's kernels too)
 import torch
 import torch.nn.functional as F
@@ -124,20 +126,29 @@ LAYER_NORM_SHAPES = ((8192, 1024), (4096, 512), (2048, 256))
 TIE = 1.10
 
 
+# Every line report() printed, for --json: its name, labels, times, speed-up, target, auto's
+# path and verdict, and the `fields` its caller gave (attention: seq, batch, heads, ...).
+ROWS: list[dict] = []
+
+
 def report(name: str, times: list[float], target: float | None = None,
-           auto_fused: bool | None = None, labels=("plain", "fused")) -> None:
+           auto_fused: bool | None = None, labels=("plain", "fused"), **fields) -> None:
     """One line: both times (named `labels`), the speed-up against the target, and
     (auto_fused given) which path the default (`fusion=True` / `--attention-impl auto`) takes
     for these inputs and whether that is the faster one in this run."""
     t_plain, t_fused = times
     ratio = t_plain / t_fused
     goal = f" (target >= {target:.1f}x: {'ok' if ratio >= target else 'MISSED'})" if target else ""
-    auto = ""
+    auto, verdict = "", None
     if auto_fused is not None:
         faster = (t_fused <= t_plain) == auto_fused
         verdict = ("faster" if faster else
                    "tie" if max(ratio, 1 / ratio) < TIE else "SLOWER")
         auto = f"  auto: {'fused' if auto_fused else 'plain'} ({verdict})"
+    ROWS.append({"name": name, "labels": list(labels), "ms": [1e3 * t_plain, 1e3 * t_fused],
+                 "speedup": ratio, "target": target, "verdict": verdict,
+                 "auto": None if auto_fused is None else "fused" if auto_fused else "plain",
+                 **fields})
     print(f"{name:<44} {labels[0]} {t_plain * 1e3:8.2f} ms  {labels[1]} {t_fused * 1e3:8.2f} ms  "
           f"speed-up {ratio:5.2f}x{goal}{auto}")
 
@@ -227,7 +238,8 @@ LONG_ATTENTION_SHAPES = ((8192, 1, 4, 64), (16384, 1, 2, 64))
 LONG_REPEAT = 5
 
 
-def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool = False) -> None:
+def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool = False,
+                    min_seq: int = None, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """Causal self-attention forward+backward from the views of a fused QKV projection: our
     CPU kernel against what auto runs otherwise, SDPA without dropout, and with dropout
     the explicit path (fused softmax and dropout; SDPA with dropout on a CPU is unfused
@@ -235,9 +247,8 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
     from megatron.config import ModelConfig
     from megatron.model.transformer import CoreAttention
     shapes = ATTENTION_SHAPES + (LONG_ATTENTION_SHAPES if long else ())
-    for dtype, (s, b, heads, dim) in ((d, shape) for d in (torch.float32, torch.bfloat16)
-                                      for shape in shapes):
-        if max_seq is not None and s > max_seq:
+    for dtype, (s, b, heads, dim) in ((d, shape) for d in dtypes for shape in shapes):
+        if (max_seq is not None and s > max_seq) or (min_seq is not None and s < min_seq):
             continue
         qkv = torch.randn(s, b, heads, 3 * dim, dtype=dtype)
         grad = torch.randn(s, b, heads * dim, dtype=dtype)
@@ -269,7 +280,8 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
         report(f"CPU causal attention fwd+bwd {str(dtype)[6:]} s{s} b{b} h{heads} d{dim} "
                f"dropout {dropout}: "
                f"{other} vs ours", compare([step(False), step(True)], samples), 1.1,
-               fused.causal_attention_preferred(q, q, q, dropout))
+               fused.causal_attention_preferred(q, q, q, dropout), kernel="attention", seq=s,
+               batch=b, heads=heads, head_dim=dim, dropout=dropout, dtype=str(dtype)[6:])
 
 
 def bench_cuda(repeat: int) -> None:
@@ -310,11 +322,22 @@ def main() -> None:
     parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
                                            "cross_entropy", "attention", "attention_dropout"),
                         help="time one CPU benchmark only (CUDA ones run in full)")
+    parser.add_argument("--attention-dtypes", default="float32,bfloat16",
+                        help="the dtypes attention is timed in, comma-separated")
+    parser.add_argument("--min-seq", type=int, default=None,
+                        help="time attention from this sequence length on only (with --long: "
+                             "the long lengths alone)")
     parser.add_argument("--max-seq", type=int, default=None,
                         help="time attention up to this sequence length only (a smoke test)")
     parser.add_argument("--long", action="store_true",
                         help="time attention at s8192 and s16384 too (minutes on two cores)")
+    parser.add_argument("--json", metavar="PATH", help="also write every line as JSON "
+                        "(bench_json.py)")
     args = parser.parse_args()
+    names = args.attention_dtypes.split(",")
+    if not set(names) <= {"float32", "bfloat16"}:
+        parser.error(f"--attention-dtypes {args.attention_dtypes}: choose from float32, bfloat16")
+    dtypes = [getattr(torch, name) for name in names]
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     if not fused_kernels.load_fused_kernels(verbose=False):
@@ -328,12 +351,13 @@ def main() -> None:
     if args.only in (None, "cross_entropy"):
         bench_cross_entropy(args.repeat)
     if args.only in (None, "attention"):
-        bench_attention(args.repeat, 0.0, args.max_seq, args.long)
+        bench_attention(args.repeat, 0.0, args.max_seq, args.long, args.min_seq, dtypes)
     if args.only in (None, "attention_dropout"):
         model_parallel_seed(1234, 0)
-        bench_attention(args.repeat, 0.1, args.max_seq, args.long)
+        bench_attention(args.repeat, 0.1, args.max_seq, args.long, args.min_seq, dtypes)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
+    bench_json.write(args.json, "fused", repeat=args.repeat, rows=ROWS)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_json  # noqa: E402
 from megatron.arguments import build_parser, parse_args  # noqa: E402
 from megatron.tokenizer import padded_vocab_size  # noqa: E402
 from megatron.training.memory import GiB, Layout, estimate  # noqa: E402
@@ -101,21 +102,27 @@ def main(argv=None):
     p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--num-layers", type=int, default=LAYERS,
                    help="model depth (the measured ranks inherit it)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON (bench_json.py)")
     args = p.parse_args(argv)
     set_layers(args.num_layers)
     budget = args.budget_gib * GiB
-    lengths = {}
+    lengths, rows = {}, []
     for cp in args.cp_sizes:
         seq = lengths[cp] = longest(budget, cp, args.step)
         planned = planned_bytes(seq, cp)
         line = f"CP {cp}: longest sequence {seq} | planner per rank {planned / GiB:.3f} GiB"
+        rows.append({"cp": cp, "seq": seq, "planned_gib": planned / GiB, "ranks": []})
         if not args.plan_only:
             for rank, r in enumerate(measure(seq, cp)):
                 used = r["peak"] - r["baseline"]
                 line += (f" | rank {rank}: peak RSS {r['peak'] / GiB:.3f} GiB (baseline "
                          f"{r['baseline'] / GiB:.3f}), planner / measured "
                          f"{planned / used:.3f}")
+                rows[-1]["ranks"].append({"peak_gib": r["peak"] / GiB, "planner_over_measured":
+                                          planned / used, "baseline_gib": r["baseline"] / GiB})
         print(line, flush=True)
+    bench_json.write(args.json, "long_context", budget_gib=args.budget_gib, layers=LAYERS,
+                     rows=rows)
     if 1 in lengths and 2 in lengths:
         print(f"CP 2 / CP 1 longest sequence: {lengths[2] / lengths[1]:.2f}x "
               f"(budget {args.budget_gib} GiB)")

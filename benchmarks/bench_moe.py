@@ -36,6 +36,8 @@ import bench_train_step as bts  # noqa: E402  (imports isa_env before torch)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import bench_json  # noqa: E402
+
 E, K, LAYERS, H, HEADS, GROUPS, FFN, SEQ, BATCH, VOCAB = 8, 2, 4, 256, 8, 4, 512, 256, 2, 1024
 AUX, ROPE_BASE = 1e-2, 10000.0
 TARGETS = {"transformers": 1.3, "minimal": 1.3}
@@ -217,6 +219,23 @@ def time_gemm(args) -> None:
         print(f"{name:>22}: {1000 * statistics.median(t):7.2f} ms")
 
 
+def report(args, medians) -> None:
+    """Print ms per step and the ratios peer / ours; with --json, write them too."""
+    for name, sec in medians.items():
+        print(f"{name:>20}: {1000 * sec:8.1f} ms/step")
+    for name, target in TARGETS.items():
+        ratio = medians[name] / medians["ours"]
+        print(f"ours / {name}: {ratio:.2f}x faster (target >= {target}x: "
+              f"{'met' if ratio >= target else 'NOT met'})")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    bench_json.write(args.json, "moe", dtype="fp32",
+                     config={"experts": E, "topk": K, "layers": LAYERS, "hidden": H, "seq": SEQ,
+                             "batch": BATCH, "reps": args.reps, "steps": args.steps},
+                     ms_per_step={name: 1000 * sec for name, sec in medians.items()},
+                     ratios={name: medians[name] / medians["ours"] for name in TARGETS},
+                     targets=TARGETS)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
@@ -228,6 +247,7 @@ def main(argv=None):
                    help="time only the experts' matmuls of one layer, by each grouped-GEMM path")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print torch.profiler's top ROWS operators of one step of each contender")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON (bench_json.py)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.gemm:
@@ -248,13 +268,7 @@ def main(argv=None):
         return bts.profile(steps, args.profile)
     medians = bts.interleaved(steps, SimpleNamespace(reps=args.reps, steps=args.steps,
                                                      warmup=args.warmup, device="cpu"))
-    for name, sec in medians.items():
-        print(f"{name:>20}: {1000 * sec:8.1f} ms/step")
-    for name, target in TARGETS.items():
-        ratio = medians[name] / medians["ours"]
-        print(f"ours / {name}: {ratio:.2f}x faster (target >= {target}x: "
-              f"{'met' if ratio >= target else 'NOT met'})")
-    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    report(args, medians)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import isa_env  # noqa: E402,F401  (before torch: MEGATRON_CPU_ISA holds torch's kernels too)
 import torch  # noqa: E402
+
+import bench_json  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
@@ -217,12 +219,14 @@ def parse(argv=None):
     p.add_argument("--our-flags", default="", help="extra pretrain_gpt.py flags for our step")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print torch.profiler's top ROWS operators of one step of each contender")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON (bench_json.py)")
     args = p.parse_args(argv)
     args.peers = [name for name in args.peers.split(",") if name]
     return args
 
 
-def report(args, config, medians):
+def report(args, config, medians) -> dict:
+    """Print the results; return them (ms per step, ratios peer / ours, TFLOP/s, MFU)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     tokens = args.batch * args.seq
     for name, sec in medians.items():
@@ -239,6 +243,10 @@ def report(args, config, medians):
     achieved = model_flops(config.model, args.batch) / ours
     print(f"ours: {achieved / 1e12:.4g} TFLOP/s, matmul probe [{tokens}x{args.hidden}]x"
           f"[{args.hidden}x{4 * args.hidden}] {probe / 1e12:.4g} TFLOP/s: MFU {100 * achieved / probe:.1f}%")
+    return {"ms_per_step": {name: 1000 * sec for name, sec in medians.items()},
+            "ratios": {name: medians[name] / ours for name in args.peers},
+            "targets": {name: TARGETS[name] for name in args.peers},
+            "tflops": achieved / 1e12, "probe_tflops": probe / 1e12, "mfu": achieved / probe}
 
 
 def main(argv=None):
@@ -259,7 +267,11 @@ def main(argv=None):
         steps[name] = build_peer(args, text, makers[name])
     if args.profile:
         return profile(steps, args.profile)
-    report(args, config, interleaved(steps, args))
+    results = report(args, config, interleaved(steps, args))
+    size = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "batch", "vocab",
+                                          "dropout", "reps", "steps", "device", "our_flags")}
+    bench_json.write(args.json, "train_step", dtype="bf16" if args.bf16 else "fp32",
+                     config=size, **results)
 
 
 if __name__ == "__main__":

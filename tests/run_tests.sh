@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 # torch: keep an installed build; otherwise the pinned CPU wheel (never an unpinned resolve).
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0
-$PY -m pip install -q -e ".[test]"   # transformers and lm-eval come with the test extra
+$PY -m pip install -q -e ".[test]"   # transformers, lm-eval and matplotlib (benchmarks/report.py) come with the test extra
 # DeepSpeed 0.19.8 for the launcher test: --no-deps keeps torch and numpy; its pure-Python
 # deps are installed apart.
 $PY -c "import deepspeed" 2>/dev/null || {

@@ -114,11 +114,19 @@ def cpu_model() -> str:
     return _cpu_info()[0]
 
 
+def _supported(flags: frozenset[str]) -> list[str]:
+    return [isa for isa in ("avx512", "avx2") if all(f in flags for f in ISA_CPU_FLAGS[isa])] + [
+        "baseline"]
+
+
 def _best_isa(flags: frozenset[str]) -> str:
-    for isa in ("avx512", "avx2"):
-        if all(f in flags for f in ISA_CPU_FLAGS[isa]):
-            return isa
-    return "baseline"
+    return _supported(flags)[0]
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU can run our kernels in, best first (avx512, avx2,
+    baseline): the values MEGATRON_CPU_ISA may take here."""
+    return _supported(_cpu_info()[1])
 
 
 def requested_isa() -> str:
