@@ -51,7 +51,7 @@ class FusedCausalAttention(torch.autograd.Function):
 def _widened(*tensors):
     """float32 copies of bfloat16 tensors (float32 ones as they are): the kernel computes in
     float32 and the copies cost O(s d) against its O(s^2 d) (measured faster than SDPA's
-    bfloat16 kernel: README, "CPU attention")."""
+    bfloat16 kernel: README, "Fused kernels")."""
     return [t.float() if t.dtype == torch.bfloat16 else t for t in tensors]
 
 
