@@ -31,9 +31,10 @@ from megatron.training.memory import (GiB, Layout, estimate, layer_activations, 
 LABELS = {"fsdp gathered parameters": "gathered", "fsdp unsharded gradients": "full-grads"}
 """Column names of the FSDP rows (megatron/training/memory.py's fsdp_working_bytes)."""
 FSDP_NOTE = ("under --use-torch-fsdp2 parameters, gradients and optimizer are this rank's shards; "
-             "gathered: the all-gathered units held at the peak (root, current and prefetched, or "
-             "all with --no-fsdp-reshard-after-forward); full-grads: the unsharded fp32 gradients "
-             "(the whole chunk's between micro batches, else one unit's)")
+             "gathered: the all-gathered units held at the peak (the root, the unit in backward "
+             "and the prefetched one; all with --no-fsdp-reshard-after-forward); full-grads: the "
+             "unsharded gradients then (that unit's and its fp32 reduce-scatter copy, the root's; "
+             "with several micro batches the whole chunk's fp32 accumulation)")
 
 
 def parse(argv=None):

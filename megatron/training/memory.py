@@ -205,40 +205,41 @@ def fsdp_state_bytes(config, layout: Layout) -> Dict[str, int]:
 
 
 def fsdp_unit_params(config, pp_rank: int):
-    """(root, other units) parameters of the rank's FSDP units, unsharded (TP-local): each
-    transformer layer (its experts with it: they are gathered in its forward), an untied
-    model's input embedding; the root unit holds the rest (final norm, head, tied
-    embeddings)."""
+    """(root, other units in forward order) parameters of the rank's FSDP units, unsharded
+    (TP-local): an untied model's input embedding, then each transformer layer (its experts
+    with it: they are gathered in its forward); the root unit holds the rest (final norm,
+    head, tied embeddings)."""
     m, p = config.model, config.parallel
     tp = p.tensor_model_parallel_size
-    units = []
+    units = [_embedding_params(m, tp)] if pp_rank == 0 and m.untie_embeddings_and_output_weights \
+        else []
     for n in stage_layer_numbers(config, pp_rank):
         units.append(layer_params(m, tp))
         if m.is_moe_layer(n):
             units[-1] += sum(moe_mlp_params(m, tp, p.expert_model_parallel_size, p.expert_tp)) \
                 - _dense_mlp_params(m, tp)
-    if pp_rank == 0 and m.untie_embeddings_and_output_weights:
-        units.append(_embedding_params(m, tp))
     return stage_params(config, pp_rank) - sum(units), units
 
 
 def fsdp_working_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str, int]:
-    """What FSDP holds beyond its shards at the peak (the start of the backward), in bytes:
-    - gathered parameters, in the compute dtype: the root unit (torch never reshards it
-      after forward), the unit whose backward runs and the one torch prefetches (the two
-      largest other units); with --no-fsdp-reshard-after-forward every unit;
-    - the unsharded gradient: with more than one micro batch, the chunk's whole fp32
-      gradient accumulates unsharded between micro batches (FSDPReducer's no_sync); with
-      one, only the unit being reduce-scattered holds its unsharded fp32 gradient."""
+    """What FSDP holds beyond its shards at its peak, in bytes: the backward of the unit U
+    (whichever makes the most), while U's gradient is reduce-scattered.
+    - gathered parameters, in the compute dtype: the root unit (torch never reshards it after
+      forward), U and the unit before it, which torch prefetches; with
+      --no-fsdp-reshard-after-forward every unit;
+    - unsharded gradients: U's as autograd makes it (compute dtype) and its fp32 copy into
+      the reduce-scatter's buffer, and the root's, which is reduced only at the end of the
+      backward; with more than one micro batch instead of the root's the chunk's whole fp32
+      gradient, accumulated unsharded between micro batches (FSDPReducer's no_sync)."""
     root, units = fsdp_unit_params(config, layout.pp_rank)
-    if config.parallel.fsdp_reshard_after_forward:
-        gathered = root + sum(sorted(units)[-2:])
-    else:
-        gathered = root + sum(units)
-    accumulating = num_microbatches > 1
-    unsharded = root + sum(units) if accumulating else max([root] + units)
-    return {"fsdp gathered parameters": gathered * _bytes_per(config),
-            "fsdp unsharded gradients": 4 * unsharded}
+    item, everything = _bytes_per(config), root + sum(units)
+    kept = not config.parallel.fsdp_reshard_after_forward
+    accumulated = 4 * everything if num_microbatches > 1 else item * root
+    peak = (0, 0)
+    for i, unit in enumerate(units or [0]):
+        gathered = everything if kept else root + unit + (units[i - 1] if i else 0)
+        peak = max(peak, (item * gathered, accumulated + (item + 4) * unit), key=sum)
+    return {"fsdp gathered parameters": peak[0], "fsdp unsharded gradients": peak[1]}
 
 
 def _cpu_kernel_runs(config) -> bool:
