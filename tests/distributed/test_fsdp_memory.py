@@ -3,7 +3,7 @@ holds in parameters, gradients and optimizer state under --use-torch-fsdp2 after
 training steps, within 10%, at DP 2 and DP 4 (one spawn each), and at DP 1 without FSDP
 (FSDP refuses a mesh of one rank): the tied GPT in fp32, and an untied one in bf16 with
 --no-fsdp-reshard-after-forward (fp32 shards all the same), each with two micro batches per
-rank. Measured: the storages of the DTensor parameters' local shards, of their sharded
+rank, and at DP 4 an MoE model at EP 2 (experts over expert-DP 2). Measured: the storages of the DTensor parameters' local shards, of their sharded
 gradients and of Adam's moments (tests/distributed/fsdp_memory.py)."""
 import pytest
 
@@ -17,7 +17,15 @@ from tests.unit.test_estimate import VOCAB, _close, config_for
 FSDP = ["--use-torch-fsdp2"]
 RUNS = {"fp32": [], "bf16-kept": ["--bf16", "--untie-embeddings-and-output-weights",
                                   "--no-fsdp-reshard-after-forward"]}
+MOE = {"moe-ep2": ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+                   "--moe-layer-freq", "2", "--expert-model-parallel-size", "2"]}
+"""At DP 4 only: an MoE model (every other layer 4 experts of width 256: about half the bytes of each rank), experts sharded over expert-DP 2,
+the dense weights over DP 4."""
 KEYS = ("parameters", "gradients", "optimizer")
+
+
+def _runs(dp):
+    return {**RUNS, **(MOE if dp == 4 else {})}
 
 
 def _config(flags, dp):
@@ -26,13 +34,15 @@ def _config(flags, dp):
 
 def _ranks(rank, world_size):
     from megatron.mpu import initialize_model_parallel
-    pstate = initialize_model_parallel(1, 1)
-    return {name: measure(_config([*FSDP, *flags], world_size), pstate, VOCAB)
-            for name, flags in RUNS.items()}
+    out = {}
+    for name, flags in _runs(world_size).items():
+        pstate = initialize_model_parallel(1, 1, ep=2 if name in MOE else 1)
+        out[name] = measure(_config([*FSDP, *flags], world_size), pstate, VOCAB)
+    return out
 
 
 def _check(dp, measured_by_rank):
-    for name, flags in RUNS.items():
+    for name, flags in _runs(dp).items():
         config = _config([*FSDP, *flags] if dp > 1 else flags, dp)
         predicted = estimate(config, Layout(world_size=dp, device_type="cpu"))
         for rank, measured in enumerate(measured_by_rank):
