@@ -8,7 +8,9 @@ code, for the given world size, default $WORLD_SIZE or 1), builds the tokenizer
 they name for the padded vocabulary (or takes --vocab-size with
 --tokenizer-type NullTokenizer), and prints for one rank of each pipeline
 stage (or of --pp-rank): parameters, gradients, optimizer state, activations
-(per micro batch and the micro batches in flight) and the total, in GiB, and its
+(per micro batch and the micro batches in flight), under --use-torch-fsdp2 the
+shards of the first three and what FSDP gathers and accumulates unsharded, and the
+total, in GiB, and its
 transformer layers (as the pipeline layout places them); with
 --device-flops (FLOP/s of one device) the step time from the hardware FLOPs,
 the pipeline bubble and, with --link-bandwidth (bytes/s), the communication.
@@ -23,9 +25,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import fail  # noqa: E402
-from megatron.training.memory import GiB, Layout, estimate, layer_activations, stage_layers  # noqa: E402
+from megatron.training.memory import (GiB, Layout, estimate, layer_activations, memory_rows,  # noqa: E402
+                                      stage_layers)
 
-ROWS = ("parameters", "gradients", "optimizer", "activations", "total")
+LABELS = {"fsdp gathered parameters": "gathered", "fsdp unsharded gradients": "full-grads"}
+"""Column names of the FSDP rows (megatron/training/memory.py's fsdp_working_bytes)."""
+FSDP_NOTE = ("under --use-torch-fsdp2 parameters, gradients and optimizer are this rank's shards; "
+             "gathered: the all-gathered units held at the peak (the root, the unit in backward "
+             "and the prefetched one; all with --no-fsdp-reshard-after-forward); full-grads: the "
+             "unsharded gradients then (that unit's and its fp32 reduce-scatter copy, the root's; "
+             "with several micro batches the whole chunk's fp32 accumulation)")
 
 
 def parse(argv=None):
@@ -52,20 +61,23 @@ def parse(argv=None):
 def report(config, ours) -> str:
     pp = config.parallel.pipeline_model_parallel_size
     ranks = range(pp) if ours.pp_rank is None else [ours.pp_rank]
-    lines = [f"{'stage':>6} " + " ".join(f"{row:>12}" for row in ROWS) + f" {'in flight':>10}"
-             + f" {'layers':>7}"]
+    rows = (*memory_rows(config), "total")
+    lines = [f"{'stage':>6} " + " ".join(f"{LABELS.get(row, row):>12}" for row in rows)
+             + f" {'in flight':>10} {'layers':>7}"]
     timing = {}
     for rank in ranks:
         if not 0 <= rank < pp:
             fail(f"--pp-rank {rank} outside the {pp} pipeline stages")
         out = estimate(config, Layout(ours.world_size, rank, ours.device), ours.device_flops,
                        ours.link_bandwidth)
-        lines.append(f"{rank:>6} " + " ".join(f"{out[row] / GiB:>9.3f}GiB" for row in ROWS)
+        lines.append(f"{rank:>6} " + " ".join(f"{out[row] / GiB:>9.3f}GiB" for row in rows)
                      + f" {out['in_flight_micro_batches']:>10.2f} {stage_layers(config, rank):>7}")
         if "step_seconds" in out:
             timing = out  # compute is every stage's; communication the last stage's
     first = estimate(config, Layout(ours.world_size, 0, ours.device))
     lines.append(f"activations per micro batch (stage 0): {first['activations_per_micro_batch'] / GiB:.3f} GiB")
+    if config.parallel.use_torch_fsdp2:
+        lines.append(FSDP_NOTE)
     if timing:
         lines.append(f"step time: {timing['step_seconds']:.3f} s (compute {timing['compute_seconds']:.3f} s "
                      f"incl. pipeline bubble, communication {timing['communication_seconds']:.3f} s; "

@@ -125,6 +125,15 @@ def stage_layers(config, pp_rank: int) -> int:
     return len(stage_layer_numbers(config, pp_rank))
 
 
+def _embedding_params(m, tp: int) -> int:
+    """The input embedding: word (vocab-parallel), learned positions, its norm."""
+    h = m.hidden_size
+    params = m.padded_vocab_size // tp * h
+    params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+    norm = h if m.normalization == "RMSNorm" else 2 * h
+    return params + (norm if m.embed_layernorm else 0)
+
+
 def stage_params(config, pp_rank: int) -> int:
     """Parameters held by the rank at `pp_rank` (any TP / DP rank alike)."""
     m, p = config.model, config.parallel
@@ -134,9 +143,7 @@ def stage_params(config, pp_rank: int) -> int:
     norm = h if m.normalization == "RMSNorm" else 2 * h
     params = stage_layers(config, pp_rank) * layer_params(m, tp) + _moe_layers_correction(config, pp_rank)
     if first:
-        params += vocab * h
-        params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
-        params += norm if m.embed_layernorm else 0
+        params += _embedding_params(m, tp)
     if last:
         params += norm
         if m.untie_embeddings_and_output_weights or not first:
@@ -151,25 +158,88 @@ def flat_adam(config, layout: Layout) -> bool:
             and layout.device_type in ("cpu", "cuda") and config.parallel.DDP_impl == "torch")
 
 
+def shard_counts(config, layout: Layout):
+    """(dense, expert) shard counts of a rank's state: dense parameters shard over DP x CP,
+    experts over expert-DP (the expert grid ETP x EP x expert-DP covers TP x CP x DP)."""
+    p = config.parallel
+    shards = layout.world_size // p.model_parallel_size * p.context_parallel_size
+    edp = max(1, shards * p.tensor_model_parallel_size
+              // (p.expert_tp * p.expert_model_parallel_size))
+    return shards, edp
+
+
+def _sharded(config, layout: Layout, bytes_per_param: int) -> int:
+    """Bytes of `bytes_per_param` per parameter of the stage, sharded as shard_counts says."""
+    n = stage_params(config, layout.pp_rank)
+    experts = stage_expert_params(config, layout.pp_rank)
+    shards, edp = shard_counts(config, layout)
+    return bytes_per_param * (n - experts) // shards + bytes_per_param * experts // edp
+
+
+def _moments_per_param(config) -> int:
+    return 8 if config.optimizer.optimizer == "adam" else 4
+
+
 def state_bytes(config, layout: Layout) -> Dict[str, int]:
     """Parameters, gradients and optimizer state of one rank, in bytes."""
     p = config.parallel
+    if p.use_torch_fsdp2:
+        return fsdp_state_bytes(config, layout)
     n = stage_params(config, layout.pp_rank)
-    dp = layout.world_size // p.model_parallel_size
     mixed = config.training.fp16 or config.training.bf16
     grads = 4 * n if (mixed or p.accumulate_allreduce_grads_in_fp32) else _bytes_per(config) * n
-    moments = 8 * n if config.optimizer.optimizer == "adam" else 4 * n
-    if p.use_distributed_optimizer:  # dense over DP x CP, experts over expert-DP only
-        experts = stage_expert_params(config, layout.pp_rank)
-        per_param = 4 + (8 if config.optimizer.optimizer == "adam" else 4)
-        shards = dp * p.context_parallel_size
-        # the expert grid ETP x EP x expert-DP covers the ranks of TP x CP x DP
-        edp = max(1, shards * p.tensor_model_parallel_size
-                  // (p.expert_tp * p.expert_model_parallel_size))
-        optimizer = per_param * (n - experts) // shards + per_param * experts // edp
+    if p.use_distributed_optimizer:  # its own fp32 main shard and the moments, sharded
+        optimizer = _sharded(config, layout, 4 + _moments_per_param(config))
     else:
-        optimizer = (4 * n if mixed else 0) + moments + (4 * n if flat_adam(config, layout) else 0)
+        optimizer = (4 * n if mixed else 0) + _moments_per_param(config) * n \
+            + (4 * n if flat_adam(config, layout) else 0)
     return {"parameters": _bytes_per(config) * n, "gradients": grads, "optimizer": optimizer}
+
+
+def fsdp_state_bytes(config, layout: Layout) -> Dict[str, int]:
+    """--use-torch-fsdp2: FSDP's sharded fp32 parameters (they are the main parameters,
+    megatron/optimizer/fsdp.py), its sharded fp32 gradients and the moments of the shards;
+    dense ones over DP x CP, experts over expert-DP (megatron/distributed/fsdp.py)."""
+    return {"parameters": _sharded(config, layout, 4), "gradients": _sharded(config, layout, 4),
+            "optimizer": _sharded(config, layout, _moments_per_param(config))}
+
+
+def fsdp_unit_params(config, pp_rank: int):
+    """(root, other units in forward order) parameters of the rank's FSDP units, unsharded
+    (TP-local): an untied model's input embedding, then each transformer layer (its experts
+    with it: they are gathered in its forward); the root unit holds the rest (final norm,
+    head, tied embeddings)."""
+    m, p = config.model, config.parallel
+    tp = p.tensor_model_parallel_size
+    units = [_embedding_params(m, tp)] if pp_rank == 0 and m.untie_embeddings_and_output_weights \
+        else []
+    for n in stage_layer_numbers(config, pp_rank):
+        units.append(layer_params(m, tp))
+        if m.is_moe_layer(n):
+            units[-1] += sum(moe_mlp_params(m, tp, p.expert_model_parallel_size, p.expert_tp)) \
+                - _dense_mlp_params(m, tp)
+    return stage_params(config, pp_rank) - sum(units), units
+
+
+def fsdp_working_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str, int]:
+    """What FSDP holds beyond its shards at its peak, in bytes: the backward of the unit U
+    (whichever makes the most), while U's gradient is reduce-scattered.
+    - gathered parameters, in the compute dtype: the root unit (torch never reshards it after
+      forward), U and the unit before it, which torch prefetches; with
+      --no-fsdp-reshard-after-forward every unit;
+    - unsharded gradients: U's as autograd makes it (compute dtype) and its fp32 copy into
+      the reduce-scatter's buffer, and the root's, which is reduced only at the end of the
+      backward; with more than one micro batch instead of the root's the chunk's whole fp32
+      gradient, accumulated unsharded between micro batches (FSDPReducer's no_sync)."""
+    root, units = fsdp_unit_params(config, layout.pp_rank)
+    item, everything = _bytes_per(config), root + sum(units)
+    kept = not config.parallel.fsdp_reshard_after_forward
+    accumulated = 4 * everything if num_microbatches > 1 else item * root
+    peak = (0, 0)
+    for i, unit in enumerate(units or [0]):
+        gathered = everything if kept else root + unit + (units[i - 1] if i else 0)
+        peak = max(peak, (item * gathered, accumulated + (item + 4) * unit), key=sum)
+    return {"fsdp gathered parameters": peak[0], "fsdp unsharded gradients": peak[1]}
 
 
 def _cpu_kernel_runs(config) -> bool:
@@ -361,6 +431,14 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     return {"per_micro_batch": per_micro, "in_flight": in_flight, "total": per_micro * in_flight}
 
 
+def memory_rows(config):
+    """The keys of estimate() that add up to a rank's total."""
+    rows = ("parameters", "gradients", "optimizer", "activations")
+    if config.parallel.use_torch_fsdp2:
+        rows += ("fsdp gathered parameters", "fsdp unsharded gradients")
+    return rows
+
+
 def estimate(config, layout: Layout, device_flops: Optional[float] = None,
              link_bandwidth: Optional[float] = None) -> Dict[str, float]:
     """Memory (bytes) of one rank and, given a device rate (FLOP/s) and a link
@@ -373,7 +451,9 @@ def estimate(config, layout: Layout, device_flops: Optional[float] = None,
     out["activations"] = acts["total"] + cp_ring_buffers(config) + backward_working_set(config)
     out["activations_per_micro_batch"] = acts["per_micro_batch"]
     out["in_flight_micro_batches"] = acts["in_flight"]
-    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
+    if p.use_torch_fsdp2:
+        out.update(fsdp_working_bytes(config, layout, micro))
+    out["total"] = sum(out[key] for key in memory_rows(config))
     if device_flops:
         out.update(step_time(config, layout, micro, device_flops, link_bandwidth))
     return out

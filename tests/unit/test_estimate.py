@@ -272,3 +272,29 @@ def test_cli_explains_a_layers_memory(capsys):
     assert sizes == sorted(sizes, reverse=True)
     assert float(rows[-1][1]) == pytest.approx(sum(sizes), abs=0.02)
     assert "Megatron's 34 s b h / t" in out[-1]
+
+
+def test_cli_plans_fsdp_shards_and_gathered_units(capsys):
+    """Under --use-torch-fsdp2 at DP 4 the state columns are a quarter of the fp32 state
+    without FSDP (Adam: 16 bytes a parameter in all), and the gathered units and the
+    unsharded gradients have their own columns, counted in the total."""
+    from tools import estimate as tool
+    flags = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+             "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-4",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "50000"]  # 0.15 B parameters
+    tables = {}
+    for name, extra in (("plain", []), ("fsdp", ["--use-torch-fsdp2"])):
+        tool.main(["--world-size", "4", "--", *flags, *extra])
+        lines = capsys.readouterr().out.splitlines()
+        header, row = lines[0].split(), lines[1].split()
+        tables[name] = {key: float(value[:-3]) for key, value in zip(header[1:], row[1:])
+                        if value.endswith("GiB")}
+    plain, fsdp = tables["plain"], tables["fsdp"]
+    assert set(fsdp) - set(plain) == {"gathered", "full-grads"}
+    state = sum(plain[key] for key in ("parameters", "gradients", "optimizer"))
+    assert sum(fsdp[key] for key in ("parameters", "gradients", "optimizer")) == \
+        pytest.approx(state / 4, rel=0.02, abs=2e-3)
+    assert fsdp["gathered"] > 0 and fsdp["full-grads"] > 0
+    assert fsdp["total"] == pytest.approx(sum(v for k, v in fsdp.items() if k != "total"),
+                                          abs=5e-3)

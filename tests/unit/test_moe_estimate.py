@@ -14,6 +14,7 @@ from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.training.memory import Layout, estimate
 from megatron.training.parallelize import build_model
 from megatron.training.trainer import Trainer
+from tests.distributed.fsdp_memory import peak_live_bytes
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import one_thread
 from tests.unit.test_estimate import VOCAB, _close, _storages, config_for, saved_activation_bytes
@@ -24,17 +25,6 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "128",
        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
        "--micro-batch-size", "4", "--seq-length", "128", "--max-position-embeddings", "128"]
-
-
-def _peak_live_bytes(prof) -> int:
-    """The most bytes live at once in a profiled stretch (torch.profiler's allocator events)."""
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def measured(config, pstate):
@@ -65,7 +55,7 @@ def measured(config, pstate):
     acts = saved_activation_bytes(models[0], b, s, config.model.hidden_size)
     return {"parameters": sum(params.values()), "gradients": sum(grads.values()),
             "optimizer": sum(optimizer.values()), "activations": acts,
-            "peak": _peak_live_bytes(prof)}
+            "peak": peak_live_bytes(prof)}
 
 
 def _compare(config, world_size, result, what):
