@@ -33,6 +33,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from tests.distributed.layouts import LOSS_TOL, llama_style
 from tests.distributed.run_ranks import run_ranks
@@ -264,6 +265,32 @@ def test_fsdp_checkpoint_resumes_exactly_and_without_fsdp(runs):
     one = runs["resumed one"]  # FSDP at DP 2 -> one process, no FSDP
     assert one["iterations"] == list(range(SAVE_AT + 1, ITERS + 1))
     _close(one["losses"], runs["one"]["losses"][SAVE_AT:], LOSS_TOL, "FSDP ckpt in one process")
+
+
+def test_tools_read_fsdp_checkpoints(runs, workdir):
+    """tools/merge_mp_partitions.py and tools/convert_checkpoint.py --to hf read the torch_dist
+    checkpoint FSDP saved at DP 2: the merged torch checkpoint holds its tensors exactly, both
+    export the same Hugging Face weights, and the names are the one-process checkpoint's."""
+    from safetensors.torch import load_file
+
+    from megatron.checkpointing import api
+    from tools import convert_checkpoint, merge_mp_partitions
+    _, out = workdir
+    fsdp, merged = str(out / "ckpt-fsdp"), str(out / "ckpt-fsdp-merged")
+    with one_thread():
+        assert merge_mp_partitions.main(["--load", fsdp, "--save", merged]) == 0
+        for load in (fsdp, merged):
+            assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", load,
+                                            "--save", load + "-hf"]) == 0
+    sharded, whole = api.read_model(fsdp)[0], api.read_model(merged)[0]
+    one = api.read_model(str(out / "ckpt-one" / f"iter_{SAVE_AT:07d}"))[0]
+    assert sorted(sharded) == sorted(whole) == sorted(one)
+    assert all(torch.equal(sharded[name], whole[name]) for name in sharded)
+    assert all(torch.allclose(sharded[name], one[name], rtol=1e-3, atol=1e-5) for name in one)
+    exported = [load_file(os.path.join(load + "-hf", "model.safetensors"))
+                for load in (fsdp, merged)]
+    assert sorted(exported[0]) == sorted(exported[1])
+    assert all(torch.equal(exported[0][name], exported[1][name]) for name in exported[0])
 
 
 def test_one_process_checkpoint_resumes_under_fsdp(runs):
