@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
 from megatron.arguments import fail  # noqa: E402
-from megatron.training.memory import (GiB, Layout, estimate, layer_activations, memory_rows,  # noqa: E402
-                                      stage_layers)
+from megatron.training.memory import (GiB, Layout, estimate, layer_activations,  # noqa: E402
+                                      local_seq_length, memory_rows, stage_layers)
 
 LABELS = {"fsdp gathered parameters": "gathered", "fsdp unsharded gradients": "full-grads"}
 """Column names of the FSDP rows (megatron/training/memory.py's fsdp_working_bytes)."""
@@ -95,8 +95,7 @@ def explain_layer(config, device: str):
     b = config.training.micro_batch_size
     parts = layer_activations(config, b, device)
     total = sum(parts.values())
-    s = m.seq_length // p.context_parallel_size
-    megatron = 34 * s * b * m.hidden_size / p.tensor_model_parallel_size
+    megatron = 34 * local_seq_length(config) * b * m.hidden_size / p.tensor_model_parallel_size
     lines = [f"one transformer layer saves for backward (micro batch {b}, per rank):"]
     for name, size in sorted(parts.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<34} {size / 2 ** 20:>10.2f} MiB {100 * size / total:>5.1f}%")

@@ -342,16 +342,15 @@ def layer_activations(config, micro_batch: int, device_type: str) -> Dict[str, f
     if m.recompute_granularity == "full":
         return {"layer input (full recomputation)": sp * b * h * item / m.checkpoint_num_layers}
     q, k, f = m.query_projection_size // tp, _kv_per_rank(m, tp), m.ffn_hidden_size // tp
-    linear_in = sp if config.parallel.sequence_parallel else s
     stats = 1 if m.normalization == "RMSNorm" else 2  # 1 / rms; or mean and 1 / std
     out = {
         "attention norm input": sp * b * h * item,
-        "QKV input": linear_in * b * h * item,
+        "QKV input": sp * b * h * item,
         "q, k, v": s * b * (q + 2 * k) * item,
         **_core_attention(config, micro_batch, device_type),
         "attention projection input": s * b * q * item,
         "MLP norm input": sp * b * h * item,
-        "MLP input": linear_in * b * h * item,
+        "MLP input": sp * b * h * item,
         # gated: gate, its activation, up and the product; else the input and the output
         "MLP activation": s * b * f * (4 if m.gated_mlp else 2) * item,
         "norm statistics": 2 * stats * sp * b * 4,
