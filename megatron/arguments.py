@@ -98,6 +98,7 @@ def _add_architecture_args(parser):
     _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
     for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm", "--scale-embeddings",
+                 "--sandwich-norm",
                  "--group-query-attention", "--add-qkv-bias",
                  "--untie-embeddings-and-output-weights"):
         _flag(g, name, "model", action="store_true")
@@ -110,6 +111,7 @@ def _add_architecture_args(parser):
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
         _flag(g, name, "model", type=int, default=None)
     _flag(g, "--embedding-multiplier", "model", type=float, default=None)
+    _flag(g, "--softmax-scale", "model", type=float, default=None)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 

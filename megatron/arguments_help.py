@@ -84,6 +84,10 @@ HELP = {
     "--norm-epsilon": "epsilon of every norm (default 1e-5); same as --layernorm-epsilon",
     "--apply-layernorm-1p": "norm weights stored zero-centred, applied as 1 + w",
     "--qk-layernorm": "normalise queries and keys per head before attention",
+    "--sandwich-norm": "also normalise the attention and MLP outputs before each residual add "
+                       "(Gemma 2 / 3's post-attention and post-feedforward norms)",
+    "--softmax-scale": "multiply q k^T by this before the softmax (default 1 / sqrt(kv channels); "
+                       "Gemma 3: query_pre_attn_scalar ** -0.5)",
     "--embed-layernorm": "a norm right after the word embeddings (BLOOM)",
     "--scale-embeddings": "multiply the word embeddings by sqrt(hidden size) (fairseq's embed_scale)",
     "--exact-gelu": "the exact erf GeLU (fairseq's gelu) instead of the tanh approximation",

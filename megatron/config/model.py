@@ -23,7 +23,8 @@ ARCHITECTURE_FIELDS = (
     "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type")
+    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type", "sandwich_norm",
+    "softmax_scale")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -138,6 +139,14 @@ class ModelConfig:
     """Norm weights are stored zero-centred and applied as (1 + w) (--apply-layernorm-1p)."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head before attention (--qk-layernorm)."""
+    sandwich_norm: bool = False
+    """Norms after attention and after the MLP too, on each branch's output before it joins
+    the residual stream (--sandwich-norm; Gemma 2 / 3's post_attention_layernorm and
+    post_feedforward_layernorm)."""
+    softmax_scale: Optional[float] = None
+    """Attention scores are q k^T times this (--softmax-scale, Megatron-Core's
+    TransformerConfig.softmax_scale; Gemma 3: query_pre_attn_scalar ** -0.5); None:
+    1 / sqrt(--kv-channels)."""
     embed_layernorm: bool = False
     """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
     embedding_multiplier: float = 1.0
@@ -236,6 +245,8 @@ class ModelConfig:
         require(groups > 0 and self.num_attention_heads % groups == 0,
                 f"--num-query-groups ({groups}) must divide --num-attention-heads "
                 f"({self.num_attention_heads})")
+        require(self.softmax_scale is None or self.softmax_scale > 0,
+                f"--softmax-scale must be positive, got {self.softmax_scale}")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
 
@@ -271,6 +282,13 @@ class ModelConfig:
         with --scale-embeddings)."""
         root = math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
         return self.embedding_multiplier * root
+
+    @property
+    def attention_scale(self) -> float:
+        """What q k^T is multiplied by before the softmax (--softmax-scale, else 1 / sqrt(d))."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.kv_channels)
 
     @property
     def rotary_dim(self) -> int:
