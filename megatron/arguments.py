@@ -127,6 +127,9 @@ def _add_long_context_args(g):
         _flag(g, name, "model", type=float, default=None)
     _flag(g, "--rope-scaling-original-max-position-embeddings", "model", type=int, default=None)
     _flag(g, "--window-size", "model", type=int, default=None)
+    _flag(g, "--window-attn-skip-freq", "model", default=None)
+    _flag(g, "--rotary-base-local", "model", type=int, default=None)
+    _flag(g, "--no-rope-freq", "model", default=None)
 def _add_moe_args(parser):
     """Mixture of experts: Megatron-LM's --moe-* flags (megatron/config/moe.py)."""
     g = parser.add_argument_group("mixture of experts")

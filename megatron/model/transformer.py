@@ -59,12 +59,13 @@ class CoreAttention(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_number = max(1, layer_number)
+        self.window = cfg.window_for_layer(self.layer_number)
         self.dropout_p = cfg.attention_dropout
 
     def forward(self, q, k, v, mask, bias=None):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
-        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
+        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
         if self._use_cpu_kernel(q, k, v, mask, bias):
             p = self._dropout_p()
             fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
@@ -178,7 +179,9 @@ class ParallelAttention(torch.nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
             self.k_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
-        self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        number = max(1, layer_number)
+        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number))
+                       if cfg.uses_rope(number) else None)
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)
         self.core_attention = CoreAttention(cfg, layer_number)
