@@ -127,6 +127,7 @@ def _add_long_context_args(g):
         _flag(g, name, "model", type=float, default=None)
     _flag(g, "--rope-scaling-original-max-position-embeddings", "model", type=int, default=None)
     _flag(g, "--window-size", "model", type=int, default=None)
+    _off(g, "--no-rope-scaling-local", "model", "rope_scaling_local")
     _flag(g, "--window-attn-skip-freq", "model", default=None)
     _flag(g, "--rotary-base-local", "model", type=int, default=None)
     _flag(g, "--no-rope-freq", "model", default=None)

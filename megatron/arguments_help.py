@@ -85,6 +85,9 @@ HELP = {
                            "--rotary-base)",
     "--no-rope-freq": "layers without RoPE: every N-th layer, or a 0/1 list such as "
                       "([0]*3+[1]*1)*12 (1 = no RoPE; Llama 4's NoPE layers)",
+    "--no-rope-scaling-local": "sliding-window layers do not divide their RoPE positions by "
+                               "--rotary-seq-len-interpolation-factor (Gemma 3 scales its "
+                               "global layers only)",
     "--window-size": "sliding-window attention: each query sees itself and the W - 1 "
                      "positions before it (Mistral's sliding_window; default: all)",
     "--normalization": "LayerNorm (GPT-2, BLOOM) or RMSNorm (LLaMA)",

@@ -24,7 +24,8 @@ ARCHITECTURE_FIELDS = (
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
     "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
-    "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale")
+    "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
+    "rope_scaling_local")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -141,6 +142,10 @@ class ModelConfig:
     rotary_base_local: Optional[int] = None
     """RoPE base of the sliding-window layers (--rotary-base-local; Gemma 3's
     rope_local_base_freq, 10000 where its full layers use 1000000); None: --rotary-base."""
+    rope_scaling_local: bool = True
+    """Whether the sliding-window layers' RoPE positions are scaled by
+    --rotary-seq-len-interpolation-factor too (off with --no-rope-scaling-local: Gemma 3
+    scales its full-attention layers only)."""
     no_rope_freq: Union[int, List[int], str, None] = None
     """Layers without RoPE (--no-rope-freq, Megatron-LM's; Llama 4's NoPE layers): an int N
     leaves out every N-th layer (layer_number % N == 0); the list form gives each layer
@@ -297,6 +302,10 @@ class ModelConfig:
                 f"sliding-window layers; it needs --window-size and --position-embedding-type rope")
         require(self.rotary_base_local is None or self.rotary_base_local > 0,
                 f"--rotary-base-local must be positive, got {self.rotary_base_local}")
+        require(self.rope_scaling_local or self.rope_scaling_type is None,
+                f"--no-rope-scaling-local leaves the linear scaling "
+                f"(--rotary-seq-len-interpolation-factor) out of the sliding-window layers; it "
+                f"does not apply to --rope-scaling-type {self.rope_scaling_type}")
         require(self.no_rope_freq is None or self.position_embedding_type == "rope",
                 "--no-rope-freq leaves RoPE out of some layers; it needs "
                 "--position-embedding-type rope")
@@ -331,6 +340,12 @@ class ModelConfig:
         if self.rotary_base_local is not None and self.window_for_layer(layer_number) is not None:
             return self.rotary_base_local
         return self.rotary_base
+
+    def rope_scaled_for_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` divides its RoPE positions by
+        --rotary-seq-len-interpolation-factor: every layer, or with --no-rope-scaling-local
+        only the full-attention ones."""
+        return self.rope_scaling_local or self.window_for_layer(layer_number) is None
 
     def uses_rope(self, layer_number: int) -> bool:
         """Whether layer `layer_number` rotates its queries and keys (not a --no-rope-freq layer)."""

@@ -180,7 +180,8 @@ class ParallelAttention(torch.nn.Module):
             self.q_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
             self.k_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
         number = max(1, layer_number)
-        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number))
+        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number),
+                                       cfg.rope_scaled_for_layer(number))
                        if cfg.uses_rope(number) else None)
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)

@@ -89,10 +89,23 @@ def test_softmax_scale_on_every_attention_path(impl, window, monkeypatch):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("value", ["0", "-0.5"])
-def test_bad_softmax_scale_is_one_line(value, capsys):
+@pytest.mark.parametrize("extra, words", [
+    (["--softmax-scale", "0"], "--softmax-scale must be positive, got 0.0"),
+    (["--softmax-scale", "-0.5"], "--softmax-scale must be positive, got -0.5"),
+    (["--position-embedding-type", "rope", "--rope-scaling-type", "llama3",
+      "--no-rope-scaling-local"], "it does not apply to --rope-scaling-type llama3")])
+def test_bad_settings_are_one_line(extra, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(BASE + ["--softmax-scale", value], world_size=1)
+        parse_args(BASE + extra, world_size=1)
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
-    assert f"--softmax-scale must be positive, got {float(value)}" in err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and words in err, err
+
+
+def test_no_rope_scaling_local_scales_the_full_layers_only():
+    cfg = config(**GEMMA3, num_layers=4, window_size=4, window_attn_skip_freq=2,
+                 rotary_seq_len_interpolation_factor=8.0, rope_scaling_local=False)
+    model = model_of(cfg)
+    found = [layer.self_attention.rotary.interpolation
+             for layer in model.language_model.encoder.layers]
+    assert found == [None, 8.0, None, 8.0]
+    assert [cfg.rope_scaled_for_layer(n) for n in range(1, 5)] == [False, True, False, True]
