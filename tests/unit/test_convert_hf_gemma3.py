@@ -12,8 +12,8 @@ import torch
 from megatron.checkpointing.hf import gemma3
 from tests import oracles
 from tests.gpt_setup import one_thread
-from tests.hf_models import (FAMILIES, load_ours, perturb, position_ids, prompts, rel_err,
-                             save_hf_model)
+from tests.hf_models import (FAMILIES, converted, load_ours, perturb, position_ids, prompts,
+                             rel_err, save_hf_model)
 from tools import convert_checkpoint
 
 pytestmark = oracles.needs("transformers")
@@ -67,6 +67,18 @@ def test_text_part_of_the_multimodal_model(tmp_path, capsys):
     text = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
     with torch.no_grad(), one_thread():
         assert rel_err(text(tokens).logits, expected) < 1e-5
+
+
+def test_logits_at_64_positions(tmp_path):
+    """64 positions, eight times the sliding layers' window (the shared tests use 40)."""
+    model = save_hf_model("gemma3", str(tmp_path / "hf"))
+    ckpt = converted(str(tmp_path), "gemma3")
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), one_thread():
+        ours = load_ours(ckpt, vocab)[0][0]
+        assert rel_err(ours(tokens, position_ids(tokens))[..., :vocab],
+                       model(tokens).logits) < 1e-5
 
 
 @pytest.mark.parametrize("types, expected", [

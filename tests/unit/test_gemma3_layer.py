@@ -1,9 +1,9 @@
 """Gemma 3's layer features: the (1 + w) RMSNorm against transformers' Gemma3RMSNorm, the
-sandwich norms against the layer's formula, and --softmax-scale on every single-process
-attention path (explicit, our softmax, SDPA, our CPU kernel, windowed masks; the KV cache in test_model_spec.py)
-against a direct softmax(s q k^T) v. The context-parallel paths are checked in
-tests/distributed/test_context_parallel.py, the whole model against transformers in the
-conversion tests."""
+sandwich norms against the layer's formula, --softmax-scale on every single-process
+attention path (explicit, our softmax, SDPA, our CPU kernel, windowed masks; the KV cache
+in test_model_spec.py) against a direct softmax(s q k^T) v, and --no-rope-scaling-local.
+The context-parallel paths are checked in tests/distributed/test_context_parallel.py, the
+whole model against transformers in the conversion tests."""
 import pytest
 import torch
 
