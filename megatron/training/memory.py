@@ -354,8 +354,10 @@ def layer_activations(config, micro_batch: int, device_type: str) -> Dict[str, f
         "MLP input": sp * b * h * item,
         # gated: gate, its activation, up and the product; else the input and the output
         "MLP activation": s * b * f * (4 if m.gated_mlp else 2) * item,
-        "norm statistics": 2 * stats * sp * b * 4,
+        "norm statistics": (4 if m.sandwich_norm else 2) * stats * sp * b * 4,
     }
+    if m.sandwich_norm:  # the norms of the attention and MLP outputs
+        out["sandwich norm inputs (2)"] = 2 * sp * b * h * item
     if m.hidden_dropout > 0:
         out["dropout masks (2)"] = 2 * sp * b * h * _mask_bytes(config, device_type)
     return out
