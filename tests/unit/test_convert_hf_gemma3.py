@@ -122,3 +122,24 @@ def test_refusals_are_one_line(tmp_path, capsys, changes, words):
                                     "--save", str(tmp_path / "ckpt")])
     err = capsys.readouterr().err
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_published_12b_config_is_the_preset(tmp_path):
+    """The text_config of Gemma 3 12B's published config.json (partial: the rest are
+    Gemma3TextConfig's defaults) gives examples/pretrain_gemma3_12b.sh's architecture."""
+    from megatron.config import ModelConfig
+    from megatron.config.model import ARCHITECTURE_FIELDS
+    from tests.unit.test_examples import parsed_launch
+    published = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                 "text_config": {"hidden_size": 3840, "intermediate_size": 15360,
+                                 "model_type": "gemma3_text", "num_attention_heads": 16,
+                                 "num_hidden_layers": 48, "num_key_value_heads": 8,
+                                 "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024}}
+    arch, text, _ = gemma3.text_part("Gemma3ForConditionalGeneration", published)
+    imported = ModelConfig(**gemma3.model_fields(text, 8192))
+    preset, _ = parsed_launch(tmp_path, "pretrain_gemma3_12b.sh")
+    assert arch == "Gemma3ForCausalLM"
+    for name in ARCHITECTURE_FIELDS:
+        assert getattr(imported, name) == getattr(preset.model, name), name
+    assert text["vocab_size"] == 262208
