@@ -98,6 +98,7 @@ def _add_architecture_args(parser):
     _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
     for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm", "--scale-embeddings",
+                 "--sandwich-norm",
                  "--group-query-attention", "--add-qkv-bias",
                  "--untie-embeddings-and-output-weights"):
         _flag(g, name, "model", action="store_true")
@@ -110,6 +111,7 @@ def _add_architecture_args(parser):
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
         _flag(g, name, "model", type=int, default=None)
     _flag(g, "--embedding-multiplier", "model", type=float, default=None)
+    _flag(g, "--softmax-scale", "model", type=float, default=None)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 
@@ -125,6 +127,7 @@ def _add_long_context_args(g):
         _flag(g, name, "model", type=float, default=None)
     _flag(g, "--rope-scaling-original-max-position-embeddings", "model", type=int, default=None)
     _flag(g, "--window-size", "model", type=int, default=None)
+    _off(g, "--no-rope-scaling-local", "model", "rope_scaling_local")
     _flag(g, "--window-attn-skip-freq", "model", default=None)
     _flag(g, "--rotary-base-local", "model", type=int, default=None)
     _flag(g, "--no-rope-freq", "model", default=None)

@@ -85,12 +85,19 @@ HELP = {
                            "--rotary-base)",
     "--no-rope-freq": "layers without RoPE: every N-th layer, or a 0/1 list such as "
                       "([0]*3+[1]*1)*12 (1 = no RoPE; Llama 4's NoPE layers)",
+    "--no-rope-scaling-local": "sliding-window layers do not divide their RoPE positions by "
+                               "--rotary-seq-len-interpolation-factor (Gemma 3 scales its "
+                               "global layers only)",
     "--window-size": "sliding-window attention: each query sees itself and the W - 1 "
                      "positions before it (Mistral's sliding_window; default: all)",
     "--normalization": "LayerNorm (GPT-2, BLOOM) or RMSNorm (LLaMA)",
     "--norm-epsilon": "epsilon of every norm (default 1e-5); same as --layernorm-epsilon",
     "--apply-layernorm-1p": "norm weights stored zero-centred, applied as 1 + w",
     "--qk-layernorm": "normalise queries and keys per head before attention",
+    "--sandwich-norm": "also normalise the attention and MLP outputs before each residual add "
+                       "(Gemma 2 / 3's post-attention and post-feedforward norms)",
+    "--softmax-scale": "multiply q k^T by this before the softmax (default 1 / sqrt(kv channels); "
+                       "Gemma 3: query_pre_attn_scalar ** -0.5)",
     "--embed-layernorm": "a norm right after the word embeddings (BLOOM)",
     "--scale-embeddings": "multiply the word embeddings by sqrt(hidden size) (fairseq's embed_scale)",
     "--exact-gelu": "the exact erf GeLU (fairseq's gelu) instead of the tanh approximation",

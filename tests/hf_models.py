@@ -62,8 +62,20 @@ def _gemma():  # sqrt(h) embedding scale, tanh GeGLU, 1 + w RMSNorm, head_dim 32
         rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
 
 
+def _gemma3():  # sandwich and q / k norms, query_pre_attn_scalar 24 != head_dim 16, windows of
+    # 8 on layers 1-3 with RoPE base 10k, full layer 4 with base 1M and linear scaling 8
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return Gemma3ForCausalLM, Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, vocab_size=187, max_position_embeddings=96,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=rope)
+
+
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom,
-            "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma}
+            "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma3": _gemma3}
 
 
 def _mixtral():

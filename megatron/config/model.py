@@ -24,7 +24,8 @@ ARCHITECTURE_FIELDS = (
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
     "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
-    "rotary_base_local", "no_rope_freq", "rope_scaling_type")
+    "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
+    "rope_scaling_local")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -141,6 +142,10 @@ class ModelConfig:
     rotary_base_local: Optional[int] = None
     """RoPE base of the sliding-window layers (--rotary-base-local; Gemma 3's
     rope_local_base_freq, 10000 where its full layers use 1000000); None: --rotary-base."""
+    rope_scaling_local: bool = True
+    """Whether the sliding-window layers' RoPE positions are scaled by
+    --rotary-seq-len-interpolation-factor too (off with --no-rope-scaling-local: Gemma 3
+    scales its full-attention layers only)."""
     no_rope_freq: Union[int, List[int], str, None] = None
     """Layers without RoPE (--no-rope-freq, Megatron-LM's; Llama 4's NoPE layers): an int N
     leaves out every N-th layer (layer_number % N == 0); the list form gives each layer
@@ -151,6 +156,14 @@ class ModelConfig:
     """Norm weights are stored zero-centred and applied as (1 + w) (--apply-layernorm-1p)."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head before attention (--qk-layernorm)."""
+    sandwich_norm: bool = False
+    """Norms after attention and after the MLP too, on each branch's output before it joins
+    the residual stream (--sandwich-norm; Gemma 2 / 3's post_attention_layernorm and
+    post_feedforward_layernorm)."""
+    softmax_scale: Optional[float] = None
+    """Attention scores are q k^T times this (--softmax-scale, Megatron-Core's
+    TransformerConfig.softmax_scale; Gemma 3: query_pre_attn_scalar ** -0.5); None:
+    1 / sqrt(--kv-channels)."""
     embed_layernorm: bool = False
     """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
     embedding_multiplier: float = 1.0
@@ -249,6 +262,8 @@ class ModelConfig:
         require(groups > 0 and self.num_attention_heads % groups == 0,
                 f"--num-query-groups ({groups}) must divide --num-attention-heads "
                 f"({self.num_attention_heads})")
+        require(self.softmax_scale is None or self.softmax_scale > 0,
+                f"--softmax-scale must be positive, got {self.softmax_scale}")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
 
@@ -287,6 +302,10 @@ class ModelConfig:
                 f"sliding-window layers; it needs --window-size and --position-embedding-type rope")
         require(self.rotary_base_local is None or self.rotary_base_local > 0,
                 f"--rotary-base-local must be positive, got {self.rotary_base_local}")
+        require(self.rope_scaling_local or self.rope_scaling_type is None,
+                f"--no-rope-scaling-local leaves the linear scaling "
+                f"(--rotary-seq-len-interpolation-factor) out of the sliding-window layers; it "
+                f"does not apply to --rope-scaling-type {self.rope_scaling_type}")
         require(self.no_rope_freq is None or self.position_embedding_type == "rope",
                 "--no-rope-freq leaves RoPE out of some layers; it needs "
                 "--position-embedding-type rope")
@@ -322,6 +341,12 @@ class ModelConfig:
             return self.rotary_base_local
         return self.rotary_base
 
+    def rope_scaled_for_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` divides its RoPE positions by
+        --rotary-seq-len-interpolation-factor: every layer, or with --no-rope-scaling-local
+        only the full-attention ones."""
+        return self.rope_scaling_local or self.window_for_layer(layer_number) is None
+
     def uses_rope(self, layer_number: int) -> bool:
         """Whether layer `layer_number` rotates its queries and keys (not a --no-rope-freq layer)."""
         freq = self.no_rope_freq
@@ -345,6 +370,13 @@ class ModelConfig:
         with --scale-embeddings)."""
         root = math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
         return self.embedding_multiplier * root
+
+    @property
+    def attention_scale(self) -> float:
+        """What q k^T is multiplied by before the softmax (--softmax-scale, else 1 / sqrt(d))."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.kv_channels)
 
     @property
     def rotary_dim(self) -> int:

@@ -312,11 +312,13 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(q, k, v, group, fusion: bool = True):
-    """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d].
-    `fusion`: the CPU kernel for the diagonal blocks where it applies."""
+def ring_attention(q, k, v, group, scale=None, fusion: bool = True):
+    """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d];
+    scores q k^T times `scale` (None: 1 / sqrt(d)). `fusion`: the CPU kernel for the
+    diagonal blocks where it applies."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views: saved as they are
-    out = RingAttention.apply(q, k, v, 1.0 / math.sqrt(q.shape[-1]), group, fusion)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = RingAttention.apply(q, k, v, scale, group, fusion)
     b, h, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 

@@ -76,11 +76,12 @@ def rope_inv_freq(cfg: ModelConfig, device=None, base=None) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """cos / sin tables of the positions being processed; holds no parameters."""
 
-    def __init__(self, cfg: ModelConfig, base=None):
+    def __init__(self, cfg: ModelConfig, base=None, scaled: bool = True):
         super().__init__()
         self.cfg = cfg
         self.base = base or cfg.rotary_base
-        self.interpolation = cfg.rotary_seq_len_interpolation_factor
+        # scaled=False: a layer whose positions are not interpolated (--no-rope-scaling-local)
+        self.interpolation = cfg.rotary_seq_len_interpolation_factor if scaled else None
         self.magnitude = yarn_attention_factor(cfg) if cfg.rope_scaling_type == "yarn" else 1.0
 
     def forward(self, seq_len: int, offset: int, device, positions=None):

@@ -1,8 +1,8 @@
 """Factories that turn the ModelConfig architecture fields into modules and functions.
 
 Adding an architecture means a config field and a branch in one factory here:
-`make_norm` (LayerNorm / RMSNorm, optionally zero-centred weights applied as 1 + w)
-and `mlp_activation` (plain or gated). Positions live in `positions.py`; the
+`make_norm` (LayerNorm / RMSNorm, optionally zero-centred weights applied as 1 + w),
+`make_post_norm` (the sandwich norms on the attention and MLP outputs) and `mlp_activation` (plain or gated). Positions live in `positions.py`; the
 attention and MLP layers in `transformer.py` read the config for the rest
 (query groups, biases).
 """
@@ -22,10 +22,13 @@ class LayerNorm1P(fused.LayerNorm):
 
 
 class RMSNorm1P(fused.RMSNorm):
-    """RMSNorm whose weight is stored zero-centred and applied as 1 + w."""
+    """RMSNorm whose weight is stored zero-centred and applied as 1 + w: normalised and
+    multiplied by 1 + w in float32, then cast to x's dtype (Gemma's RMSNorm, and Gemma 3's
+    q / k norms)."""
 
     def forward(self, x):
-        return fused.rms_norm(x, self.weight + 1, self.eps, self.fusion)
+        return fused.rms_norm(x.float(), self.weight.float() + 1, self.eps,
+                              self.fusion).type_as(x)
 
 
 _NORMS = {("LayerNorm", False): fused.LayerNorm, ("LayerNorm", True): LayerNorm1P,
@@ -48,6 +51,12 @@ def make_norm(cfg: ModelConfig, device, dtype, size=None, sequence_parallel=None
         with torch.no_grad():
             norm.weight.zero_()
     return norm.to(device=device, dtype=dtype)
+
+
+def make_post_norm(cfg: ModelConfig, device, dtype):
+    """The norm of an attention or MLP output before its residual add (--sandwich-norm), else
+    None."""
+    return make_norm(cfg, device, dtype) if cfg.sandwich_norm else None
 
 
 def _zeros(tensor, generator=None):

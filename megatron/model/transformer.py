@@ -14,7 +14,7 @@ from megatron import fused
 from megatron.model import context_parallel as cp
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
 from megatron.mpu.sharding import qkv_meta
-from megatron.model.spec import make_norm, mlp_activation
+from megatron.model.spec import make_norm, make_post_norm, mlp_activation
 from megatron.model.moe.layer import MoELayer
 from megatron.model.moe.router import TopKRouter
 from megatron.mpu.parallel_state import ExpertGroups
@@ -74,7 +74,7 @@ class CoreAttention(torch.nn.Module):
             if p > 0:
                 with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
                     seed = fused.attention_dropout_seed()
-            return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), p, seed)
+            return fused.causal_attention(q, k, v, self.cfg.attention_scale, p, seed)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
             fused.announce("attention", f"SDPA ({self.cfg.attention_impl})")
@@ -124,12 +124,15 @@ class CoreAttention(torch.nn.Module):
                 attn_mask = bias.expand(-1, sq, sk).masked_fill(hidden, float("-inf"))
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                                  is_causal=causal)
+                                                  is_causal=causal, scale=self.cfg.softmax_scale)
 
     def _explicit(self, q, k, v, mask, bias):
         coeff = self.layer_number if self.cfg.apply_query_key_layer_scaling else 1.0
-        norm = math.sqrt(q.shape[-1]) * coeff
-        scores = torch.matmul(q, k.transpose(-1, -2)) / norm
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if self.cfg.softmax_scale is None:
+            scores = scores / (math.sqrt(q.shape[-1]) * coeff)
+        else:
+            scores = scores * (self.cfg.softmax_scale / coeff)
         if bias is not None:
             scores = scores + (bias / coeff if coeff != 1.0 else bias)
         probs = fused.attention_softmax(
@@ -177,7 +180,8 @@ class ParallelAttention(torch.nn.Module):
             self.q_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
             self.k_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
         number = max(1, layer_number)
-        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number))
+        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number),
+                                       cfg.rope_scaled_for_layer(number))
                        if cfg.uses_rope(number) else None)
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)
@@ -248,7 +252,7 @@ class ParallelAttention(torch.nn.Module):
     def _attend_across_cp(self, q, k, v, mask):
         """Attention of this rank's chunks over the whole sequence (context parallel)."""
         if self.cp_comm_type == "p2p":
-            return cp.ring_attention(q, k, v, self.cp_group,
+            return cp.ring_attention(q, k, v, self.cp_group, self.cfg.attention_scale,
                                      fusion=self.core_attention._fusion())
         return cp.a2a_attention(q, self._expand_groups(k), self._expand_groups(v),
                                 self.cp_group, self.core_attention)
@@ -299,7 +303,8 @@ class ParallelMLP(torch.nn.Module):
 
 
 class ParallelTransformerLayer(torch.nn.Module):
-    """x + Attn(LN(x)), then + MLP(LN(.)); dropout on each branch output."""
+    """x + Attn(LN(x)), then + MLP(LN(.)); dropout on each branch output. With
+    --sandwich-norm each branch output is normalised too (x + LN(Attn(LN(x))), Gemma 3's)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, device, dtype,
                  expert_groups=None):
@@ -308,23 +313,28 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         self.input_layernorm = make_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(cfg, layer_number, tp_group, device, dtype)
+        self.post_self_attention_layernorm = make_post_norm(cfg, device, dtype)
         self.post_attention_layernorm = make_norm(cfg, device, dtype)
         if cfg.is_moe_layer(layer_number):
             groups = expert_groups or ExpertGroups(tp_group=tp_group)
             self.mlp = MoELayer(cfg, layer_number, groups, device, dtype)
         else:
             self.mlp = ParallelMLP(cfg, tp_group, device, dtype)
+        self.post_mlp_layernorm = make_post_norm(cfg, device, dtype)
 
-    def _residual(self, out_and_bias, residual):
+    def _residual(self, out_and_bias, residual, post_norm=None):
         out, bias = out_and_bias
+        if post_norm is not None:
+            out, bias = post_norm(out if bias is None else out + bias), None
         with dropout_rng_context(self.cfg.sequence_parallel):
             return fused.bias_dropout_add(out, bias, residual, self.cfg.hidden_dropout,
                                           self.training, fusion=self.cfg.bias_dropout_fusion)
 
     def forward(self, hidden, mask=None, inference_params=None):
         attention = self.self_attention(self.input_layernorm(hidden), mask, inference_params)
-        hidden = self._residual(attention, hidden)
-        return self._residual(self.mlp(self.post_attention_layernorm(hidden)), hidden)
+        hidden = self._residual(attention, hidden, self.post_self_attention_layernorm)
+        return self._residual(self.mlp(self.post_attention_layernorm(hidden)), hidden,
+                              self.post_mlp_layernorm)
 
 
 class ParallelTransformer(torch.nn.Module):

@@ -66,7 +66,8 @@ def layer_params(m, tp: int) -> int:
     qkv_rows = q // tp + 2 * _kv_per_rank(m, tp)
     up_rows = (2 if m.gated_mlp else 1) * f // tp
     bias = m.add_bias_linear
-    params = 2 * norm + qkv_rows * h + q // tp * h + up_rows * h + f // tp * h
+    norms = 4 if m.sandwich_norm else 2  # --sandwich-norm: one more per branch output
+    params = norms * norm + qkv_rows * h + q // tp * h + up_rows * h + f // tp * h
     params += qkv_rows if (bias or m.add_qkv_bias) else 0
     params += (h + up_rows + h) if bias else 0
     if m.qk_layernorm:
@@ -353,8 +354,10 @@ def layer_activations(config, micro_batch: int, device_type: str) -> Dict[str, f
         "MLP input": sp * b * h * item,
         # gated: gate, its activation, up and the product; else the input and the output
         "MLP activation": s * b * f * (4 if m.gated_mlp else 2) * item,
-        "norm statistics": 2 * stats * sp * b * 4,
+        "norm statistics": (4 if m.sandwich_norm else 2) * stats * sp * b * 4,
     }
+    if m.sandwich_norm:  # the norms of the attention and MLP outputs
+        out["sandwich norm inputs (2)"] = 2 * sp * b * h * item
     if m.hidden_dropout > 0:
         out["dropout masks (2)"] = 2 * sp * b * h * _mask_bytes(config, device_type)
     return out

@@ -116,6 +116,10 @@ def _loss_and_grads(cfg, tokens, labels, group=None, comm_type="p2p"):
     return float(all_reduce(loss.detach().clone(), group)), grads
 
 
+# Gemma 3's layer: sandwich and (1 + w) q / k norms, a softmax scale apart from 1 / sqrt(d)
+GEMMA3 = dict(sandwich_norm=True, qk_layernorm=True, apply_layernorm_1p=True, softmax_scale=0.2)
+
+
 def _model_check(rank, world_size):
     import torch.distributed as dist
     group = dist.new_group(list(range(world_size)))
@@ -125,7 +129,9 @@ def _model_check(rank, world_size):
     errors = {}
     for name, comm, changes in (("p2p", "p2p", {}), ("a2a", "a2a", {}),
                                 ("p2p-full-recompute", "p2p", {"recompute_granularity": "full"}),
-                                ("a2a-window", "a2a", {"window_size": 48})):
+                                ("a2a-window", "a2a", {"window_size": 48}),
+                                ("p2p-gemma3", "p2p", GEMMA3),
+                                ("a2a-gemma3-window", "a2a", dict(GEMMA3, window_size=48))):
         cfg = _llama_cfg(**changes)
         ref_loss, ref = _loss_and_grads(cfg, tokens, labels)
         loss, got = _loss_and_grads(cfg, tokens, labels, group, comm)
@@ -138,7 +144,8 @@ def _model_check(rank, world_size):
 def test_every_parameter_gradient_equals_one_process(cp):
     for errors in run_ranks(_model_check, cp):
         for name, (loss_err, grad_err, count) in errors.items():
-            assert count == 15 and loss_err < 1e-6 and grad_err < 1e-5, (name, errors)
+            params = 23 if "gemma3" in name else 15  # + 2 sandwich and 2 q / k norms a layer
+            assert count == params and loss_err < 1e-6 and grad_err < 1e-5, (name, errors)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -111,7 +111,8 @@ def _close(predicted, measured, what):
 ONE_PROCESS = [(), ("--recompute-granularity", "selective"), ("--recompute-granularity", "full"),
                ("--attention-impl", "torch"), ("--bf16",),
                # the explicit softmax (its probabilities) where CoreAttention takes it
-               ("--position-embedding-type", "alibi"), ("--window-size", "16")]
+               ("--position-embedding-type", "alibi"), ("--window-size", "16"),
+               ("--sandwich-norm",)]
 
 
 @pytest.mark.parametrize("flags", ONE_PROCESS, ids=lambda f: " ".join(f) or "plain")

@@ -18,7 +18,7 @@ SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B
            "megatron_11b.sh", "pretrain_llama2_7b.sh", "pretrain_llama3_8b.sh",
            "pretrain_qwen2.5_7b.sh", "pretrain_qwen3_8b.sh",
            "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh",
-           "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh"]
+           "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh", "pretrain_gemma3_12b.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
@@ -93,7 +93,19 @@ PRESETS = {
     "pretrain_qwen3_moe.sh": dict(num_layers=48, hidden_size=2048, num_attention_heads=32,
                                   kv_channels=128, num_query_groups=4, qk_layernorm=True,
                                   normalization="RMSNorm", layernorm_epsilon=1e-6,
-                                  rotary_base=1000000, add_bias_linear=False)}
+                                  rotary_base=1000000, add_bias_linear=False),
+    "pretrain_gemma3_12b.sh": dict(num_layers=48, hidden_size=3840, num_attention_heads=16,
+                                   kv_channels=256, num_query_groups=8, ffn_hidden_size=15360,
+                                   seq_length=8192, max_position_embeddings=131072,
+                                   normalization="RMSNorm", layernorm_epsilon=1e-6,
+                                   apply_layernorm_1p=True, sandwich_norm=True,
+                                   qk_layernorm=True, activation="geglu_tanh",
+                                   add_bias_linear=False, embedding_multiplier=3840 ** 0.5,
+                                   untie_embeddings_and_output_weights=False,
+                                   rotary_base=1000000, rotary_base_local=10000,
+                                   rotary_seq_len_interpolation_factor=8.0,
+                                   rope_scaling_local=False, window_size=1024,
+                                   window_attn_skip_freq=6)}
 MOE_PRESETS = {
     "pretrain_mixtral_8x7b.sh": (32, dict(num_experts=8, moe_router_topk=2, moe_grouped_gemm=True,
                                           moe_aux_loss_coeff=1e-2,
@@ -136,7 +148,8 @@ def test_every_example_script_is_checked():
 
 @pytest.mark.parametrize("script, architecture", [("pretrain_qwen2.5_7b.sh", "Qwen2ForCausalLM"),
                                                   ("pretrain_qwen3_8b.sh", "Qwen3ForCausalLM"),
-                                                  ("pretrain_llama3_8b.sh", "LlamaForCausalLM")])
+                                                  ("pretrain_llama3_8b.sh", "LlamaForCausalLM"),
+                                                  ("pretrain_gemma3_12b.sh", "Gemma3ForCausalLM")])
 def test_presets_export_as_their_family(tmp_path, script, architecture):
     from megatron.checkpointing.hf.families import hf_config_for
     config, _ = parsed_launch(tmp_path, script)
