@@ -131,6 +131,9 @@ def _add_long_context_args(g):
     _flag(g, "--no-yarn-correction-range-round-to-int", "model",
           "yarn_correction_range_round_to_int", action="store_const", const=False, default=None)
     _flag(g, "--window-size", "model", type=int, default=None)
+    _flag(g, "--window-attn-skip-freq", "model", default=None)
+    _flag(g, "--rotary-base-local", "model", type=int, default=None)
+    _flag(g, "--no-rope-freq", "model", default=None)
     _flag(g, "--softmax-type", "model", choices=list(SOFTMAX_TYPES), default=None)
 def _add_moe_args(parser):
     """Mixture of experts: Megatron-LM's --moe-* flags (megatron/config/moe.py)."""

@@ -80,6 +80,13 @@ HELP = {
     "--yarn-attention-factor": "yarn: cos / sin multiplier (default 0.1 ln(factor) + 1)",
     "--context-parallel-size": "ranks that split each sequence (2·CP load-balanced chunks; default 1)",
     "--cp-comm-type": "attention across CP ranks: p2p (K/V ring, LSE merge) or a2a (Ulysses)",
+    "--window-attn-skip-freq": "with --window-size: every N-th layer attends to all earlier "
+                               "positions (gpt-oss 2, Gemma 3 6), or a 0/1 list such as "
+                               "([1]*5+[0]*1)*8 (1 = sliding window, 0 = full)",
+    "--rotary-base-local": "RoPE base of the sliding-window layers (Gemma 3: 10000; default "
+                           "--rotary-base)",
+    "--no-rope-freq": "layers without RoPE: every N-th layer, or a 0/1 list such as "
+                      "([0]*3+[1]*1)*12 (1 = no RoPE; Llama 4's NoPE layers)",
     "--window-size": "sliding-window attention: each query sees itself and the W - 1 "
                      "positions before it (Mistral's sliding_window; default: all)",
     "--softmax-type": "attention softmax: vanilla, off-by-one (a fixed 0 logit joins the "

@@ -1,10 +1,10 @@
 """Configuration of the GPT model."""
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
 
 from megatron.config.errors import require
-from megatron.config.moe import MoEConfig
+from megatron.config.moe import MoEConfig, parse_layer_freq
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
 # --fused-kernels-choice (megatron/fused/choice.py's MODES; a unit test keeps them equal).
@@ -25,7 +25,8 @@ ARCHITECTURE_FIELDS = (
     "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type", "softmax_type",
+    "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
+    "rotary_base_local", "no_rope_freq", "rope_scaling_type", "softmax_type",
     "glu_linear_offset", "activation_func_clamp_value")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
@@ -139,6 +140,18 @@ class ModelConfig:
     window_size: Optional[int] = None
     """Sliding-window attention (--window-size): a query sees itself and the window_size - 1
     positions before it (Mistral's sliding_window); None: every earlier position."""
+    window_attn_skip_freq: Union[int, List[int], str, None] = None
+    """Which layers ignore --window-size and attend to every earlier position
+    (--window-attn-skip-freq, Megatron-LM's): an int N makes every N-th layer full
+    (layer_number % N == 0: gpt-oss 2, Gemma 3 6); Megatron's list form, such as
+    ([1]*5+[0]*1)*8, gives each layer 1 = sliding window, 0 = full. None: all windowed."""
+    rotary_base_local: Optional[int] = None
+    """RoPE base of the sliding-window layers (--rotary-base-local; Gemma 3's
+    rope_local_base_freq, 10000 where its full layers use 1000000); None: --rotary-base."""
+    no_rope_freq: Union[int, List[int], str, None] = None
+    """Layers without RoPE (--no-rope-freq, Megatron-LM's; Llama 4's NoPE layers): an int N
+    leaves out every N-th layer (layer_number % N == 0); the list form gives each layer
+    1 = no RoPE, 0 = RoPE. None: RoPE on every layer."""
     softmax_type: str = "vanilla"
     """Attention softmax (--softmax-type, Megatron-Core's): vanilla | off-by-one (a fixed 0
     logit joins each denominator) | learnable (a learned sink logit per head, gpt-oss's)."""
@@ -272,6 +285,7 @@ class ModelConfig:
     def _check_long_context(self):
         require(self.window_size is None or self.window_size > 0,
                 f"--window-size must be a positive number of positions, got {self.window_size}")
+        self._check_layer_kinds()
         kind = self.rope_scaling_type
         require(kind is None or kind in ROPE_SCALING_TYPES,
                 f"--rope-scaling-type {kind!r} is not one of {ROPE_SCALING_TYPES} (linear "
@@ -289,6 +303,66 @@ class ModelConfig:
         require(self.rope_scaling_high_freq_factor > self.rope_scaling_low_freq_factor > 0,
                 f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}) must "
                 f"exceed --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
+
+    def _check_layer_kinds(self):
+        self.window_attn_skip_freq = self._layer_flag("--window-attn-skip-freq",
+                                                      self.window_attn_skip_freq)
+        self.no_rope_freq = self._layer_flag("--no-rope-freq", self.no_rope_freq)
+        require(self.window_attn_skip_freq is None or self.window_size is not None,
+                "--window-attn-skip-freq chooses the layers without the sliding window; it "
+                "needs --window-size")
+        require(self.rotary_base_local is None or (
+                self.window_size is not None and self.position_embedding_type == "rope"),
+                f"--rotary-base-local {self.rotary_base_local} is the RoPE base of the "
+                f"sliding-window layers; it needs --window-size and --position-embedding-type rope")
+        require(self.rotary_base_local is None or self.rotary_base_local > 0,
+                f"--rotary-base-local must be positive, got {self.rotary_base_local}")
+        require(self.no_rope_freq is None or self.position_embedding_type == "rope",
+                "--no-rope-freq leaves RoPE out of some layers; it needs "
+                "--position-embedding-type rope")
+        require(not isinstance(self.no_rope_freq, int) or self.num_layers % self.no_rope_freq == 0,
+                f"--no-rope-freq {self.no_rope_freq} must divide --num-layers "
+                f"({self.num_layers}), as in Megatron-Core; or give the list form")
+
+    def _layer_flag(self, flag: str, value):
+        """A per-layer flag's int N (> 0) or one-0/1-per-layer list, parsed from its text."""
+        if value is None:
+            return None
+        value = parse_layer_freq(value, flag) if isinstance(value, str) else value
+        if isinstance(value, int):
+            require(value > 0, f"{flag} must be positive, got {value}")
+            return value
+        value = list(value)
+        require(len(value) == self.num_layers and set(value) <= {0, 1},
+                f"{flag} lists {len(value)} entries of 0/1; it needs one per layer "
+                f"({self.num_layers})")
+        return value
+
+    def window_for_layer(self, layer_number: int) -> Optional[int]:
+        """The sliding window of (1-based, global) layer `layer_number`; None: full attention."""
+        freq = self.window_attn_skip_freq
+        if self.window_size is None or freq is None:
+            return self.window_size
+        windowed = layer_number % freq != 0 if isinstance(freq, int) else freq[layer_number - 1]
+        return self.window_size if windowed else None
+
+    def rotary_base_for_layer(self, layer_number: int) -> int:
+        """RoPE base of layer `layer_number`: --rotary-base-local on sliding-window layers."""
+        if self.rotary_base_local is not None and self.window_for_layer(layer_number) is not None:
+            return self.rotary_base_local
+        return self.rotary_base
+
+    def uses_rope(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` rotates its queries and keys (not a --no-rope-freq layer)."""
+        freq = self.no_rope_freq
+        if self.position_embedding_type != "rope" or freq is None:
+            return self.position_embedding_type == "rope"
+        return layer_number % freq != 0 if isinstance(freq, int) else not freq[layer_number - 1]
+
+    def masked_layers(self, seq_length: int) -> List[int]:
+        """The layers whose sliding window hides keys of a `seq_length`-token sequence."""
+        return [n for n in range(1, self.num_layers + 1)
+                if (self.window_for_layer(n) or seq_length) < seq_length]
 
     @property
     def gated_mlp(self) -> bool:

@@ -63,9 +63,10 @@ def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig, device) -> torch.Ten
         (1.0 / pos_freqs) * extrapolation
 
 
-def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """The rotary_dim / 2 inverse frequencies, scaled by --rope-scaling-type."""
-    dim, base = cfg.rotary_dim, cfg.rotary_base
+def rope_inv_freq(cfg: ModelConfig, device=None, base=None) -> torch.Tensor:
+    """The rotary_dim / 2 inverse frequencies of RoPE base `base` (default --rotary-base),
+    scaled by --rope-scaling-type."""
+    dim, base = cfg.rotary_dim, base or cfg.rotary_base
     if cfg.rope_scaling_type == "yarn":
         return _yarn_inv_freq(dim, base, cfg, device)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
@@ -77,16 +78,17 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """cos / sin tables of the positions being processed; holds no parameters."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, base=None):
         super().__init__()
         self.cfg = cfg
+        self.base = base or cfg.rotary_base
         self.interpolation = cfg.rotary_seq_len_interpolation_factor
         self.magnitude = yarn_attention_factor(cfg) if cfg.rope_scaling_type == "yarn" else 1.0
 
     def forward(self, seq_len: int, offset: int, device, positions=None):
         """(cos, sin), each [seq_len, 1, 1, rotary_dim], for positions offset .. offset +
         seq_len - 1, or for the given float `positions` [seq_len]."""
-        inv_freq = rope_inv_freq(self.cfg, device)
+        inv_freq = rope_inv_freq(self.cfg, device, self.base)
         if positions is None:
             positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
         if self.interpolation is not None:

@@ -63,6 +63,7 @@ class CoreAttention(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_number = max(1, layer_number)
+        self.window = cfg.window_for_layer(self.layer_number)
         self.dropout_p = cfg.attention_dropout
         offset = make_softmax_offset(cfg.softmax_type, heads or cfg.num_attention_heads,
                                      cfg.init_method_std, device, dtype)
@@ -81,7 +82,7 @@ class CoreAttention(torch.nn.Module):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None; heads: the slice of this
         rank's heads that q holds (context-parallel a2a), None: all."""
-        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
+        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
         sinks = self.sinks(heads)
         if sinks is None and self._use_cpu_kernel(q, k, v, mask, bias):
             p = self._dropout_p()
@@ -203,7 +204,9 @@ class ParallelAttention(torch.nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
             self.k_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
-        self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        number = max(1, layer_number)
+        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number))
+                       if cfg.uses_rope(number) else None)
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)
         self.core_attention = CoreAttention(cfg, layer_number, self.heads_per_partition,

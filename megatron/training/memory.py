@@ -269,7 +269,7 @@ def _saves_probabilities(config, device_type: str) -> bool:
         return False
     if m.attention_impl != "auto":
         return True
-    masked = m.window_size is not None and m.seq_length > m.window_size
+    masked = bool(m.masked_layers(m.seq_length))  # counted for every layer: an upper bound
     if masked or m.position_embedding_type == "alibi":
         return True
     if device_type == "cpu" and _cpu_kernel_runs(config):
