@@ -74,7 +74,8 @@ def model_fields(hf: dict, seq_length=None) -> dict:
     base = dict(hf, hidden_act="silu", attention_bias=True, mlp_bias=True,
                 architectures=["LlamaForCausalLM"], sliding_window=None)
     fields = llama.model_fields(base, seq_length)
-    fields.update(activation="quick_geglu", glu_linear_offset=1.0,
+    fields.update(add_qkv_bias=False,  # implied by add_bias_linear, as a model trained here has
+                  activation="quick_geglu", glu_linear_offset=1.0,
                   activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)),
                   softmax_type="learnable", **_window_fields(hf))
     fields["moe"] = MoEConfig(num_experts=hf["num_local_experts"],
