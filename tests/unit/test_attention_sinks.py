@@ -155,3 +155,17 @@ def test_the_flag_reaches_the_config():
     cfg = parse_args(tiny_gpt_argv("data", "cache", "--softmax-type", "off-by-one"),
                      world_size=1)[0]
     assert cfg.model.softmax_type == "off-by-one"
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--softmax-type", "learnable", "--position-embedding-type", "alibi"],
+     ["--softmax-type learnable does not combine with ALiBi"]),
+    (["--quick-geglu", "--activation-func-clamp-value", "-7"],
+     ["--activation-func-clamp-value must be positive, got -7.0"]),
+    (["--glu-linear-offset", "1"], ["--glu-linear-offset 1.0 needs a gated activation"]),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, extra, words):
+    from megatron.arguments import parse_args
+    from tests.gpt_setup import assert_exits_2_with_one_line, tiny_gpt_argv
+    assert_exits_2_with_one_line(
+        capsys, lambda: parse_args(tiny_gpt_argv("data", "cache", *extra), world_size=1), words)
