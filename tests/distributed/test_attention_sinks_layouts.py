@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tests.distributed import layouts as L
-from tests.gpt_setup import wiki_workdir
 
 MODEL = L.llama_style(128) + ["--softmax-type", "learnable"]
 
@@ -31,18 +30,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return L.train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-workdir = wiki_workdir("sinks-layouts")
-
-
-@pytest.fixture(scope="module")
-def reference(workdir):
-    prefix, out = workdir
-    return L.reference_run(prefix, out / "cache-ref", *MODEL)
-
-
-@pytest.fixture(scope="module")
-def spawns(workdir):
-    return L.spawn_worlds(_rank, LAYOUTS, *workdir)
+workdir, reference, spawns = L.model_fixtures("sinks-layouts", LAYOUTS, MODEL, _rank)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

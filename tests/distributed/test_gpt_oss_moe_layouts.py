@@ -7,7 +7,6 @@ single-process losses and gradient norms within 1e-5. One spawn of 2 ranks."""
 import pytest
 
 from tests.distributed import layouts as L
-from tests.gpt_setup import wiki_workdir
 
 MODEL = ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--quick-geglu",
          "--glu-linear-offset", "1", "--activation-func-clamp-value", "7",
@@ -38,18 +37,7 @@ def _rank(rank, world_size, data_prefix, workdir):
     return L.train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-workdir = wiki_workdir("gpt-oss-moe-layouts")
-
-
-@pytest.fixture(scope="module")
-def reference(workdir):
-    prefix, out = workdir
-    return L.reference_run(prefix, out / "cache-ref", *MODEL)
-
-
-@pytest.fixture(scope="module")
-def spawns(workdir):
-    return L.spawn_worlds(_rank, LAYOUTS, *workdir)
+workdir, reference, spawns = L.model_fixtures("gpt-oss-moe-layouts", LAYOUTS, MODEL, _rank)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
