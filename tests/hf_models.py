@@ -105,6 +105,20 @@ def _qwen3_moe():  # q/k norms, explicit head_dim, renormalised top-k
 
 
 MOE_FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+
+
+def _gpt_oss():  # sinks, biases, yarn (truncate false), sliding / full layers, window 8
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM, GptOssConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=203, max_position_embeddings=128, sliding_window=8, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+
+
+OTHER_FAMILIES = {"gpt_oss": _gpt_oss}  # tested in their own files
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 
@@ -123,7 +137,7 @@ def perturb(model, seed: int) -> None:
 def build_hf_model(family: str, seed: int = 0, vocab_size=None, **overrides):
     """A float32, eager-attention random model of `family` (config attributes changed by
     `overrides`), in eval mode."""
-    cls, config = {**FAMILIES, **MOE_FAMILIES}[family]()
+    cls, config = {**FAMILIES, **MOE_FAMILIES, **OTHER_FAMILIES}[family]()
     config.vocab_size = vocab_size or config.vocab_size
     for name, value in overrides.items():
         setattr(config, name, value)

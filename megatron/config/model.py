@@ -11,8 +11,10 @@ ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
 KERNEL_CHOICES = ("auto", "ours", "plain", "rule")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "sinusoidal", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu", "quick_geglu")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
+# Megatron-Core's TransformerConfig.softmax_type (megatron/model/sinks.py).
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 ACTIVATIONS = ("gelu", "openai_gelu", "exact_gelu", "squared_relu") + GLU_ACTIVATIONS
 # The fields that make a model what it is: a checkpoint's values are the defaults of a
 # run that loads it, a flag that contradicts one is refused, and an exported HF config
@@ -25,13 +27,14 @@ ARCHITECTURE_FIELDS = (
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
     "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
     "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
-    "rope_scaling_local")
+    "rope_scaling_local", "softmax_type", "glu_linear_offset", "activation_func_clamp_value")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"),
     "yarn": ("rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
-             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")}
+             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor",
+             "yarn_correction_range_round_to_int")}
 # Run-time switches of the model (recomputation, fusions, kernels, loss details): a resumed
 # run takes them from its own flags, never from the checkpoint (a stored store_true switch
 # could not be turned off again).
@@ -129,6 +132,9 @@ class ModelConfig:
     """yarn: frequencies with more rotations than this over the original context are kept."""
     yarn_beta_slow: float = 1.0
     """yarn: frequencies with fewer rotations than this are fully interpolated."""
+    yarn_correction_range_round_to_int: bool = True
+    """yarn: the ramp's ends are floored / ceiled to whole channels (HF's truncate; gpt-oss:
+    off, --no-yarn-correction-range-round-to-int)."""
     yarn_attention_factor: Optional[float] = None
     """yarn: cos / sin multiplier (--yarn-attention-factor); None: 0.1 ln(factor) + 1."""
     window_size: Optional[int] = None
@@ -150,6 +156,9 @@ class ModelConfig:
     """Layers without RoPE (--no-rope-freq, Megatron-LM's; Llama 4's NoPE layers): an int N
     leaves out every N-th layer (layer_number % N == 0); the list form gives each layer
     1 = no RoPE, 0 = RoPE. None: RoPE on every layer."""
+    softmax_type: str = "vanilla"
+    """Attention softmax (--softmax-type, Megatron-Core's): vanilla | off-by-one (a fixed 0
+    logit joins each denominator) | learnable (a learned sink logit per head, gpt-oss's)."""
     normalization: str = "LayerNorm"
     """LayerNorm | RMSNorm (--normalization)."""
     apply_layernorm_1p: bool = False
@@ -174,9 +183,14 @@ class ModelConfig:
     activation: str = "gelu"
     """MLP activation: gelu | openai_gelu | exact_gelu (erf in float32, fairseq's) |
     squared_relu, or a gated one: swiglu | geglu | reglu | liglu | geglu_tanh (GeGLU with the
-    tanh GeLU, Gemma's) (--swiglu, --glu-activation, --openai-gelu, --exact-gelu,
-    --squared-relu). A gated MLP's
+    tanh GeLU, Gemma's) | quick_geglu (x sigmoid(1.702 x) gates, gpt-oss's) (--swiglu,
+    --glu-activation, --quick-geglu, --openai-gelu, --exact-gelu, --squared-relu). A gated MLP's
     first weight holds [gate; up] rows (each TP shard its own [gate_r; up_r])."""
+    glu_linear_offset: float = 0.0
+    """A gated MLP computes act(gate) * (up + this) (--glu-linear-offset; gpt-oss: 1)."""
+    activation_func_clamp_value: Optional[float] = None
+    """A gated MLP clamps gate to <= this and up to [-this, this] before the activation
+    (--activation-func-clamp-value; gpt-oss: 7 with --quick-geglu)."""
     group_query_attention: bool = False
     """Grouped-query attention (--group-query-attention): --num-query-groups K/V heads."""
     num_query_groups: Optional[int] = None
@@ -245,8 +259,12 @@ class ModelConfig:
         for name, value, allowed in (
                 ("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDING_TYPES),
                 ("--normalization", self.normalization, NORMALIZATIONS),
+                ("--softmax-type", self.softmax_type, SOFTMAX_TYPES),
                 ("activation", self.activation, ACTIVATIONS)):
             require(value in allowed, f"{name} {value!r} is not one of {allowed}")
+        require(self.softmax_type == "vanilla" or self.position_embedding_type != "alibi",
+                f"--softmax-type {self.softmax_type} does not combine with ALiBi; use "
+                f"--position-embedding-type rope or --softmax-type vanilla")
         require(0.0 < self.rotary_percent <= 1.0,
                 f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         require(self.rotary_base > 0, f"--rotary-base must be positive, got {self.rotary_base}")
@@ -254,6 +272,7 @@ class ModelConfig:
         require(factor is None or factor >= 1.0,
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         self._check_long_context()
+        self._check_glu()
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
         require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
                 f"--rotary-percent {self.rotary_percent} of {self.kv_channels} channels per head "
@@ -266,6 +285,16 @@ class ModelConfig:
                 f"--softmax-scale must be positive, got {self.softmax_scale}")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
+
+    def _check_glu(self):
+        clamp = self.activation_func_clamp_value
+        for flag, value in (("--glu-linear-offset", self.glu_linear_offset),
+                            ("--activation-func-clamp-value", clamp)):
+            require(value in (None, 0.0) or self.gated_mlp,
+                    f"{flag} {value} needs a gated activation (--quick-geglu, --swiglu, ...), "
+                    f"got {self.activation}")
+        require(clamp is None or clamp > 0,
+                f"--activation-func-clamp-value must be positive, got {clamp}")
 
     def _check_long_context(self):
         require(self.window_size is None or self.window_size > 0,

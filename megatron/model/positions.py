@@ -51,8 +51,10 @@ def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig, device) -> torch.Ten
     def correction_dim(rotations):
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if cfg.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
     pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)

@@ -80,7 +80,12 @@ def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-_GATES = {"swiglu": F.silu, "geglu": _gelu_erf, "geglu_tanh": _gelu_tanh, "reglu": F.relu,
+def _quick_gelu(x):
+    """x sigmoid(1.702 x) (Megatron-Core's quick_gelu; gpt-oss's GLU with alpha 1.702)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+_GATES = {"quick_geglu": _quick_gelu, "swiglu": F.silu, "geglu": _gelu_erf, "geglu_tanh": _gelu_tanh, "reglu": F.relu,
           "liglu": lambda x: x}
 _PLAIN = {"openai_gelu": _gelu_tanh, "exact_gelu": _gelu_erf_fp32, "squared_relu": _squared_relu}
 
@@ -91,20 +96,28 @@ def mlp_activation(cfg: ModelConfig):
     gelu: tanh-approximated GeLU (the fused bias-GeLU path, GPT-2's);
     openai_gelu: the same tanh formula, unfused (Megatron's --openai-gelu, OpenAI's GPT-2
     GeLU); exact_gelu: the erf GeLU in float32 (fairseq's); squared_relu: relu(x)^2; gated ones (GeGLU with the erf GeLU) take the
-    rank's [gate; up] halves and return act(gate) * up.
+    rank's [gate; up] halves and return act(gate) * (up + --glu-linear-offset), clamped first
+    by --activation-func-clamp-value (`_gated`).
     """
     if cfg.activation == "gelu":
         if cfg.add_bias_linear:
             return lambda x, bias: fused.bias_gelu(bias, x, fusion=cfg.bias_gelu_fusion)
         return lambda x, bias: fused.bias_gelu(None, x, fusion=cfg.bias_gelu_fusion)
     if cfg.gated_mlp:
-        gate_fn = _GATES[cfg.activation]
-
-        def gated(x, bias):
-            if bias is not None:
-                x = x + bias
-            gate, up = torch.chunk(x, 2, dim=-1)
-            return gate_fn(gate) * up
-        return gated
+        return _gated(_GATES[cfg.activation], cfg.glu_linear_offset,
+                      cfg.activation_func_clamp_value)
     fn = _PLAIN[cfg.activation]
     return lambda x, bias: fn(x if bias is None else x + bias)
+
+
+def _gated(gate_fn, offset: float, clamp):
+    """act(gate) * (up + offset) of the [gate; up] halves, gate clamped to <= clamp and up
+    to [-clamp, clamp] first when clamp is set (Megatron-Core's glu, gpt-oss's experts)."""
+    def gated(x, bias):
+        if bias is not None:
+            x = x + bias
+        gate, up = torch.chunk(x, 2, dim=-1)
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        return gate_fn(gate) * (up + offset if offset else up)
+    return gated

@@ -72,6 +72,8 @@ def layer_params(m, tp: int) -> int:
     params += (h + up_rows + h) if bias else 0
     if m.qk_layernorm:
         params += 2 * (m.kv_channels if m.normalization == "RMSNorm" else 2 * m.kv_channels)
+    if m.softmax_type == "learnable":  # a sink logit per head (megatron/model/sinks.py)
+        params += m.num_attention_heads // tp
     return params
 
 
