@@ -50,10 +50,11 @@ def sink_softmax(scores: torch.Tensor, hidden: Optional[torch.Tensor],
     return torch.softmax(x, dim=-1)[..., :-1].to(scores.dtype)
 
 
-def sdpa_with_sinks(q, k, v, hidden, sinks, dropout_p: float = 0.0, bias=None):
+def sdpa_with_sinks(q, k, v, hidden, sinks, dropout_p: float = 0.0, bias=None, scale=None):
     """SDPA of q [b, h, sq, d] over k / v [b, h, sk, d] plus one sink key: its key and value
     are zero and its score is the head's sink, given through SDPA's float mask (hidden:
-    True = not seen, broadcastable to [b, h, sq, sk]; bias: float scores added, or None)."""
+    True = not seen, broadcastable to [b, h, sq, sk]; bias: float scores added, or None;
+    scale: of q k^T, None: 1 / sqrt(d))."""
     b, h, sq, d = q.shape
     sk = k.shape[2]
     zero = k.new_zeros(b, h, 1, d)
@@ -65,7 +66,8 @@ def sdpa_with_sinks(q, k, v, hidden, sinks, dropout_p: float = 0.0, bias=None):
         scores = scores.masked_fill(hidden, float("-inf"))
     scores = scores.expand(b, h, sq, sk)
     mask = torch.cat([scores, _sink_column(sinks, scores.shape, q.dtype)], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          scale=scale)
 
 
 def add_sinks_to_lse(out, lse, sinks):

@@ -137,7 +137,7 @@ class CoreAttention(torch.nn.Module):
         if sinks is not None:
             hidden = mask.bool() if mask is not None else _future(sq, sk, q.device)
             with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-                return sdpa_with_sinks(q, k, v, hidden, sinks, p, bias)
+                return sdpa_with_sinks(q, k, v, hidden, sinks, p, bias, self.cfg.softmax_scale)
         causal = mask is None and sq == sk and bias is None
         attn_mask = None
         if not causal:

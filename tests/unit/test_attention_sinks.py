@@ -22,11 +22,13 @@ def _cfg(**changes):
     return ModelConfig(**fields)
 
 
-def reference(q, k, v, sinks, window=None):
+def reference(q, k, v, sinks, window=None, scale=None):
     """q [sq, b, h, d], k / v [sk, b, h, d] (queries the last sq positions) -> [sq, b, h * d]:
-    softmax over [scores, sink] by its definition, the sink column dropped."""
+    softmax over [scores, sink] by its definition, the sink column dropped; scores are
+    q k^T times `scale` (None: 1 / sqrt(d))."""
     sq, sk = q.shape[0], k.shape[0]
-    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
     query = torch.arange(sk - sq, sk)[:, None]
     key = torch.arange(sk)[None, :]
     hidden = key > query
@@ -60,16 +62,17 @@ def _core(impl, window=None, dtype=torch.float32, **changes):
 
 
 @pytest.mark.parametrize("impl", ["auto", "sdpa", "fused", "torch"])
-@pytest.mark.parametrize("window,sq,sk", [(None, 24, 24), (5, 24, 24), (None, 3, 20),
-                                          (6, 1, 20)])
-def test_every_path_equals_the_reference_with_gradients(impl, window, sq, sk):
-    core = _core(impl, window)
+@pytest.mark.parametrize("window,sq,sk,scale", [(None, 24, 24, None), (5, 24, 24, None),
+                                                (None, 3, 20, None), (6, 1, 20, None),
+                                                (None, 24, 24, 0.07), (6, 1, 20, 0.07)])
+def test_every_path_equals_the_reference_with_gradients(impl, window, sq, sk, scale):
+    core = _core(impl, window, softmax_scale=scale)
     q, k, v, sinks, dout = _inputs(sq, sk)
 
     def ours(q, k, v, s):
         return torch.func.functional_call(core, {"softmax_offset": s}, (q, k, v, None))
     got = _grads(ours, q, k, v, sinks, dout)
-    want = _grads(lambda *t: reference(*t, window=window), q, k, v, sinks, dout)
+    want = _grads(lambda *t: reference(*t, window=window, scale=scale), q, k, v, sinks, dout)
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"{impl} {name}")
     assert got[-1].abs().min() > 0  # every head's sink gets a gradient
