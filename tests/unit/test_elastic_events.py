@@ -1,0 +1,46 @@
+"""The one-line log events of an elastic job and the sample record (megatron/training/
+elastic_events.py, megatron/data/sample_record.py), without processes."""
+import socket
+
+from megatron.data.sample_record import ENV, read_records, record_path
+from megatron.data.samplers import build_pretraining_data_loader
+from megatron.mpu.topology import ParallelDims
+from megatron.training import elastic_events
+
+
+def test_restart_and_resume_lines(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert elastic_events.restart_line(4) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert elastic_events.restart_line(2) == \
+        " > restart 1 of at most 3 by torchrun's elastic agent, now at world size 2"
+    assert elastic_events.resumed_line(6, ParallelDims(8, tp=2, pp=2, virtual_pp=2)) == \
+        " > resumed at iteration 6 with layout TP 2 x PP 2 (virtual 2) x DP 2 (world size 8)"
+    assert elastic_events.layout_text(ParallelDims(4, cp=2, ep=2)) == \
+        "TP 1 x PP 1 x CP 2 x EP 2 x DP 2 (world size 4)"
+
+
+def test_the_rendezvous_probe(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert elastic_events.unreachable_store() is None  # not under torchrun: nothing to probe
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    server = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", f"127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setattr(elastic_events.os, "getppid", lambda: 0)  # no agent command line
+    assert elastic_events.rendezvous_endpoint() == ("127.0.0.1", server.getsockname()[1])
+    assert elastic_events.unreachable_store() is None
+    port = server.getsockname()[1]
+    server.close()
+    assert elastic_events.unreachable_store() == f"127.0.0.1:{port}"
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "node0")
+    assert elastic_events.rendezvous_endpoint() == ("node0", 29400)
+
+
+def test_the_sample_record_lists_each_micro_batch(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    loader = build_pretraining_data_loader(list(range(20)), 8, 2, 1, 2, record_to=record_path())
+    assert [b.tolist() for b in loader] == [[10, 11], [14, 15], [18, 19]]
+    assert read_records(tmp_path) == {(2, 1): [[10, 11], [14, 15], [18, 19]]}
