@@ -16,7 +16,7 @@ from tests.multinode.bed import leftovers, test_bed
 from tests.multinode.jobs import job_env, start_torchrun, wait_all
 from tests.reliability_setup import byte_dataset, tiny_argv
 
-ITERS = 8
+ITERS = 16  # the host is lost after iteration 2: the rest must outlast a poll
 GLOBAL = 4  # tiny_argv: micro 2, global 4
 TIMEOUT_MINUTES = 0.25  # --distributed-timeout-minutes of the cut-off test
 LINE = re.compile(r" iteration +(\d+)/ +\d+ \| consumed samples: +(\d+) \|.*?\| lm loss: "
@@ -64,7 +64,7 @@ def _run_losing_a_host(tmp_path, argv, lose, hosts=("node01", "node02"), flags=(
                                  extra=["--max-restarts", "2", *ELASTIC])
         deadline = time.monotonic() + 240
         while _latest(save) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.02)
         assert _latest(save) >= 2, open(started[0][2]).read()[-3000:]
         lost_at = _latest(save)
         result = lose(bed, started)
