@@ -12,7 +12,7 @@ agent restart the job on the nodes left. The lines here say so from the restarte
 import os
 import signal
 import socket
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 STORE_PROBE_SECONDS = 5.0
 
@@ -47,10 +47,7 @@ def rendezvous_endpoint() -> Optional[Tuple[str, int]]:
     None outside an agent or without an endpoint."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
-    try:
-        argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode().split("\0")
-    except OSError:
-        argv = []
+    argv = _agent_argv()
     endpoint = os.environ.get("PET_RDZV_ENDPOINT", "")
     for i, arg in enumerate(argv):
         if arg in ("--rdzv-endpoint", "--rdzv_endpoint") and i + 1 < len(argv):
@@ -76,8 +73,20 @@ def unreachable_store() -> Optional[str]:
         return f"{endpoint[0]}:{endpoint[1]}"
 
 
+def _agent_argv() -> List[str]:
+    """The command line of this process's parent when it is torchrun's agent, else []."""
+    try:
+        argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode().split("\0")
+    except OSError:
+        return []
+    runs = any(a.endswith("torchrun") or a == "torch.distributed.run" for a in argv[:3])
+    return argv if runs else []
+
+
 def stop_cut_off_agent() -> None:
-    """SIGKILL this rank's torchrun agent: cut off from its store, it would otherwise wait on
-    it for minutes (its store calls do not time out on a dead link)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() > 1:
-        os.kill(os.getppid(), signal.SIGKILL)
+    """SIGKILL this rank's torchrun agent (only a parent whose command line is torchrun's):
+    cut off from its store, it would otherwise wait on it for minutes (its store calls do
+    not time out on a dead link)."""
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" in os.environ and parent > 1 and _agent_argv():
+        os.kill(parent, signal.SIGKILL)

@@ -44,3 +44,27 @@ def test_the_sample_record_lists_each_micro_batch(monkeypatch, tmp_path):
     loader = build_pretraining_data_loader(list(range(20)), 8, 2, 1, 2, record_to=record_path())
     assert [b.tolist() for b in loader] == [[10, 11], [14, 15], [18, 19]]
     assert read_records(tmp_path) == {(2, 1): [[10, 11], [14, 15], [18, 19]]}
+
+
+def test_only_a_torchrun_parent_is_read_or_stopped(monkeypatch, tmp_path):
+    """The endpoint comes from the agent's command line; a parent that is not torchrun (a
+    shell, a subreaper after the agent died) is neither read nor signalled."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.delenv("PET_RDZV_ENDPOINT", raising=False)
+    agent = ["/usr/bin/python", "-m", "torch.distributed.run", "--rdzv-endpoint", "node02:29500",
+             "pretrain_gpt.py"]
+    cmdline = tmp_path / "cmdline"
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        cmdline if str(path).startswith("/proc/") else path, *a, **k))
+    killed = []
+    monkeypatch.setattr(elastic_events.os, "kill", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(elastic_events.os, "getppid", lambda: 4242)
+    cmdline.write_bytes("\0".join(agent).encode())
+    assert elastic_events.rendezvous_endpoint() == ("node02", 29500)
+    elastic_events.stop_cut_off_agent()
+    assert killed == [4242]
+    cmdline.write_bytes(b"/bin/sh\0-c\0--rdzv-endpoint\0node02:29500")
+    assert elastic_events.rendezvous_endpoint() is None
+    elastic_events.stop_cut_off_agent()
+    assert killed == [4242]
