@@ -8,6 +8,8 @@ timer running at that moment: forward-recv, grads-all-reduce, optimizer, ...).
 import contextlib
 import functools
 
+from megatron.checkpointing.io import CheckpointError
+
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 
 
@@ -54,7 +56,7 @@ class HangGuard:
             self.timers.current = None
         try:
             yield
-        except DistributedTimeoutError:
+        except (DistributedTimeoutError, CheckpointError):  # already one line (a save's own)
             raise
         except RuntimeError as err:
             if not is_timeout(err):

@@ -68,3 +68,23 @@ def test_only_a_torchrun_parent_is_read_or_stopped(monkeypatch, tmp_path):
     assert elastic_events.rendezvous_endpoint() is None
     elastic_events.stop_cut_off_agent()
     assert killed == [4242]
+
+
+def test_the_hang_guard_leaves_a_saves_own_error_and_marks_silent_peers():
+    import pytest
+    from megatron.checkpointing.io import CheckpointError
+    from megatron.mpu.parallel_state import ParallelState
+    from megatron.training.hang_guard import DistributedTimeoutError, HangGuard
+    guard = HangGuard(ParallelState(ParallelDims(1)), 0.25)
+    with pytest.raises(CheckpointError, match="^a save that timed out elsewhere$"):
+        with guard.watch(4, "the checkpoint save of iteration 4"):
+            raise CheckpointError("a save that timed out elsewhere")
+    with pytest.raises(DistributedTimeoutError) as err:
+        with guard.watch(4, "the checkpoint save of iteration 4"):
+            raise RuntimeError("Timed out waiting 15000ms for recv operation to complete")
+    assert err.value.silent and "waited --distributed-timeout-minutes 0.25 in the checkpoint " \
+        "save of iteration 4 (no micro batch yet, iteration 4)" in str(err.value)
+    with pytest.raises(DistributedTimeoutError) as err:
+        with guard.watch(5):
+            raise RuntimeError("Connection closed by peer [10.77.0.2]:1234")
+    assert not err.value.silent and guard.operation is None
