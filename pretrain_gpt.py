@@ -13,6 +13,7 @@ from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E
 from megatron.data.indexed_dataset import IndexedDatasetError  # noqa: E402
 from megatron.data.mock_dataset import build_mock_datasets  # noqa: E402
 from megatron.data.weighted_split import weighted_split_datasets  # noqa: E402
+from megatron.data.sample_record import record_path  # noqa: E402
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.model.context_parallel import split_batch_for_cp  # noqa: E402
@@ -97,7 +98,7 @@ def data_provider(config, pstate, vocab_size, consumed_train, consumed_valid):
                      data_parallel_rank=pstate.dp_rank, data_parallel_size=pstate.dp_size,
                      dataloader_type=config.data.dataloader_type, num_workers=config.data.num_workers,
                      seed=config.training.seed)
-    train = loader(train_ds, consumed_train)
+    train = loader(train_ds, consumed_train, record_to=record_path())
     cyclic = config.data.dataloader_type == "cyclic"
 
     def evaluation(dataset, consumed):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import signal
 import weakref
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 
+from megatron.data.sample_record import RecordedSampler
 from megatron.lifetime import die_with_parent
 
 _OPEN_ITERATORS: "weakref.WeakSet" = weakref.WeakSet()
@@ -124,12 +125,14 @@ def cyclic_iter(iterable: Iterable) -> Iterator:
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
                                   dataloader_type: str = "single", num_workers: int = 0,
-                                  seed: int = 1234, drop_last: bool = True):
+                                  seed: int = 1234, drop_last: bool = True,
+                                  record_to: Optional[str] = None):
     """A DataLoader of {"text": LongTensor [micro_batch_size, seq_length + 1]} for this DP rank.
 
     'single': one ordered pass from consumed_samples; 'cyclic': shuffled epochs
     (wrap the loader in `cyclic_iter` to run past the end of an epoch).
-    Returns None when `dataset` is None.
+    Returns None when `dataset` is None. `record_to`: a file that gets each micro batch's
+    sample indices (megatron/data/sample_record.py).
     """
     if dataset is None:
         return None
@@ -144,6 +147,8 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
         raise ValueError(f"--dataloader-type {dataloader_type!r} is not supported; use 'single' or 'cyclic'")
     if num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
+    if record_to:
+        sampler = RecordedSampler(sampler, record_to)
     return _ClosableLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                            pin_memory=torch.cuda.is_available(),
                            persistent_workers=num_workers > 0,

@@ -8,11 +8,18 @@ timer running at that moment: forward-recv, grads-all-reduce, optimizer, ...).
 import contextlib
 import functools
 
+from megatron.checkpointing.io import CheckpointError
+
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 
 
 class DistributedTimeoutError(RuntimeError):
-    """A collective or p2p operation gave up waiting for a peer rank."""
+    """A collective or p2p operation gave up waiting for a peer rank; `silent`: the peer
+    went quiet (a hang, a host cut off) rather than closed its connection."""
+
+    def __init__(self, message: str, silent: bool = True):
+        super().__init__(message)
+        self.silent = silent
 
 
 def peer_exited(err: BaseException) -> bool:
@@ -49,10 +56,16 @@ class HangGuard:
             self.timers.current = None
         try:
             yield
+        except (DistributedTimeoutError, CheckpointError):  # already one line (a save's own)
+            raise
         except RuntimeError as err:
             if not is_timeout(err):
                 raise
-            raise DistributedTimeoutError(self.describe(iteration, peer_exited(err))) from None
+            exited = peer_exited(err)
+            raise DistributedTimeoutError(self.describe(iteration, exited),
+                                          silent=not exited) from None
+        finally:
+            self.operation = None
 
     def describe(self, iteration: int, exited: bool = False) -> str:
         p = self.pstate

@@ -36,13 +36,15 @@ def initialize_distributed(config):
     if launched():
         die_with_parent()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():  # this host's names, before the backend's
+        check_socket_ifnames(os.environ, host_interfaces(),  # own checks (nccl needs a GPU)
+                             config.parallel.distributed_backend or choose_backend(None))
     backend = choose_backend(config.parallel.distributed_backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
     if world_size > 1 and not dist.is_initialized():
-        check_socket_ifnames(os.environ, host_interfaces(), backend)
         dist.init_process_group(backend=backend, timeout=timeout)
     pstate = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size,

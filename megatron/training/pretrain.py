@@ -11,6 +11,7 @@ from megatron.checkpointing.io import check_writable
 from megatron.checkpointing.lock import SaveLock
 from megatron.checkpointing.rng import rng_state, set_rng_state
 from megatron.config import ConfigError
+from megatron.training.elastic_events import restart_line, resumed_line
 from megatron.training.flops import ThroughputMeter
 from megatron.training.logging import format_log_line, format_validation
 from megatron.training.run_guard import RunGuard
@@ -64,6 +65,9 @@ def pretrain(config, pstate, device, model_provider: Callable, data_provider: Ca
         print_rank_0(f" WARNING: --exit-interval {config.training.exit_interval} without --save: "
                      f"the run stops there and nothing is saved")
     guard = RunGuard(config, pstate, device)
+    restarted = restart_line(pstate.dims.world_size)
+    if restarted:
+        print_rank_0(restarted)
     models = build_model(config, pstate, device, model_provider)
     trainer = Trainer(config, pstate, device, models, guard.hangs.counting(forward_step))
     guard.attach(trainer)
@@ -113,9 +117,17 @@ def _load(trainer: Trainer, config, pstate) -> None:
     state.iteration, state.consumed_train, state.consumed_valid = api.load(
         root, _run_state(trainer))
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {state.iteration}")
+    print_rank_0(resumed_line(state.iteration, pstate.dims))
 
 
-def _save(trainer: Trainer) -> None:
+def _save(trainer: Trainer, guard: RunGuard) -> None:
+    """Save, a peer that stops responding in the save's collectives being one line too."""
+    with guard.hangs.watch(trainer.state.iteration,
+                           f"the checkpoint save of iteration {trainer.state.iteration}"):
+        _save_now(trainer)
+
+
+def _save_now(trainer: Trainer) -> None:
     cfg, state = trainer.config, trainer.state
     if cfg.checkpoint.async_save:
         from megatron.checkpointing.async_save import AsyncSaver
@@ -156,7 +168,7 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard, met
         if cfg.training.skipped_iteration(state.iteration + 1):
             _skip_iteration(trainer, train_iters)
             if _interval_save_due(cfg, state.iteration):  # else a skipped last iteration is never saved
-                _save(trainer)
+                _save(trainer, guard)
             continue
         start = time.perf_counter()
         with guard.hangs.watch(state.iteration + 1):
@@ -171,22 +183,22 @@ def _train_loop(trainer: Trainer, train_iters, valid_iters, guard: RunGuard, met
             _log(trainer, log, grad_norm, total, meter)
         if guard.should_stop(state.iteration, losses, grad_norm, nan):
             if cfg.checkpoint.save:
-                _save(trainer)
+                _save(trainer, guard)
             print_rank_0(f" exiting program at iteration {state.iteration}: {guard.reason}")
             return True
         saved = _interval_save_due(cfg, state.iteration)
         if saved:
-            _save(trainer)
+            _save(trainer, guard)
         if valid_iters is not None and cfg.training.eval_iters > 0 \
                 and state.iteration % cfg.training.eval_interval == 0 and state.iteration < total:
             _evaluate_and_print(trainer, valid_iters, f"iteration {state.iteration}")
         if cfg.training.exit_interval and state.iteration % cfg.training.exit_interval == 0:
             if cfg.checkpoint.save and not saved:
-                _save(trainer)
+                _save(trainer, guard)
             print_rank_0(f" exiting program at iteration {state.iteration}")
             return False
     if cfg.checkpoint.save and state.iteration > 0 and not _interval_save_due(cfg, state.iteration):
-        _save(trainer)
+        _save(trainer, guard)
     return False
 
 

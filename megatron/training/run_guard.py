@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.children import stop_children
+from megatron.training.elastic_events import stop_cut_off_agent, unreachable_store
 from megatron.training.hang_guard import DistributedTimeoutError, HangGuard
 from megatron.training.nan_guard import NanGuard, NumericalError, is_bad_iteration
 from megatron.training.preemption import StopRequests
@@ -47,11 +48,18 @@ class RunGuard:
 
 def exit_on_run_failure(err: BaseException) -> None:
     """One line and exit 1. After a timeout the peers may never answer again, so
-    the process leaves without the usual clean-up (which would wait for them)."""
-    print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr, flush=True)
+    the process leaves without the usual clean-up (which would wait for them). A rank whose
+    peers went silent and whose host cannot reach torchrun's rendezvous store either is on a
+    host cut off from the job: it says so and stops its agent too (elastic_events.py)."""
+    store = unreachable_store() if getattr(err, "silent", False) else None
+    cut_off = (f", and this host cannot reach the rendezvous store {store} either: it is cut "
+               f"off from the job; stopping its torchrun agent too" if store else "")
+    print(f"{os.path.basename(sys.argv[0])}: error: {err}{cut_off}", file=sys.stderr, flush=True)
     if isinstance(err, DistributedTimeoutError):
         sys.stdout.flush()
         stop_children()  # os._exit skips the exit hooks
+        if store:
+            stop_cut_off_agent()
         os._exit(1)
     sys.exit(1)
 

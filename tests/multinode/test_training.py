@@ -74,11 +74,14 @@ def test_srun_tasks_from_slurms_environment_match_one_process(job, tmp_path):
     assert_losses(text, reference)
 
 
-@pytest.mark.parametrize("variable", ["GLOO_SOCKET_IFNAME"])
-def test_an_interface_that_does_not_exist_fails_in_one_line(job, variable):
+@pytest.mark.parametrize("variable,flags", [("GLOO_SOCKET_IFNAME", []),
+                                            ("NCCL_SOCKET_IFNAME", ["--distributed-backend", "nccl"])])
+def test_an_interface_that_does_not_exist_fails_in_one_line(job, variable, flags):
     """A rank of host node01 (SLURM's environment) told to use eth9 stops before connecting,
-    exit 2, in one line naming the host's interfaces."""
+    exit 2, in one line naming the host's interfaces (NCCL's name is checked before its GPUs
+    are looked for, so on CPUs too)."""
     argv, _ = job
+    argv = argv + flags
     env = job_env(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0",
                   SLURM_NODELIST="node[01-02]", **{variable: "eth9"})
     with test_bed(["node01", "node02"]) as bed:
