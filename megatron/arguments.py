@@ -110,6 +110,8 @@ def _add_architecture_args(parser):
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
         _flag(g, name, "model", type=int, default=None)
     _flag(g, "--embedding-multiplier", "model", type=float, default=None)
+    _flag(g, "--mtp-num-layers", "model", type=int, default=None)
+    _flag(g, "--mtp-loss-scaling-factor", "model", type=float, default=0.1)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 
