@@ -108,3 +108,48 @@ BAD = {
 def test_bad_settings_exit_2_with_one_line(capsys, flags, world, words):
     assert_exits_2_with_one_line(capsys, lambda: parse_args(FLAGS + flags, world_size=world),
                                  words)
+
+
+def test_checkpoint_keeps_the_mtp_layers_and_generation_ignores_them(tmp_path):
+    from megatron.checkpointing import api
+    from megatron.checkpointing.formats import RunState
+    from megatron.config import CheckpointConfig, Config, DataConfig
+    from megatron.mpu import single_process_state
+    from megatron.text_generation import generate
+    from megatron.tokenizer import ByteLevelTokenizer
+    from tests.unit.test_generation import tiny_model
+    from tools import generate_samples_gpt
+    model = tiny_model(seed=7, position_embedding_type="rope", mtp_num_layers=1)
+    config = Config(model=model.cfg, data=DataConfig(tokenizer_type="ByteLevelTokenizer"),
+                    checkpoint=CheckpointConfig(no_save_optim=True, no_save_rng=True))
+    root = tmp_path / "ckpt"
+    api.save(str(root), 7, RunState([model], config, single_process_state()))
+    saved = torch.load(root / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=False)["model"]
+    assert torch.equal(saved["mtp.layers.0.eh_proj.weight"], model.mtp.layers[0].eh_proj.weight)
+    records = generate_samples_gpt.main(["--load", str(root), "--prompt", "Once upon",
+                                         "--out-seq-length", "8", "--greedy"])
+    model.mtp = None  # the same tokens without the MTP layers
+    assert [r["tokens"] for r in records] == generate(model, ByteLevelTokenizer(), ["Once upon"],
+                                                      8, greedy=True)
+
+
+def test_log_line_and_tensorboard_have_each_depth_loss(tmp_path, capsys):
+    import pretrain_gpt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    argv = FLAGS + ["--mtp-num-layers", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                    "--vocab-size", "63", "--train-iters", "3", "--log-interval", "1",
+                    "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
+                    "--hidden-dropout", "0", "--attention-dropout", "0",
+                    "--tensorboard-dir", str(tmp_path / "tb")]
+    state = pretrain_gpt.main(argv)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "consumed samples" in line]
+    assert len(lines) == 3
+    for line, history in zip(lines, state.history):
+        for name in ("lm loss", "mtp_1 loss", "mtp_2 loss"):
+            assert f" {name}: {history[name]:.6E} |" in line, line
+    assert line.index("lm loss") < line.index("mtp_1 loss") < line.index("mtp_2 loss")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("mtp_1 loss")] == [1, 2, 3]
+    assert "mtp_2 loss" in events.Tags()["scalars"]

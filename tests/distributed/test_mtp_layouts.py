@@ -1,0 +1,75 @@
+"""A tiny GPT with one MTP layer trains like one process at every layout and resumes
+(issue 30, item 2).
+
+The model: tests/distributed/layouts.py's LLaMA-style one (RoPE, RMSNorm, SwiGLU, GQA,
+untied head, 2 layers) with --mtp-num-layers 1; a tied-head variant at PP 2; and an MoE
+variant (4 experts, top-2, load-balancing loss; the MTP layer is an MoE layer too, as the
+last decoder layer is) for EP 2. In one spawn of 2 ranks: TP 2 with sequence parallelism,
+EP 2, PP 2 with --pipeline-model-parallel-layout "Et|tmL" (the MTP layer and its embedding
+copy on the last stage), CP 2 (the shift crosses the ranks' chunks) and the distributed
+optimizer at DP 2. Over 10 iterations the lm loss, the mtp_1 loss and the gradient norm of
+each equal the single-process run's within 1e-5; PP 2, CP 2 and DP 2 saved at iteration 5
+resume to the same losses bit for bit.
+"""
+import pytest
+
+from tests.distributed.layouts import (ITERS, Layout, assert_close, check_losses,
+                                       check_resume, llama_style, reference_run, spawn_worlds,
+                                       train_layouts)
+from tests.gpt_setup import wiki_workdir
+
+MTP = llama_style(32) + ["--mtp-num-layers", "1"]
+TIED = [flag for flag in MTP if flag != "--untie-embeddings-and-output-weights"]
+MOE = MTP + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+             "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall"]
+LAYOUT = ["--pipeline-model-parallel-layout", "Et|tmL"]
+LAYOUTS = {
+    "tp2-sp": Layout(2, 1, 1, mbs=2, extra=MTP + ["--sequence-parallel"]),
+    "ep2": Layout(1, 1, 2, mbs=2, extra=MOE + ["--expert-model-parallel-size", "2"]),
+    "pp2-layout": Layout(1, 2, 1, mbs=2, resume=True, extra=MTP + LAYOUT),
+    "pp2-layout-tied": Layout(1, 2, 1, mbs=2, extra=TIED + LAYOUT),
+    "cp2": Layout(1, 1, 1, mbs=2, cp=2, resume=True, extra=MTP),
+    "dp2-distributed-optimizer": Layout(1, 1, 2, mbs=2, resume=True,
+                                        extra=MTP + ["--use-distributed-optimizer"]),
+}
+REFERENCE = {"ep2": MOE, "pp2-layout-tied": TIED}
+
+
+def _rank(rank, world_size, data_prefix, workdir):
+    return train_layouts(LAYOUTS, world_size, data_prefix, workdir)
+
+
+workdir = wiki_workdir("mtp-layouts")
+
+
+@pytest.fixture(scope="module")
+def references(workdir):
+    prefix, out = workdir
+    flags = {"mtp": MTP, **REFERENCE}
+    return {name: reference_run(prefix, out / "cache-ref", *extra) for name, extra in flags.items()}
+
+
+@pytest.fixture(scope="module")
+def spawn(workdir):
+    return spawn_worlds(_rank, LAYOUTS, *workdir, timeout=2400)[2]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mtp_layout_equals_one_process(name, references, spawn):
+    layout, run = LAYOUTS[name], references.get(name, references["mtp"])
+    check_losses(name, layout, spawn, run)  # lm loss and grad norm
+    want = [h["mtp_1 loss"] for h in run["mtp"]]
+    assert len(want) == ITERS and min(want) > 1.0, want
+    for rank, result in enumerate(spawn):
+        if layout.is_last_stage(rank):
+            assert_close([h["mtp_1 loss"] for h in result[name]["mtp"]], want,
+                         f"{name} rank {rank} mtp_1 loss")
+
+
+@pytest.mark.parametrize("name", [n for n, layout in LAYOUTS.items() if layout.resume])
+def test_mtp_layout_resumes_exactly(name, workdir, spawn):
+    check_resume(name, LAYOUTS[name], spawn, workdir[1])
+    for rank, result in enumerate(spawn):
+        if LAYOUTS[name].is_last_stage(rank):
+            full, resumed = result[name]["mtp"], result[name + "/resumed"]["mtp"]
+            assert resumed == full[len(full) - len(resumed):], f"rank {rank}"
