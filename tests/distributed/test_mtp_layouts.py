@@ -6,7 +6,7 @@ untied head, 2 layers) with --mtp-num-layers 1; a tied-head variant at PP 2; and
 variant (4 experts, top-2, load-balancing loss; the MTP layer is an MoE layer too, as the
 last decoder layer is) for EP 2. In one spawn of 2 ranks: TP 2 with sequence parallelism,
 EP 2, PP 2 with --pipeline-model-parallel-layout "Et|tmL" (the MTP layer and its embedding
-copy on the last stage), CP 2 (the shift crosses the ranks' chunks) and the distributed
+copy on the last stage), PP 2 x VP 2 from "E|t|t|mL" (interleaved), CP 2 (p2p and a2a) (the shift crosses the ranks' chunks) and the distributed
 optimizer at DP 2. Over 10 iterations the lm loss, the mtp_1 loss and the gradient norm of
 each equal the single-process run's within 1e-5; PP 2, CP 2 and DP 2 saved at iteration 5
 resume to the same losses bit for bit. tools/merge_mp_partitions.py re-shards the TP 2
@@ -31,7 +31,10 @@ LAYOUTS = {
     "ep2": Layout(1, 1, 2, mbs=2, extra=MOE + ["--expert-model-parallel-size", "2"]),
     "pp2-layout": Layout(1, 2, 1, mbs=2, resume=True, extra=MTP + LAYOUT),
     "pp2-layout-tied": Layout(1, 2, 1, mbs=2, extra=TIED + LAYOUT),
+    "pp2-vp2-layout": Layout(1, 2, 1, mbs=2, extra=MTP + [
+        "--pipeline-model-parallel-layout", "E|t|t|mL"]),  # interleaved; MTP in its own chunk
     "cp2": Layout(1, 1, 1, mbs=2, cp=2, resume=True, extra=MTP),
+    "cp2-a2a": Layout(1, 1, 1, mbs=2, cp=2, extra=MTP + ["--cp-comm-type", "a2a"]),
     "dp2-distributed-optimizer": Layout(1, 1, 2, mbs=2, resume=True,
                                         extra=MTP + ["--use-distributed-optimizer"]),
 }
