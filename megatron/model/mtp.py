@@ -12,8 +12,8 @@ against the labels shifted k places left; shifted-in places get label 0 and loss
 The loss of depth k is its masked token mean; the training loss gains
 mtp_loss_scaling_factor / D times each, through the MoE auxiliary losses' AuxLossScaler
 (as Megatron-Core's MTPLossAutoScaler: the gradient of the depth's loss is the main loss's
-scale, the loss scale / micro batches, which the trainer sets for both). Under context parallelism each rank holds two
-chunks of every sequence: the shift crosses ranks, and the mean is over the whole
+scale, the loss scale / micro batches, which the trainer sets for both). Under context
+parallelism each rank holds two chunks of every sequence: the shift crosses ranks, and the mean is over the whole
 sequences' tokens, as our main loss is (so CP reproduces one process; Megatron-Core divides
 by each rank's own count). The depths' losses are kept per micro batch for the log line
 (`collect_mtp_metrics`, the ` mtp_1 loss: ... |` fields).
@@ -106,7 +106,8 @@ class MTPBlock(torch.nn.Module):
         for layer in self.layers:
             input_ids, position_ids = (shift_left(input_ids, self.cp_group),
                                        shift_left(position_ids, self.cp_group))
-            labels, loss_mask = shift_left(labels, self.cp_group), shift_left(loss_mask, self.cp_group)
+            labels = shift_left(labels, self.cp_group)
+            loss_mask = shift_left(loss_mask, self.cp_group)
             state = layer(state, embed(input_ids, position_ids), mask)
             count = all_reduce(loss_mask.sum(), self.cp_group)  # the whole sequences' tokens
             loss = (head(state, labels).float() * loss_mask).sum() / count

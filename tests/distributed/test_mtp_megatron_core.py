@@ -150,5 +150,6 @@ def test_mtp_equals_megatron_core(tp, tmp_path):
             assert len(mine["outputs"]) == len(found["outputs"]) == DEPTHS
             for k in range(DEPTHS):
                 _close(mine["outputs"][k], found["outputs"][k], f"{what} depth {k + 1} output")
-                _close(mine["eh_proj"][k], found["eh_proj"][k], f"{what} depth {k + 1} eh_proj grad")
+                _close(mine["eh_proj"][k], found["eh_proj"][k],
+                       f"{what} depth {k + 1} eh_proj grad")
             assert float(mine["mtp"].min()) > 1.0  # the depths' cross entropies, not zeros

@@ -79,7 +79,8 @@ def test_mtp_loss_trains_the_mtp_layers_and_logits_ignore_them():
     AuxLossScaler.set_scale(1.0)
     losses = model(ids, pos, labels=labels)
     losses.mean().backward()
-    assert model.mtp.losses[0].shape == (2,) and model.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0
+    assert model.mtp.losses[0].shape == (2,)
+    assert model.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     AuxLossScaler.set_scale(0.0)  # no MTP gradient: the decoder gets the main loss's only
