@@ -20,7 +20,8 @@ from megatron.deepspeed_config import add_deepspeed_args
 from megatron.tokenizer import TOKENIZER_TYPES
 from megatron.config import SECTIONS, Config, ConfigError, MoEConfig
 from megatron.config.model import (GLU_ACTIVATIONS, KERNEL_CHOICES, NORMALIZATIONS,
-                                   POSITION_EMBEDDING_TYPES, ROPE_SCALING_TYPES)
+                                   POSITION_EMBEDDING_TYPES, ROPE_SCALING_TYPES,
+                                   SOFTMAX_TYPES)
 from megatron.config import moe as moe_choices
 
 class OneLineParser(argparse.ArgumentParser):
@@ -98,18 +99,22 @@ def _add_architecture_args(parser):
     _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
     for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm", "--scale-embeddings",
+                 "--sandwich-norm",
                  "--group-query-attention", "--add-qkv-bias",
                  "--untie-embeddings-and-output-weights"):
         _flag(g, name, "model", action="store_true")
     _flag(g, "--glu-activation", "model", "activation", default=None,
           choices=sorted(GLU_ACTIVATIONS))
-    for name, activation in (("--swiglu", "swiglu"), ("--openai-gelu", "openai_gelu"),
+    for name, activation in (("--swiglu", "swiglu"), ("--quick-geglu", "quick_geglu"),
+                             ("--openai-gelu", "openai_gelu"),
                              ("--exact-gelu", "exact_gelu"),
                              ("--squared-relu", "squared_relu")):
         _flag(g, name, "model", "activation", action="store_const", const=activation)
     for name in ("--num-query-groups", "--kv-channels", "--pad-vocab-size-to"):
         _flag(g, name, "model", type=int, default=None)
-    _flag(g, "--embedding-multiplier", "model", type=float, default=None)
+    for name in ("--embedding-multiplier", "--softmax-scale", "--glu-linear-offset",
+                 "--activation-func-clamp-value"):
+        _flag(g, name, "model", type=float, default=None)
     _flag(g, "--mtp-num-layers", "model", type=int, default=None)
     _flag(g, "--mtp-loss-scaling-factor", "model", type=float, default=0.1)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
@@ -126,7 +131,14 @@ def _add_long_context_args(g):
                  "--yarn-beta-fast", "--yarn-beta-slow", "--yarn-attention-factor"):
         _flag(g, name, "model", type=float, default=None)
     _flag(g, "--rope-scaling-original-max-position-embeddings", "model", type=int, default=None)
+    _flag(g, "--no-yarn-correction-range-round-to-int", "model",
+          "yarn_correction_range_round_to_int", action="store_const", const=False, default=None)
     _flag(g, "--window-size", "model", type=int, default=None)
+    _off(g, "--no-rope-scaling-local", "model", "rope_scaling_local")
+    _flag(g, "--window-attn-skip-freq", "model", default=None)
+    _flag(g, "--rotary-base-local", "model", type=int, default=None)
+    _flag(g, "--no-rope-freq", "model", default=None)
+    _flag(g, "--softmax-type", "model", choices=list(SOFTMAX_TYPES), default=None)
 def _add_moe_args(parser):
     """Mixture of experts: Megatron-LM's --moe-* flags (megatron/config/moe.py)."""
     g = parser.add_argument_group("mixture of experts")

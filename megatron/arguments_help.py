@@ -75,19 +75,42 @@ HELP = {
         "llama3 / yarn: the context length of pretraining (default 8192)",
     "--yarn-beta-fast": "yarn: rotations above which frequencies are kept (default 32)",
     "--yarn-beta-slow": "yarn: rotations below which frequencies are interpolated (default 1)",
+    "--no-yarn-correction-range-round-to-int":
+        "yarn: keep the ramp's ends fractional (HF's truncate=false, gpt-oss)",
     "--yarn-attention-factor": "yarn: cos / sin multiplier (default 0.1 ln(factor) + 1)",
     "--context-parallel-size": "ranks that split each sequence (2·CP load-balanced chunks; default 1)",
     "--cp-comm-type": "attention across CP ranks: p2p (K/V ring, LSE merge) or a2a (Ulysses)",
+    "--window-attn-skip-freq": "with --window-size: every N-th layer attends to all earlier "
+                               "positions (gpt-oss 2, Gemma 3 6), or a 0/1 list such as "
+                               "([1]*5+[0]*1)*8 (1 = sliding window, 0 = full)",
+    "--rotary-base-local": "RoPE base of the sliding-window layers (Gemma 3: 10000; default "
+                           "--rotary-base)",
+    "--no-rope-freq": "layers without RoPE: every N-th layer, or a 0/1 list such as "
+                      "([0]*3+[1]*1)*12 (1 = no RoPE; Llama 4's NoPE layers)",
+    "--no-rope-scaling-local": "sliding-window layers do not divide their RoPE positions by "
+                               "--rotary-seq-len-interpolation-factor (Gemma 3 scales its "
+                               "global layers only)",
     "--window-size": "sliding-window attention: each query sees itself and the W - 1 "
                      "positions before it (Mistral's sliding_window; default: all)",
+    "--softmax-type": "attention softmax: vanilla, off-by-one (a fixed 0 logit joins the "
+                      "denominator) or learnable (a learned sink logit per head, gpt-oss)",
     "--normalization": "LayerNorm (GPT-2, BLOOM) or RMSNorm (LLaMA)",
     "--norm-epsilon": "epsilon of every norm (default 1e-5); same as --layernorm-epsilon",
     "--apply-layernorm-1p": "norm weights stored zero-centred, applied as 1 + w",
     "--qk-layernorm": "normalise queries and keys per head before attention",
+    "--sandwich-norm": "also normalise the attention and MLP outputs before each residual add "
+                       "(Gemma 2 / 3's post-attention and post-feedforward norms)",
+    "--softmax-scale": "multiply q k^T by this before the softmax (default 1 / sqrt(kv channels); "
+                       "Gemma 3: query_pre_attn_scalar ** -0.5)",
     "--embed-layernorm": "a norm right after the word embeddings (BLOOM)",
     "--scale-embeddings": "multiply the word embeddings by sqrt(hidden size) (fairseq's embed_scale)",
     "--exact-gelu": "the exact erf GeLU (fairseq's gelu) instead of the tanh approximation",
     "--swiglu": "gated SiLU MLP (LLaMA); same as --glu-activation swiglu",
+    "--quick-geglu": "gated MLP with the quick GeLU x sigmoid(1.702 x) (gpt-oss); same as "
+                     "--glu-activation quick_geglu",
+    "--glu-linear-offset": "gated MLP: act(gate) * (up + this) (default 0; gpt-oss 1)",
+    "--activation-func-clamp-value": "gated MLP: clamp gate to <= V and up to [-V, V] first "
+                                     "(default: no clamp; gpt-oss 7)",
     "--glu-activation": "gated MLP activation: geglu, liglu, reglu or swiglu",
     "--openai-gelu": "OpenAI's tanh-approximated GeLU, unfused (the fused default computes the same)",
     "--squared-relu": "relu(x)^2 as the MLP activation",

@@ -62,8 +62,20 @@ def _gemma():  # sqrt(h) embedding scale, tanh GeGLU, 1 + w RMSNorm, head_dim 32
         rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
 
 
+def _gemma3():  # sandwich and q / k norms, query_pre_attn_scalar 24 != head_dim 16, windows of
+    # 8 on layers 1-3 with RoPE base 10k, full layer 4 with base 1M and linear scaling 8
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return Gemma3ForCausalLM, Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, vocab_size=187, max_position_embeddings=96,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=rope)
+
+
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "bloom": _bloom,
-            "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma}
+            "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma3": _gemma3}
 
 
 def _mixtral():
@@ -93,6 +105,20 @@ def _qwen3_moe():  # q/k norms, explicit head_dim, renormalised top-k
 
 
 MOE_FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+
+
+def _gpt_oss():  # sinks, biases, yarn (truncate false), sliding / full layers, window 8
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM, GptOssConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=203, max_position_embeddings=128, sliding_window=8, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+
+
+OTHER_FAMILIES = {"gpt_oss": _gpt_oss}  # tested in their own files
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 
@@ -111,7 +137,7 @@ def perturb(model, seed: int) -> None:
 def build_hf_model(family: str, seed: int = 0, vocab_size=None, **overrides):
     """A float32, eager-attention random model of `family` (config attributes changed by
     `overrides`), in eval mode."""
-    cls, config = {**FAMILIES, **MOE_FAMILIES}[family]()
+    cls, config = {**FAMILIES, **MOE_FAMILIES, **OTHER_FAMILIES}[family]()
     config.vocab_size = vocab_size or config.vocab_size
     for name, value in overrides.items():
         setattr(config, name, value)

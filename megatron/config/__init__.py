@@ -106,12 +106,8 @@ class Config:
         ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size
         require(ffn % etp == 0, f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
                                 f"--expert-tensor-parallel-size ({etp})")
-        default = " (the default: --tensor-model-parallel-size)" \
-            if p.expert_tensor_parallel_size is None else ""
-        require(etp == 1 or not self.model.add_bias_linear,
-                f"experts with linear biases need --expert-tensor-parallel-size 1, got {etp}"
-                f"{default}, as in Megatron-Core; pass --expert-tensor-parallel-size 1 or "
-                f"--disable-bias-linear")
+        # Expert biases at ETP > 1 (which Megatron-Core refuses): fc1's split with its rows,
+        # fc2's added once after the ETP reduction (megatron/model/moe/experts.py).
 
     def _check_step_schedule(self, dp: int) -> None:
         """Each scheduled batch is whole micro batches x DP; the largest is the global batch

@@ -1,18 +1,20 @@
 """Configuration of the GPT model."""
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
 
 from megatron.config.errors import require
-from megatron.config.moe import MoEConfig
+from megatron.config.moe import MoEConfig, parse_layer_freq
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
 # --fused-kernels-choice (megatron/fused/choice.py's MODES; a unit test keeps them equal).
 KERNEL_CHOICES = ("auto", "ours", "plain", "rule")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "sinusoidal", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "reglu", "liglu", "quick_geglu")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
+# Megatron-Core's TransformerConfig.softmax_type (megatron/model/sinks.py).
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 ACTIVATIONS = ("gelu", "openai_gelu", "exact_gelu", "squared_relu") + GLU_ACTIVATIONS
 # The fields that make a model what it is: a checkpoint's values are the defaults of a
 # run that loads it, a flag that contradicts one is refused, and an exported HF config
@@ -23,13 +25,17 @@ ARCHITECTURE_FIELDS = (
     "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type", "mtp_num_layers")
+    "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
+    "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
+    "rope_scaling_local", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
+    "mtp_num_layers")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings"),
     "yarn": ("rope_scaling_factor", "rope_scaling_original_max_position_embeddings",
-             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")}
+             "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor",
+             "yarn_correction_range_round_to_int")}
 # Run-time switches of the model (recomputation, fusions, kernels, loss details): a resumed
 # run takes them from its own flags, never from the checkpoint (a stored store_true switch
 # could not be turned off again).
@@ -127,17 +133,47 @@ class ModelConfig:
     """yarn: frequencies with more rotations than this over the original context are kept."""
     yarn_beta_slow: float = 1.0
     """yarn: frequencies with fewer rotations than this are fully interpolated."""
+    yarn_correction_range_round_to_int: bool = True
+    """yarn: the ramp's ends are floored / ceiled to whole channels (HF's truncate; gpt-oss:
+    off, --no-yarn-correction-range-round-to-int)."""
     yarn_attention_factor: Optional[float] = None
     """yarn: cos / sin multiplier (--yarn-attention-factor); None: 0.1 ln(factor) + 1."""
     window_size: Optional[int] = None
     """Sliding-window attention (--window-size): a query sees itself and the window_size - 1
     positions before it (Mistral's sliding_window); None: every earlier position."""
+    window_attn_skip_freq: Union[int, List[int], str, None] = None
+    """Which layers ignore --window-size and attend to every earlier position
+    (--window-attn-skip-freq, Megatron-LM's): an int N makes every N-th layer full
+    (layer_number % N == 0: gpt-oss 2, Gemma 3 6); Megatron's list form, such as
+    ([1]*5+[0]*1)*8, gives each layer 1 = sliding window, 0 = full. None: all windowed."""
+    rotary_base_local: Optional[int] = None
+    """RoPE base of the sliding-window layers (--rotary-base-local; Gemma 3's
+    rope_local_base_freq, 10000 where its full layers use 1000000); None: --rotary-base."""
+    rope_scaling_local: bool = True
+    """Whether the sliding-window layers' RoPE positions are scaled by
+    --rotary-seq-len-interpolation-factor too (off with --no-rope-scaling-local: Gemma 3
+    scales its full-attention layers only)."""
+    no_rope_freq: Union[int, List[int], str, None] = None
+    """Layers without RoPE (--no-rope-freq, Megatron-LM's; Llama 4's NoPE layers): an int N
+    leaves out every N-th layer (layer_number % N == 0); the list form gives each layer
+    1 = no RoPE, 0 = RoPE. None: RoPE on every layer."""
+    softmax_type: str = "vanilla"
+    """Attention softmax (--softmax-type, Megatron-Core's): vanilla | off-by-one (a fixed 0
+    logit joins each denominator) | learnable (a learned sink logit per head, gpt-oss's)."""
     normalization: str = "LayerNorm"
     """LayerNorm | RMSNorm (--normalization)."""
     apply_layernorm_1p: bool = False
     """Norm weights are stored zero-centred and applied as (1 + w) (--apply-layernorm-1p)."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head before attention (--qk-layernorm)."""
+    sandwich_norm: bool = False
+    """Norms after attention and after the MLP too, on each branch's output before it joins
+    the residual stream (--sandwich-norm; Gemma 2 / 3's post_attention_layernorm and
+    post_feedforward_layernorm)."""
+    softmax_scale: Optional[float] = None
+    """Attention scores are q k^T times this (--softmax-scale, Megatron-Core's
+    TransformerConfig.softmax_scale; Gemma 3: query_pre_attn_scalar ** -0.5); None:
+    1 / sqrt(--kv-channels)."""
     embed_layernorm: bool = False
     """A norm right after the word embeddings, as BLOOM (--embed-layernorm)."""
     embedding_multiplier: float = 1.0
@@ -148,9 +184,14 @@ class ModelConfig:
     activation: str = "gelu"
     """MLP activation: gelu | openai_gelu | exact_gelu (erf in float32, fairseq's) |
     squared_relu, or a gated one: swiglu | geglu | reglu | liglu | geglu_tanh (GeGLU with the
-    tanh GeLU, Gemma's) (--swiglu, --glu-activation, --openai-gelu, --exact-gelu,
-    --squared-relu). A gated MLP's
+    tanh GeLU, Gemma's) | quick_geglu (x sigmoid(1.702 x) gates, gpt-oss's) (--swiglu,
+    --glu-activation, --quick-geglu, --openai-gelu, --exact-gelu, --squared-relu). A gated MLP's
     first weight holds [gate; up] rows (each TP shard its own [gate_r; up_r])."""
+    glu_linear_offset: float = 0.0
+    """A gated MLP computes act(gate) * (up + this) (--glu-linear-offset; gpt-oss: 1)."""
+    activation_func_clamp_value: Optional[float] = None
+    """A gated MLP clamps gate to <= this and up to [-this, this] before the activation
+    (--activation-func-clamp-value; gpt-oss: 7 with --quick-geglu)."""
     group_query_attention: bool = False
     """Grouped-query attention (--group-query-attention): --num-query-groups K/V heads."""
     num_query_groups: Optional[int] = None
@@ -226,8 +267,12 @@ class ModelConfig:
         for name, value, allowed in (
                 ("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDING_TYPES),
                 ("--normalization", self.normalization, NORMALIZATIONS),
+                ("--softmax-type", self.softmax_type, SOFTMAX_TYPES),
                 ("activation", self.activation, ACTIVATIONS)):
             require(value in allowed, f"{name} {value!r} is not one of {allowed}")
+        require(self.softmax_type == "vanilla" or self.position_embedding_type != "alibi",
+                f"--softmax-type {self.softmax_type} does not combine with ALiBi; use "
+                f"--position-embedding-type rope or --softmax-type vanilla")
         require(0.0 < self.rotary_percent <= 1.0,
                 f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         require(self.rotary_base > 0, f"--rotary-base must be positive, got {self.rotary_base}")
@@ -236,6 +281,7 @@ class ModelConfig:
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         self._check_long_context()
         self._check_mtp()
+        self._check_glu()
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
         require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
                 f"--rotary-percent {self.rotary_percent} of {self.kv_channels} channels per head "
@@ -244,6 +290,8 @@ class ModelConfig:
         require(groups > 0 and self.num_attention_heads % groups == 0,
                 f"--num-query-groups ({groups}) must divide --num-attention-heads "
                 f"({self.num_attention_heads})")
+        require(self.softmax_scale is None or self.softmax_scale > 0,
+                f"--softmax-scale must be positive, got {self.softmax_scale}")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
 
@@ -261,9 +309,20 @@ class ModelConfig:
         """The number of MTP layers (0 without --mtp-num-layers)."""
         return self.mtp_num_layers or 0
 
+    def _check_glu(self):
+        clamp = self.activation_func_clamp_value
+        for flag, value in (("--glu-linear-offset", self.glu_linear_offset),
+                            ("--activation-func-clamp-value", clamp)):
+            require(value in (None, 0.0) or self.gated_mlp,
+                    f"{flag} {value} needs a gated activation (--quick-geglu, --swiglu, ...), "
+                    f"got {self.activation}")
+        require(clamp is None or clamp > 0,
+                f"--activation-func-clamp-value must be positive, got {clamp}")
+
     def _check_long_context(self):
         require(self.window_size is None or self.window_size > 0,
                 f"--window-size must be a positive number of positions, got {self.window_size}")
+        self._check_layer_kinds()
         kind = self.rope_scaling_type
         require(kind is None or kind in ROPE_SCALING_TYPES,
                 f"--rope-scaling-type {kind!r} is not one of {ROPE_SCALING_TYPES} (linear "
@@ -282,6 +341,76 @@ class ModelConfig:
                 f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}) must "
                 f"exceed --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
 
+    def _check_layer_kinds(self):
+        self.window_attn_skip_freq = self._layer_flag("--window-attn-skip-freq",
+                                                      self.window_attn_skip_freq)
+        self.no_rope_freq = self._layer_flag("--no-rope-freq", self.no_rope_freq)
+        require(self.window_attn_skip_freq is None or self.window_size is not None,
+                "--window-attn-skip-freq chooses the layers without the sliding window; it "
+                "needs --window-size")
+        require(self.rotary_base_local is None or (
+                self.window_size is not None and self.position_embedding_type == "rope"),
+                f"--rotary-base-local {self.rotary_base_local} is the RoPE base of the "
+                f"sliding-window layers; it needs --window-size and --position-embedding-type rope")
+        require(self.rotary_base_local is None or self.rotary_base_local > 0,
+                f"--rotary-base-local must be positive, got {self.rotary_base_local}")
+        require(self.rope_scaling_local or self.rope_scaling_type is None,
+                f"--no-rope-scaling-local leaves the linear scaling "
+                f"(--rotary-seq-len-interpolation-factor) out of the sliding-window layers; it "
+                f"does not apply to --rope-scaling-type {self.rope_scaling_type}")
+        require(self.no_rope_freq is None or self.position_embedding_type == "rope",
+                "--no-rope-freq leaves RoPE out of some layers; it needs "
+                "--position-embedding-type rope")
+        require(not isinstance(self.no_rope_freq, int) or self.num_layers % self.no_rope_freq == 0,
+                f"--no-rope-freq {self.no_rope_freq} must divide --num-layers "
+                f"({self.num_layers}), as in Megatron-Core; or give the list form")
+
+    def _layer_flag(self, flag: str, value):
+        """A per-layer flag's int N (> 0) or one-0/1-per-layer list, parsed from its text."""
+        if value is None:
+            return None
+        value = parse_layer_freq(value, flag) if isinstance(value, str) else value
+        if isinstance(value, int):
+            require(value > 0, f"{flag} must be positive, got {value}")
+            return value
+        value = list(value)
+        require(len(value) == self.num_layers and set(value) <= {0, 1},
+                f"{flag} lists {len(value)} entries of 0/1; it needs one per layer "
+                f"({self.num_layers})")
+        return value
+
+    def window_for_layer(self, layer_number: int) -> Optional[int]:
+        """The sliding window of (1-based, global) layer `layer_number`; None: full attention."""
+        freq = self.window_attn_skip_freq
+        if self.window_size is None or freq is None:
+            return self.window_size
+        windowed = layer_number % freq != 0 if isinstance(freq, int) else freq[layer_number - 1]
+        return self.window_size if windowed else None
+
+    def rotary_base_for_layer(self, layer_number: int) -> int:
+        """RoPE base of layer `layer_number`: --rotary-base-local on sliding-window layers."""
+        if self.rotary_base_local is not None and self.window_for_layer(layer_number) is not None:
+            return self.rotary_base_local
+        return self.rotary_base
+
+    def rope_scaled_for_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` divides its RoPE positions by
+        --rotary-seq-len-interpolation-factor: every layer, or with --no-rope-scaling-local
+        only the full-attention ones."""
+        return self.rope_scaling_local or self.window_for_layer(layer_number) is None
+
+    def uses_rope(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` rotates its queries and keys (not a --no-rope-freq layer)."""
+        freq = self.no_rope_freq
+        if self.position_embedding_type != "rope" or freq is None:
+            return self.position_embedding_type == "rope"
+        return layer_number % freq != 0 if isinstance(freq, int) else not freq[layer_number - 1]
+
+    def masked_layers(self, seq_length: int) -> List[int]:
+        """The layers whose sliding window hides keys of a `seq_length`-token sequence."""
+        return [n for n in range(1, self.num_layers + 1)
+                if (self.window_for_layer(n) or seq_length) < seq_length]
+
     @property
     def gated_mlp(self) -> bool:
         """True for the GLU activations: the first MLP weight holds gate and up rows."""
@@ -293,6 +422,13 @@ class ModelConfig:
         with --scale-embeddings)."""
         root = math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
         return self.embedding_multiplier * root
+
+    @property
+    def attention_scale(self) -> float:
+        """What q k^T is multiplied by before the softmax (--softmax-scale, else 1 / sqrt(d))."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.kv_channels)
 
     @property
     def rotary_dim(self) -> int:

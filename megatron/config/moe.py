@@ -19,16 +19,17 @@ ARCHITECTURE_FIELDS = (
     "moe_shared_expert_gate")
 
 
-def parse_layer_freq(value: str) -> Union[int, List[int]]:
-    """--moe-layer-freq: an int N (every N-th layer from the first is MoE) or Megatron's
-    list form, a Python expression such as `([0]*1+[1]*3)*8` (1 = MoE layer)."""
+def parse_layer_freq(value: str, flag: str = "--moe-layer-freq") -> Union[int, List[int]]:
+    """A per-layer flag (--moe-layer-freq; also --window-attn-skip-freq and --no-rope-freq):
+    an int N or Megatron's list form, a Python expression such as `([0]*1+[1]*3)*8` (one
+    0/1 per layer)."""
     text = str(value).strip()
     if text.lstrip("-").isdigit():
         return int(text)
     try:
         pattern = _eval_list(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError) as err:
-        raise ConfigError(f"--moe-layer-freq {value!r} is neither an int nor a list expression "
+        raise ConfigError(f"{flag} {value!r} is neither an int nor a list expression "
                           f"such as ([0]*1+[1]*3)*8 ({err})") from None
     return pattern
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import fused
+from megatron.model.sinks import add_sinks_to_lse, sinks_grad
 from megatron.mpu.mappings import group_rank, group_size
 
 CP_COMM_TYPES = ("p2p", "a2a")
@@ -295,28 +296,35 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of load-balanced local chunks over the CP ring.
 
     q [b, heads, s_local, d], k / v [b, groups, s_local, d] -> out [b, heads, s_local, d].
+    With sinks [heads] (megatron/model/sinks.py) they join the merged log-sum-exp once,
+    after every block; the blocks' backward then takes the sink-included out and lse.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, group, fusion):
+    def forward(ctx, q, k, v, scale, group, fusion, sinks=None):
         out, lse = _ring_forward(q, k, v, scale, group, fusion)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = add_sinks_to_lse(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.scale, ctx.group, ctx.fusion = scale, group, fusion
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout.contiguous(), ctx.scale, ctx.group,
-                                    ctx.fusion)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.scale, ctx.group, ctx.fusion)
+        dsinks = None if sinks is None else sinks_grad(out, lse, dout, sinks)
+        return dq, dk, dv, None, None, None, dsinks
 
 
-def ring_attention(q, k, v, group, fusion: bool = True):
-    """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d].
-    `fusion`: the CPU kernel for the diagonal blocks where it applies."""
+def ring_attention(q, k, v, group, scale=None, fusion: bool = True, sinks=None):
+    """q [s_local, b, heads, d], k / v [s_local, b, groups, d] -> [s_local, b, heads * d];
+    scores q k^T times `scale` (None: 1 / sqrt(d)). `fusion`: the CPU kernel for the
+    diagonal blocks where it applies; sinks: the sink logits [heads] or None."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views: saved as they are
-    out = RingAttention.apply(q, k, v, 1.0 / math.sqrt(q.shape[-1]), group, fusion)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = RingAttention.apply(q, k, v, scale, group, fusion, sinks)
     b, h, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
@@ -364,7 +372,9 @@ def a2a_attention(q, k, v, group, core_attention):
     order = _global_order(size)
     inverse = torch.argsort(order)
     whole = [_reorder(_AllToAll.apply(t, group, 2, 0), order) for t in (q, k, v)]
-    context = core_attention(*whole, None)  # [s, b, heads / CP * d]
+    local = q.shape[2] // size  # the heads this rank attends with: its share of q's
+    heads = slice(group_rank(group) * local, (group_rank(group) + 1) * local)
+    context = core_attention(*whole, None, heads=heads)  # [s, b, heads / CP * d]
     s, b, _ = context.shape
     context = _reorder(context.view(s, b, q.shape[2] // size, -1), inverse)
     out = _AllToAll.apply(context, group, 0, 2)

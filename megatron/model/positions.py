@@ -51,8 +51,10 @@ def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig, device) -> torch.Ten
     def correction_dim(rotations):
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if cfg.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
     pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -61,9 +63,10 @@ def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig, device) -> torch.Ten
         (1.0 / pos_freqs) * extrapolation
 
 
-def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """The rotary_dim / 2 inverse frequencies, scaled by --rope-scaling-type."""
-    dim, base = cfg.rotary_dim, cfg.rotary_base
+def rope_inv_freq(cfg: ModelConfig, device=None, base=None) -> torch.Tensor:
+    """The rotary_dim / 2 inverse frequencies of RoPE base `base` (default --rotary-base),
+    scaled by --rope-scaling-type."""
+    dim, base = cfg.rotary_dim, base or cfg.rotary_base
     if cfg.rope_scaling_type == "yarn":
         return _yarn_inv_freq(dim, base, cfg, device)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
@@ -75,16 +78,18 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """cos / sin tables of the positions being processed; holds no parameters."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, base=None, scaled: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.interpolation = cfg.rotary_seq_len_interpolation_factor
+        self.base = base or cfg.rotary_base
+        # scaled=False: a layer whose positions are not interpolated (--no-rope-scaling-local)
+        self.interpolation = cfg.rotary_seq_len_interpolation_factor if scaled else None
         self.magnitude = yarn_attention_factor(cfg) if cfg.rope_scaling_type == "yarn" else 1.0
 
     def forward(self, seq_len: int, offset: int, device, positions=None):
         """(cos, sin), each [seq_len, 1, 1, rotary_dim], for positions offset .. offset +
         seq_len - 1, or for the given float `positions` [seq_len]."""
-        inv_freq = rope_inv_freq(self.cfg, device)
+        inv_freq = rope_inv_freq(self.cfg, device, self.base)
         if positions is None:
             positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
         if self.interpolation is not None:

@@ -13,8 +13,9 @@ from megatron.config import ModelConfig
 from megatron import fused
 from megatron.model import context_parallel as cp
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
+from megatron.model.sinks import make_softmax_offset, sdpa_with_sinks, sink_softmax
 from megatron.mpu.sharding import qkv_meta
-from megatron.model.spec import make_norm, mlp_activation
+from megatron.model.spec import make_norm, make_post_norm, mlp_activation
 from megatron.model.moe.layer import MoELayer
 from megatron.model.moe.router import TopKRouter
 from megatron.mpu.parallel_state import ExpertGroups
@@ -53,19 +54,37 @@ def windowed_mask(mask, sq: int, sk: int, window, device):
 
 
 class CoreAttention(torch.nn.Module):
-    """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
+    """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask; with
+    --softmax-type learnable / off-by-one a sink logit per head (`softmax_offset`,
+    megatron/model/sinks.py) joins each softmax's denominator."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int):
+    def __init__(self, cfg: ModelConfig, layer_number: int, heads=None, device=None,
+                 dtype=None):
         super().__init__()
         self.cfg = cfg
         self.layer_number = max(1, layer_number)
+        self.window = cfg.window_for_layer(self.layer_number)
         self.dropout_p = cfg.attention_dropout
+        offset = make_softmax_offset(cfg.softmax_type, heads or cfg.num_attention_heads,
+                                     cfg.init_method_std, device, dtype)
+        if isinstance(offset, torch.nn.Parameter) or offset is None:
+            self.softmax_offset = offset
+        else:  # off-by-one: a fixed 0 logit, not saved
+            self.register_buffer("softmax_offset", offset, persistent=False)
 
-    def forward(self, q, k, v, mask, bias=None):
+    def sinks(self, heads=None):
+        """The sink logits of this rank's heads (a slice of them: `heads`), or None."""
+        if self.softmax_offset is None or heads is None:
+            return self.softmax_offset
+        return self.softmax_offset[heads]
+
+    def forward(self, q, k, v, mask, bias=None, heads=None):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
-        sq positions); bias: ALiBi scores [np, 1, sk] or None."""
-        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
-        if self._use_cpu_kernel(q, k, v, mask, bias):
+        sq positions); bias: ALiBi scores [np, 1, sk] or None; heads: the slice of this
+        rank's heads that q holds (context-parallel a2a), None: all."""
+        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
+        sinks = self.sinks(heads)
+        if sinks is None and self._use_cpu_kernel(q, k, v, mask, bias):
             p = self._dropout_p()
             fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
                                         f"{fused.cpu_kernels_isa()}, dropout {p})")
@@ -73,15 +92,17 @@ class CoreAttention(torch.nn.Module):
             if p > 0:
                 with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
                     seed = fused.attention_dropout_seed()
-            return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), p, seed)
+            return fused.causal_attention(q, k, v, self.cfg.attention_scale, p, seed)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
+        with_sinks = "" if sinks is None else f", {self.cfg.softmax_type} sinks"
         if self._use_sdpa(mask, q, bias):
-            fused.announce("attention", f"SDPA ({self.cfg.attention_impl})")
-            context = self._sdpa(q, k, v, mask, bias)
+            fused.announce("attention", f"SDPA ({self.cfg.attention_impl}{with_sinks})")
+            context = self._sdpa(q, k, v, mask, bias, sinks)
         else:
             fused.announce("attention", f"explicit softmax(q k^T) v ({self.cfg.attention_impl}, "
-                                        f"fused softmax {'on' if self._fusion() else 'off'})")
-            context = self._explicit(q, k, v, mask, bias)
+                                        f"fused softmax {'on' if self._fusion() else 'off'}"
+                                        f"{with_sinks})")
+            context = self._explicit(q, k, v, mask, bias, sinks)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
@@ -110,9 +131,13 @@ class CoreAttention(torch.nn.Module):
             return mask is None and bias is None and not (cpu_dropout or scaled_fp16)
         return False
 
-    def _sdpa(self, q, k, v, mask, bias):
+    def _sdpa(self, q, k, v, mask, bias, sinks=None):
         p = self.dropout_p if self.training else 0.0
         sq, sk = q.shape[2], k.shape[2]
+        if sinks is not None:
+            hidden = mask.bool() if mask is not None else _future(sq, sk, q.device)
+            with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+                return sdpa_with_sinks(q, k, v, hidden, sinks, p, bias)
         causal = mask is None and sq == sk and bias is None
         attn_mask = None
         if not causal:
@@ -123,18 +148,25 @@ class CoreAttention(torch.nn.Module):
                 attn_mask = bias.expand(-1, sq, sk).masked_fill(hidden, float("-inf"))
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                                  is_causal=causal)
+                                                  is_causal=causal, scale=self.cfg.softmax_scale)
 
-    def _explicit(self, q, k, v, mask, bias):
+    def _explicit(self, q, k, v, mask, bias, sinks=None):
         coeff = self.layer_number if self.cfg.apply_query_key_layer_scaling else 1.0
-        norm = math.sqrt(q.shape[-1]) * coeff
-        scores = torch.matmul(q, k.transpose(-1, -2)) / norm
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if self.cfg.softmax_scale is None:
+            scores = scores / (math.sqrt(q.shape[-1]) * coeff)
+        else:
+            scores = scores * (self.cfg.softmax_scale / coeff)
         if bias is not None:
             scores = scores + (bias / coeff if coeff != 1.0 else bias)
-        probs = fused.attention_softmax(
-            scores, scale=coeff, causal=mask is None, mask=mask,
-            softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or coeff != 1.0,
-            fusion=self._fusion())
+        if sinks is not None:
+            hidden = mask.bool() if mask is not None else _future(*scores.shape[-2:], q.device)
+            probs = sink_softmax(scores * coeff, hidden, sinks)
+        else:
+            probs = fused.attention_softmax(
+                scores, scale=coeff, causal=mask is None, mask=mask,
+                softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or coeff != 1.0,
+                fusion=self._fusion())
         if self.training and self.dropout_p > 0:
             with get_rng_tracker().fork():
                 probs = fused.dropout(probs, self.dropout_p, True, fusion=self._fusion())
@@ -175,10 +207,14 @@ class ParallelAttention(torch.nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
             self.k_layernorm = make_norm(cfg, device, dtype, cfg.kv_channels, sequence_parallel=False)
-        self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        number = max(1, layer_number)
+        self.rotary = (RotaryEmbedding(cfg, cfg.rotary_base_for_layer(number),
+                                       cfg.rope_scaled_for_layer(number))
+                       if cfg.uses_rope(number) else None)
         self.alibi = (AlibiBias(cfg, group_rank(tp_group), tp)
                       if cfg.position_embedding_type == "alibi" else None)
-        self.core_attention = CoreAttention(cfg, layer_number)
+        self.core_attention = CoreAttention(cfg, layer_number, self.heads_per_partition,
+                                            device, dtype)
         self.cp_group, self.cp_comm_type = None, "p2p"  # set by enable_context_parallel
         self.dense = RowParallelLinear(
             cfg.query_projection_size, cfg.hidden_size, bias=cfg.add_bias_linear,
@@ -245,8 +281,9 @@ class ParallelAttention(torch.nn.Module):
     def _attend_across_cp(self, q, k, v, mask):
         """Attention of this rank's chunks over the whole sequence (context parallel)."""
         if self.cp_comm_type == "p2p":
-            return cp.ring_attention(q, k, v, self.cp_group,
-                                     fusion=self.core_attention._fusion())
+            return cp.ring_attention(q, k, v, self.cp_group, self.cfg.attention_scale,
+                                     fusion=self.core_attention._fusion(),
+                                     sinks=self.core_attention.sinks())
         return cp.a2a_attention(q, self._expand_groups(k), self._expand_groups(v),
                                 self.cp_group, self.core_attention)
 
@@ -296,7 +333,8 @@ class ParallelMLP(torch.nn.Module):
 
 
 class ParallelTransformerLayer(torch.nn.Module):
-    """x + Attn(LN(x)), then + MLP(LN(.)); dropout on each branch output."""
+    """x + Attn(LN(x)), then + MLP(LN(.)); dropout on each branch output. With
+    --sandwich-norm each branch output is normalised too (x + LN(Attn(LN(x))), Gemma 3's)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, device, dtype,
                  expert_groups=None):
@@ -305,23 +343,28 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         self.input_layernorm = make_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(cfg, layer_number, tp_group, device, dtype)
+        self.post_self_attention_layernorm = make_post_norm(cfg, device, dtype)
         self.post_attention_layernorm = make_norm(cfg, device, dtype)
         if cfg.is_moe_layer(layer_number):
             groups = expert_groups or ExpertGroups(tp_group=tp_group)
             self.mlp = MoELayer(cfg, layer_number, groups, device, dtype)
         else:
             self.mlp = ParallelMLP(cfg, tp_group, device, dtype)
+        self.post_mlp_layernorm = make_post_norm(cfg, device, dtype)
 
-    def _residual(self, out_and_bias, residual):
+    def _residual(self, out_and_bias, residual, post_norm=None):
         out, bias = out_and_bias
+        if post_norm is not None:
+            out, bias = post_norm(out if bias is None else out + bias), None
         with dropout_rng_context(self.cfg.sequence_parallel):
             return fused.bias_dropout_add(out, bias, residual, self.cfg.hidden_dropout,
                                           self.training, fusion=self.cfg.bias_dropout_fusion)
 
     def forward(self, hidden, mask=None, inference_params=None):
         attention = self.self_attention(self.input_layernorm(hidden), mask, inference_params)
-        hidden = self._residual(attention, hidden)
-        return self._residual(self.mlp(self.post_attention_layernorm(hidden)), hidden)
+        hidden = self._residual(attention, hidden, self.post_self_attention_layernorm)
+        return self._residual(self.mlp(self.post_attention_layernorm(hidden)), hidden,
+                              self.post_mlp_layernorm)
 
 
 class ParallelTransformer(torch.nn.Module):

@@ -45,9 +45,9 @@ def _attention(config, dtype) -> list:
         return []
     if p.context_parallel_size > 1 and p.cp_comm_type == "p2p":
         return []  # ring attention: its blocks always take our kernel where it applies
-    if (m.window_size is not None and m.seq_length > m.window_size) or (
+    if len(m.masked_layers(m.seq_length)) == m.num_layers or (
             m.position_embedding_type == "alibi"):
-        return []
+        return []  # no layer attends with a plain causal mask
     q = attention_stand_in(config, dtype)
     out = []
     for dropout in dict.fromkeys((m.attention_dropout, 0.0)):

@@ -66,11 +66,14 @@ def layer_params(m, tp: int) -> int:
     qkv_rows = q // tp + 2 * _kv_per_rank(m, tp)
     up_rows = (2 if m.gated_mlp else 1) * f // tp
     bias = m.add_bias_linear
-    params = 2 * norm + qkv_rows * h + q // tp * h + up_rows * h + f // tp * h
+    norms = 4 if m.sandwich_norm else 2  # --sandwich-norm: one more per branch output
+    params = norms * norm + qkv_rows * h + q // tp * h + up_rows * h + f // tp * h
     params += qkv_rows if (bias or m.add_qkv_bias) else 0
     params += (h + up_rows + h) if bias else 0
     if m.qk_layernorm:
         params += 2 * (m.kv_channels if m.normalization == "RMSNorm" else 2 * m.kv_channels)
+    if m.softmax_type == "learnable":  # a sink logit per head (megatron/model/sinks.py)
+        params += m.num_attention_heads // tp
     return params
 
 
@@ -284,7 +287,7 @@ def _saves_probabilities(config, device_type: str) -> bool:
         return False
     if m.attention_impl != "auto":
         return True
-    masked = m.window_size is not None and m.seq_length > m.window_size
+    masked = bool(m.masked_layers(m.seq_length))  # counted for every layer: an upper bound
     if masked or m.position_embedding_type == "alibi":
         return True
     if device_type == "cpu" and _cpu_kernel_runs(config):
@@ -368,8 +371,10 @@ def layer_activations(config, micro_batch: int, device_type: str) -> Dict[str, f
         "MLP input": sp * b * h * item,
         # gated: gate, its activation, up and the product; else the input and the output
         "MLP activation": s * b * f * (4 if m.gated_mlp else 2) * item,
-        "norm statistics": 2 * stats * sp * b * 4,
+        "norm statistics": (4 if m.sandwich_norm else 2) * stats * sp * b * 4,
     }
+    if m.sandwich_norm:  # the norms of the attention and MLP outputs
+        out["sandwich norm inputs (2)"] = 2 * sp * b * h * item
     if m.hidden_dropout > 0:
         out["dropout masks (2)"] = 2 * sp * b * h * _mask_bytes(config, device_type)
     return out

@@ -164,3 +164,22 @@ def check_resume(name, layout: Layout, results, workdir):
         assert first["losses"] == full["losses"][:SAVE_AT], f"rank {rank}"
         assert resumed["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), f"rank {rank}"
         assert resumed["losses"] == full["losses"][SAVE_AT:], f"rank {rank}: resumed run differs"
+
+
+def model_fixtures(name: str, layouts: Dict[str, Layout], model: List[str], rank_fn):
+    """The module fixtures (workdir, reference, spawns) of a layout test of one model: the
+    data in a fresh directory `name`, the single-process run of `model`'s flags, and every
+    layout's run (`rank_fn(rank, world, data_prefix, workdir)`, a module-level function
+    calling `train_layouts`), one spawn per world size."""
+    import pytest
+    from tests.gpt_setup import wiki_workdir
+
+    @pytest.fixture(scope="module")
+    def reference(workdir):
+        prefix, out = workdir
+        return reference_run(prefix, out / "cache-ref", *model)
+
+    @pytest.fixture(scope="module")
+    def spawns(workdir):
+        return spawn_worlds(rank_fn, layouts, *workdir)
+    return wiki_workdir(name), reference, spawns

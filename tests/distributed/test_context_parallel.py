@@ -1,5 +1,6 @@
 """Ring (p2p) and all-to-all context-parallel attention against one process: outputs
-and the gradients of q, k, v, at CP 2 and 4, with grouped keys / values."""
+and the gradients of q, k, v, at CP 2 and 4, with grouped keys / values; with attention
+sinks also the sinks' gradient."""
 import math
 
 import pytest
@@ -25,12 +26,21 @@ def _expand(t):
     return t.repeat_interleave(HEADS // GROUPS, dim=2)
 
 
-def _causal(q, k, v, mask=None):
-    """Reference attention [s, b, h, d] -> [s, b, h * d] (k / v with all heads)."""
+def _causal(q, k, v, mask=None, sinks=None, heads=None):
+    """Reference attention [s, b, h, d] -> [s, b, h * d] (k / v with all heads); sinks: a
+    logit per head joining the softmax (its column dropped after), of the heads `heads`
+    (a slice, as a2a_attention passes the core attention; None: all)."""
+    if sinks is not None and heads is not None:
+        sinks = sinks[heads]
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(D)
     scores = scores.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1),
                                 float("-inf"))
-    out = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+    out = torch.einsum("bhqk,kbhd->qbhd", probs, v)
     return out.reshape(q.shape[0], q.shape[1], -1)
 
 
@@ -63,6 +73,34 @@ def _check(rank, world_size):
     for name, attend in attends.items():
         got = _run(*local, attend)
         want = [split_for_cp(t, rank, world_size, dim=0) for t in expected]
+        errors[name] = max(float((g - w).abs().max()) for g, w in zip(got, want))
+    errors.update(_sink_errors(rank, world_size, group, q, k, v, dout, local))
+    return errors
+
+
+def _sink_errors(rank, world_size, group, q, k, v, dout, local):
+    """Ring (kernel blocks and plain) and a2a attention with attention sinks: outputs, the
+    q / k / v gradients and the sinks' gradient (summed over the CP ranks) against one process."""
+    from megatron.mpu.mappings import all_reduce
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(9))
+
+    def run(q, k, v, dout, attend):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        attend(*leaves).backward(dout)
+        return [leaves[0].grad, leaves[1].grad, leaves[2].grad, leaves[3].grad]
+    want = run(q, k, v, dout, lambda q, k, v, s: _causal(q, _expand(k), _expand(v), sinks=s))
+    want = [split_for_cp(t, rank, world_size, dim=0) for t in want[:3]] + [want[3]]
+    attends = {
+        "p2p-sinks": lambda q, k, v, s: ring_attention(q, k, v, group, sinks=s),
+        "p2p-plain-sinks": lambda q, k, v, s: ring_attention(q, k, v, group, fusion=False,
+                                                              sinks=s),
+        "a2a-sinks": lambda q, k, v, s: a2a_attention(
+            q, _expand(k), _expand(v), group,
+            lambda q, k, v, mask, heads=None: _causal(q, k, v, sinks=s, heads=heads))}
+    errors = {}
+    for name, attend in attends.items():
+        got = run(*local, attend)
+        got[3] = all_reduce(got[3].clone(), group)
         errors[name] = max(float((g - w).abs().max()) for g, w in zip(got, want))
     return errors
 
@@ -116,6 +154,10 @@ def _loss_and_grads(cfg, tokens, labels, group=None, comm_type="p2p"):
     return float(all_reduce(loss.detach().clone(), group)), grads
 
 
+# Gemma 3's layer: sandwich and (1 + w) q / k norms, a softmax scale apart from 1 / sqrt(d)
+GEMMA3 = dict(sandwich_norm=True, qk_layernorm=True, apply_layernorm_1p=True, softmax_scale=0.2)
+
+
 def _model_check(rank, world_size):
     import torch.distributed as dist
     group = dist.new_group(list(range(world_size)))
@@ -125,7 +167,9 @@ def _model_check(rank, world_size):
     errors = {}
     for name, comm, changes in (("p2p", "p2p", {}), ("a2a", "a2a", {}),
                                 ("p2p-full-recompute", "p2p", {"recompute_granularity": "full"}),
-                                ("a2a-window", "a2a", {"window_size": 48})):
+                                ("a2a-window", "a2a", {"window_size": 48}),
+                                ("p2p-gemma3", "p2p", GEMMA3),
+                                ("a2a-gemma3-window", "a2a", dict(GEMMA3, window_size=48))):
         cfg = _llama_cfg(**changes)
         ref_loss, ref = _loss_and_grads(cfg, tokens, labels)
         loss, got = _loss_and_grads(cfg, tokens, labels, group, comm)
@@ -138,7 +182,8 @@ def _model_check(rank, world_size):
 def test_every_parameter_gradient_equals_one_process(cp):
     for errors in run_ranks(_model_check, cp):
         for name, (loss_err, grad_err, count) in errors.items():
-            assert count == 15 and loss_err < 1e-6 and grad_err < 1e-5, (name, errors)
+            params = 23 if "gemma3" in name else 15  # + 2 sandwich and 2 q / k norms a layer
+            assert count == params and loss_err < 1e-6 and grad_err < 1e-5, (name, errors)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -1,31 +1,31 @@
 """--use-torch-fsdp2 trains like one process, and its torch_dist checkpoints resume both ways.
 
-One spawn of 2 ranks (FSDP at DP 2) runs, in turn:
-- the tiny GPT (tied embeddings: the root unit holds them) in fp32 with clipping active
-  (--clip-grad 0.5, below every gradient norm here), --log-params-norm and
-  --log-num-zeros-in-grad: losses, gradient norms and params norms equal the
-  single-process run's within 1e-5 relative (the layout tests' tolerance), zero counts
-  within ZEROS_SLACK entries that round to 0 in one order and not the other; saved at
-  iteration 5 (torch_dist) it resumes to the uninterrupted losses bit for bit;
-- the same run resumed under FSDP from a checkpoint the single-process run saved;
-- the LLaMA-style model (untied: the embedding its own unit; GQA, RoPE, RMSNorm, SwiGLU)
-  in bf16 (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
-  main params) with --no-fsdp-reshard-after-forward, against the same bf16 run in one
-  process without FSDP, within BF16_TOL.
-- full and selective activation recomputation, and MoE at EP 2 x DP 2 (LAYOUTS2).
-The parent resumes the FSDP checkpoint in one process without FSDP, to the uninterrupted
-losses within 1e-5. A spawn of 4 ranks runs TP 2 x FSDP 2 with sequence parallelism (the
-LLaMA-style model, fp32: GQA's k / v and the SP norms' partial gradients under FSDP's
-shards) against one process, zero counts included (thousands: the untied embedding rows
-of absent tokens), DP 4, and LAYOUTS4: CP 2 x DP 2 (the FSDP mesh DP x CP), PP 2 x DP 2
-with 1F1B and with the interleaved schedule (tied embeddings across the first and last
-stage; also with --no-fsdp-reshard-after-forward), an MoE model at EP 2 x DP 4 (experts
-sharded over expert-DP 2, dense weights over DP 4), CP 2 x PP 2 and EP 2 x PP 2. Each of
-LAYOUTS2 / LAYOUTS4 matches its single-process reference over ITERS iterations (losses,
-gradient norms, params norms, zero counts) and resumes bit for bit from its SAVE_AT
-checkpoint (those of IN_ONE also in one process without FSDP). FSDP's collectives are
-counted: one reduce-scatter per unit and global batch (4 micro batches per rank), and with
-kept parameters one all-gather. Unsupported combinations are one line.
+The model of the acceptance is the LLaMA-style one (GQA, RoPE, RMSNorm, SwiGLU, untied: the
+embedding its own unit), fp32, with clipping active (--clip-grad 0.5, below every gradient
+norm here), --log-params-norm and --log-num-zeros-in-grad. Each layout of LAYOUTS2 (a spawn of
+2 ranks) and LAYOUTS4 (a spawn of 4) matches its single-process reference over ITERS
+iterations: losses and gradient norms on every reporting rank and the params norms within
+1e-5 relative (the layout tests' tolerance), zero counts within ZEROS_SLACK entries that round
+to 0 in one order and not the other; saved at SAVE_AT it resumes to the uninterrupted losses
+bit for bit, and those of IN_ONE also in one process without FSDP within 1e-5. The LLaMA-style
+model runs at DP 2, DP 4, TP 2 x DP 2 with sequence parallelism (GQA's k / v and the SP
+norms' partial gradients under FSDP's shards; thousands of zero gradient entries: the untied
+embedding rows of absent tokens), CP 2 x DP 2 (the FSDP mesh DP x CP), PP 2 x DP 2 (1F1B) and
+CP 2 x PP 2; its MoE variant at EP 2 x DP 2 (expert-DP 1), EP 2 x DP 4 (experts sharded over
+expert-DP 2, dense weights over DP 4) and EP 2 x PP 2. The tied GPT (the root unit holds the
+embedding) runs full and selective recomputation at DP 2 and the interleaved schedule at
+PP 2 x DP 2 (tied across the first and last stage; also --no-fsdp-reshard-after-forward).
+
+Checkpoints across layouts: the LLaMA-style one-process checkpoint resumes under FSDP at
+DP 2; the DP 2 FSDP checkpoint resumes at TP 2 x PP 2 with the distributed optimizer (in the
+spawn of 4), and a TP 2 x PP 2 distributed-optimizer checkpoint under FSDP at DP 2 (a third,
+short spawn of 2), each continuing as the uninterrupted run within 1e-5 (losses and gradient
+norms). bf16 (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
+main params) with --no-fsdp-reshard-after-forward at DP 2 equals the same bf16 run in one
+process without FSDP within BF16_TOL, resumes exactly, and its checkpoints cross to and from
+one process. FSDP's collectives are counted: one reduce-scatter per unit and global batch
+(4 micro batches per rank), and with kept parameters one all-gather. Unsupported
+combinations are one line (tests/unit/test_fsdp_units.py runs them through pretrain_gpt.py).
 """
 import contextlib
 import io
@@ -46,22 +46,30 @@ BF16_TOL = 1e-4
 over 6 iterations): the same math, but gradients reduced in another order (FSDP's
 reduce-scatter of each micro batch's bf16 gradient cast to fp32, against our reducer's fp32
 accumulation then all-reduce)."""
+BF16_NORM_TOL = 2e-3
+"""Relative gradient-norm difference allowed there (measured: 4.5e-4; bf16 without FSDP at
+DP 2 is 2.3e-4 from one process): the losses' differences seen by the gradients."""
 ZEROS_SLACK = 3
 """Gradient entries allowed to be exactly 0 in one run and not the other (rounding)."""
 FSDP = ["--use-torch-fsdp2"]
 CLIP = ["--clip-grad", "0.5", "--log-params-norm", "--log-num-zeros-in-grad",
         "--ckpt-format", "torch_dist"]
 LLAMA_BF16 = [*llama_style(32), "--bf16", "--clip-grad", "0.5", "--ckpt-format", "torch_dist"]
-LLAMA = [*llama_style(32), "--clip-grad", "0.5", "--log-num-zeros-in-grad",
-         "--log-params-norm"]
-LLAMA_TP2 = [*LLAMA, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 DIST = ["--ckpt-format", "torch_dist"]
+LLAMA = [*llama_style(32), "--clip-grad", "0.5", "--log-num-zeros-in-grad",
+         "--log-params-norm", *DIST]
+"""The LLaMA-style model of the acceptance (GQA, RoPE, RMSNorm, SwiGLU, untied) in fp32, with
+clipping active (its gradient norms are 0.63-1.0 here) and the norms and zero counts logged."""
+TP2 = ["--tensor-model-parallel-size", "2"]
 MOE = [*llama_style(32), "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
        "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2", "--clip-grad", "0.5",
        "--log-num-zeros-in-grad", "--log-params-norm", *DIST]
 """A LLaMA-style MoE model: layer 0 of 2 has 4 experts (top-2), layer 1 is dense."""
 PP2 = ["--pipeline-model-parallel-size", "2"]
+TP2_PP2_DIST_OPT = [*LLAMA, *TP2, *PP2, "--use-distributed-optimizer"]
+"""The layout a DP 2 FSDP checkpoint resumes at, and saves one FSDP at DP 2 resumes from."""
 LAYOUTS2 = {  # name: (flags, micro batch size, the reference's name); FSDP at DP 2
+    "dp2": (LLAMA, 1, "llama"),
     "recompute-full": ([*CLIP, "--recompute-granularity", "full", "--recompute-method",
                         "uniform", "--recompute-num-layers", "1"], 1, "one"),
     "recompute-selective": ([*CLIP, "--recompute-granularity", "selective"], 1, "one"),
@@ -69,24 +77,29 @@ LAYOUTS2 = {  # name: (flags, micro batch size, the reference's name); FSDP at D
     "ep2-expert-dp1": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),
 }
 LAYOUTS4 = {  # the same, in a world of 4
-    "cp2": ([*LLAMA, *DIST, "--context-parallel-size", "2"], 1, "tp ref"),
-    "pp2": ([*CLIP, *PP2], 1, "one"),
+    "dp4": (LLAMA, 1, "llama"),
+    "tp2-sp": ([*LLAMA, *TP2, "--sequence-parallel"], 1, "llama"),
+    "cp2": ([*LLAMA, "--context-parallel-size", "2"], 1, "llama"),
+    "pp2": ([*LLAMA, *PP2], 1, "llama"),
+    # 4 layers for 2 stages x 2 virtual chunks: the tied GPT
     "pp2-interleaved": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"], 1, "one"),
     "pp2-interleaved-kept": ([*CLIP, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
                               "--no-fsdp-reshard-after-forward"], 1, "one"),
     "ep2": ([*MOE, "--expert-model-parallel-size", "2"], 2, "moe"),  # DP 4, expert-DP 2
-    "cp2-pp2": ([*LLAMA, *DIST, "--context-parallel-size", "2", *PP2], 1, "tp ref"),  # DP 1
+    "cp2-pp2": ([*LLAMA, "--context-parallel-size", "2", *PP2], 1, "llama"),  # DP 1
     "ep2-pp2": ([*MOE, "--expert-model-parallel-size", "2", *PP2], 2, "moe"),  # expert-DP 1
 }
-IN_ONE = {"cp2": [*LLAMA, *DIST], "pp2-interleaved": CLIP, "ep2": MOE, "ep2-pp2": MOE}
-"""Layouts of LAYOUTS4 whose FSDP checkpoints (at SAVE_AT) the parent resumes in one process
-without FSDP: the reference's flags."""
-UNITS = {"fsdp": 5, "recompute-full": 5, "pp2": 3, "pp2-interleaved": 3,
+IN_ONE = {"dp2": LLAMA, "cp2": LLAMA, "pp2-interleaved": CLIP, "ep2": MOE, "ep2-pp2": MOE}
+"""Layouts whose FSDP checkpoints (at SAVE_AT) the parent resumes in one process without
+FSDP: the reference's flags."""
+UNITS = {"dp2": 4, "recompute-full": 5, "pp2": 2, "pp2-interleaved": 3,
          "pp2-interleaved-kept": 3}
-"""FSDP units with parameters on each rank: the tied GPT's 4 layers and the root (the
-embedding, final norm and head); each PP stage 2 layers and a root (the embedding, or the
-final norm and head copy), with virtual stages chunk 0's and 1's layer and one root on each
-rank (the other chunk's root holds nothing). Each reduce-scatters once per global batch."""
+"""FSDP units with parameters on each rank: the LLaMA-style model's embedding, 2 layers and
+root (final norm and head); the tied GPT's 4 layers and the root (the embedding, final norm
+and head); at PP 2 the LLaMA-style stages' embedding and layer, and layer and root (stage 0's
+root holds nothing); with virtual stages the tied GPT's chunk 0's and 1's layer and one root
+on each rank (the other chunk's root holds nothing). Each reduce-scatters once per global
+batch."""
 
 workdir = wiki_workdir("fsdp")
 
@@ -145,17 +158,16 @@ def _train_layouts(layouts, prefix, out):
     return results
 
 
+def _saved_at(out, name):
+    return os.path.join(out, f"ckpt-{name}", f"iter_{SAVE_AT:07d}")
+
+
 def _rank2(rank, world, prefix, out):
     cache = os.path.join(out, "cache")
-    save, bf16_save = os.path.join(out, "ckpt-fsdp"), os.path.join(out, "ckpt-bf16-fsdp")
+    bf16_save = os.path.join(out, "ckpt-bf16-fsdp")
     return {**_train_layouts(LAYOUTS2, prefix, out),
-        "fsdp": _train(prefix, cache, *FSDP, *CLIP, mbs=1),
-        "fsdp/first": _train(prefix, cache, *FSDP, *CLIP, "--save", save, "--save-interval",
-                             str(SAVE_AT), "--exit-interval", str(SAVE_AT), mbs=1),
-        "fsdp/resumed": _train(prefix, cache, *FSDP, *CLIP, "--load", save, mbs=1),
-        "fsdp/from-one-process": _train(prefix, cache, *FSDP, *CLIP, "--load",
-                                        os.path.join(out, "ckpt-one", f"iter_{SAVE_AT:07d}"),
-                                        mbs=1),
+        "dp2/from-one-process": _train(prefix, cache, *FSDP, *LLAMA, "--load",
+                                       _saved_at(out, "llama-one"), mbs=1),
         "bf16": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--no-fsdp-reshard-after-forward",
                        mbs=1),
         "bf16/first": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--save", bf16_save,
@@ -169,10 +181,21 @@ def _rank2(rank, world, prefix, out):
 
 
 def _rank4(rank, world, prefix, out):
+    """LAYOUTS4; the DP 2 FSDP checkpoint resumed at TP 2 x PP 2 with the distributed
+    optimizer; that layout's own run to SAVE_AT, saved for _rank2_from_tp2_pp2."""
     cache = os.path.join(out, "cache")
     return {**_train_layouts(LAYOUTS4, prefix, out), "offsets": _uneven_shards(world),
-            "tp2": _train(prefix, cache, *FSDP, *LLAMA_TP2, mbs=1),
-            "dp4": _train(prefix, cache, *FSDP, *CLIP, mbs=1)}
+            "tp2-pp2/from-fsdp": _train(prefix, cache, *TP2_PP2_DIST_OPT, "--load",
+                                        _saved_at(out, "dp2"), mbs=1),
+            "tp2-pp2/first": _train(prefix, cache, *TP2_PP2_DIST_OPT, "--save",
+                                    os.path.join(out, "ckpt-tp2-pp2"), "--save-interval",
+                                    str(SAVE_AT), "--exit-interval", str(SAVE_AT), mbs=1)}
+
+
+def _rank2_from_tp2_pp2(rank, world, prefix, out):
+    """The TP 2 x PP 2 distributed-optimizer checkpoint resumed under FSDP at DP 2."""
+    return _train(prefix, os.path.join(out, "cache"), *FSDP, *LLAMA, "--load",
+                  _saved_at(out, "tp2-pp2"), mbs=1)
 
 
 def _uneven_shards(world):
@@ -215,18 +238,19 @@ def runs(workdir):
                      str(SAVE_AT))
         bf16 = _train(prefix, cache, *LLAMA_BF16, "--save", str(out / "ckpt-bf16-one"),
                       "--save-interval", str(SAVE_AT))
-        tp_ref = _train(prefix, cache, *LLAMA)
+        llama = _train(prefix, cache, *LLAMA, "--save", str(out / "ckpt-llama-one"),
+                       "--save-interval", str(SAVE_AT))
         moe = _train(prefix, cache, *MOE)
     ranks2 = run_ranks(_rank2, 2, prefix, str(out), timeout=1800)
     with one_thread():
-        resumed_one = _train(prefix, cache, *CLIP, "--load", str(out / "ckpt-fsdp"))
         bf16_one = _train(prefix, cache, *LLAMA_BF16, "--load", str(out / "ckpt-bf16-fsdp"))
     ranks4 = run_ranks(_rank4, 4, prefix, str(out), timeout=1800)
+    from_tp2_pp2 = run_ranks(_rank2_from_tp2_pp2, 2, prefix, str(out), timeout=600)
     with one_thread():
-        in_one = {name: _train(prefix, cache, *flags, "--load", str(
-            out / f"ckpt-{name}" / f"iter_{SAVE_AT:07d}")) for name, flags in IN_ONE.items()}
-    return {"one": one, "bf16": bf16, "tp ref": tp_ref, "moe": moe, "ranks2": ranks2,
-            "resumed one": resumed_one, "bf16 one": bf16_one, "ranks4": ranks4,
+        in_one = {name: _train(prefix, cache, *flags, "--load", _saved_at(str(out), name))
+                  for name, flags in IN_ONE.items()}
+    return {"one": one, "bf16": bf16, "llama": llama, "moe": moe, "ranks2": ranks2,
+            "bf16 one": bf16_one, "ranks4": ranks4, "from tp2 pp2": from_tp2_pp2,
             "in one process": in_one,
             "bf16 keys": _saved_keys(out / "ckpt-bf16-fsdp" / f"iter_{SAVE_AT:07d}")}
 
@@ -236,17 +260,11 @@ def _saved_keys(directory):
     return sorted(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
 
 
-def test_fsdp_dp2_equals_one_process_with_clipping(runs):
-    one = runs["one"]
-    assert min(one["grad norms"]) > 0.5  # clipping acts at every step
-    for rank, result in enumerate(runs["ranks2"]):
-        got = result["fsdp"]
-        assert got["iterations"] == list(range(1, ITERS + 1)), rank
-        _close(got["losses"], one["losses"], LOSS_TOL, f"rank {rank} losses")
-        _close(got["grad norms"], one["grad norms"], LOSS_TOL, f"rank {rank} grad norms")
-    last = runs["ranks2"][-1]["fsdp"]  # the last rank prints the log line
-    _close(last["params norms"], one["params norms"], LOSS_TOL, "params norms")
-    _zeros_close(last["zeros"], one["zeros"], "zeros")
+def test_clipping_acts_at_every_step(runs):
+    """--clip-grad 0.5 is below every gradient norm of both references, so each FSDP layout's
+    matching gradient norms show clipping done on the sharded gradients."""
+    assert min(runs["llama"]["grad norms"]) > 0.5, runs["llama"]["grad norms"]
+    assert min(runs["one"]["grad norms"]) > 0.5, runs["one"]["grad norms"]
 
 
 def _zeros_close(got, want, what):
@@ -256,34 +274,23 @@ def _zeros_close(got, want, what):
     assert all(abs(a - b) <= ZEROS_SLACK for a, b in zip(got, want)), (what, got, want)
 
 
-def test_fsdp_checkpoint_resumes_exactly_and_without_fsdp(runs):
-    for rank, result in enumerate(runs["ranks2"]):
-        full, first, resumed = result["fsdp"], result["fsdp/first"], result["fsdp/resumed"]
-        assert first["losses"] == full["losses"][:SAVE_AT], rank
-        assert resumed["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), rank
-        assert resumed["losses"] == full["losses"][SAVE_AT:], f"rank {rank}: resumed run differs"
-    one = runs["resumed one"]  # FSDP at DP 2 -> one process, no FSDP
-    assert one["iterations"] == list(range(SAVE_AT + 1, ITERS + 1))
-    _close(one["losses"], runs["one"]["losses"][SAVE_AT:], LOSS_TOL, "FSDP ckpt in one process")
-
-
 def test_tools_read_fsdp_checkpoints(runs, workdir):
     """tools/merge_mp_partitions.py and tools/convert_checkpoint.py --to hf read the torch_dist
-    checkpoint FSDP saved at DP 2: the merged torch checkpoint holds its tensors exactly, both
+    checkpoint FSDP saved at DP 2 (the LLaMA-style model, at ITERS): the merged torch checkpoint holds its tensors exactly, both
     export the same Hugging Face weights, and the names are the one-process checkpoint's."""
     from safetensors.torch import load_file
 
     from megatron.checkpointing import api
     from tools import convert_checkpoint, merge_mp_partitions
     _, out = workdir
-    fsdp, merged = str(out / "ckpt-fsdp"), str(out / "ckpt-fsdp-merged")
+    fsdp, merged = str(out / "ckpt-dp2"), str(out / "ckpt-dp2-merged")
     with one_thread():
         assert merge_mp_partitions.main(["--load", fsdp, "--save", merged]) == 0
         for load in (fsdp, merged):
             assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", load,
                                             "--save", load + "-hf"]) == 0
     sharded, whole = api.read_model(fsdp)[0], api.read_model(merged)[0]
-    one = api.read_model(str(out / "ckpt-one" / f"iter_{SAVE_AT:07d}"))[0]
+    one = api.read_model(str(out / "ckpt-llama-one" / f"iter_{ITERS:07d}"))[0]
     assert sorted(sharded) == sorted(whole) == sorted(one)
     assert all(torch.equal(sharded[name], whole[name]) for name in sharded)
     assert all(torch.allclose(sharded[name], one[name], rtol=1e-3, atol=1e-5) for name in one)
@@ -293,16 +300,44 @@ def test_tools_read_fsdp_checkpoints(runs, workdir):
     assert all(torch.equal(exported[0][name], exported[1][name]) for name in exported[0])
 
 
+def _continues(got, ref, what):
+    """`got` is the run resumed at SAVE_AT: its losses and gradient norms are the
+    uninterrupted `ref`'s from there, within 1e-5."""
+    assert got["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), (what, got["iterations"])
+    _close(got["losses"], ref["losses"][SAVE_AT:], LOSS_TOL, f"{what} losses")
+    _close(got["grad norms"], ref["grad norms"][SAVE_AT:], LOSS_TOL, f"{what} grad norms")
+
+
 def test_one_process_checkpoint_resumes_under_fsdp(runs):
     for rank, result in enumerate(runs["ranks2"]):
-        got = result["fsdp/from-one-process"]
-        assert got["iterations"] == list(range(SAVE_AT + 1, ITERS + 1)), rank
-        _close(got["losses"], runs["one"]["losses"][SAVE_AT:], LOSS_TOL, f"rank {rank}")
+        _continues(result["dp2/from-one-process"], runs["llama"], f"rank {rank}")
+
+
+def test_fsdp_checkpoint_resumes_at_tp2_pp2_with_distributed_optimizer(runs):
+    """FSDP at DP 2 -> TP 2 x PP 2, --use-distributed-optimizer: the last stage reports."""
+    reporting = [r["tp2-pp2/from-fsdp"] for r in runs["ranks4"]
+                 if r["tp2-pp2/from-fsdp"]["losses"]]
+    assert len(reporting) == 2
+    for rank, got in enumerate(reporting):
+        _continues(got, runs["llama"], f"last stage, TP rank {rank}")
+
+
+def test_tp2_pp2_distributed_optimizer_checkpoint_resumes_under_fsdp(runs):
+    """TP 2 x PP 2 with the distributed optimizer (its first SAVE_AT iterations the
+    reference's) -> FSDP at DP 2."""
+    for r in runs["ranks4"]:
+        first = r["tp2-pp2/first"]
+        if first["losses"]:
+            _close(first["losses"], runs["llama"]["losses"][:SAVE_AT], LOSS_TOL, "TP 2 x PP 2")
+    for rank, got in enumerate(runs["from tp2 pp2"]):
+        _continues(got, runs["llama"], f"rank {rank}")
 
 
 def test_fsdp_bf16_equals_bf16_without_fsdp(runs):
     for rank, result in enumerate(runs["ranks2"]):
         _close(result["bf16"]["losses"], runs["bf16"]["losses"], BF16_TOL, f"rank {rank} bf16")
+        _close(result["bf16"]["grad norms"], runs["bf16"]["grad norms"], BF16_NORM_TOL,
+               f"rank {rank} bf16 grad norms")
 
 
 def test_fsdp_bf16_checkpoints_resume_both_ways(runs):
@@ -329,24 +364,11 @@ def test_shard_offsets_follow_fsdp_on_uneven_rows(runs):
     assert [r["offsets"] for r in runs["ranks4"]] == [[]] * 4
 
 
-def test_fsdp_dp4_equals_one_process(runs):
-    for rank, result in enumerate(runs["ranks4"]):
-        _close(result["dp4"]["losses"], runs["one"]["losses"], LOSS_TOL, f"rank {rank} losses")
-        _close(result["dp4"]["grad norms"], runs["one"]["grad norms"], LOSS_TOL,
-               f"rank {rank} grad norms")
-
-
-def test_tp2_fsdp2_sequence_parallel_equals_one_process(runs):
-    ref = runs["tp ref"]
-    for rank, result in enumerate(runs["ranks4"]):
-        result = result["tp2"]
-        _close(result["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
-        _close(result["grad norms"], ref["grad norms"], LOSS_TOL, f"rank {rank} grad norms")
-    last = runs["ranks4"][-1]["tp2"]
-    _close(last["params norms"], ref["params norms"], LOSS_TOL, "params norms")
-    # the untied embedding rows of tokens a batch lacks: exact zeros, counted once
-    assert min(ref["zeros"]) > 1000, ref["zeros"]
-    _zeros_close(last["zeros"], ref["zeros"], "zeros")
+def test_tp2_sp_zero_counts_hold_the_absent_tokens_rows(runs):
+    """The untied embedding rows of tokens a batch lacks are exact zeros, counted once under
+    TP 2 x FSDP 2 with SP (test_layout_equals_one_process compares the counts)."""
+    assert min(runs["llama"]["zeros"]) > 1000, runs["llama"]["zeros"]
+    assert min(runs["ranks4"][-1]["tp2-sp"]["zeros"]) > 1000
 
 
 def _layout_results(runs, name):
@@ -395,7 +417,7 @@ def test_layout_checkpoint_resumes_in_one_process_without_fsdp(runs, name):
 def test_gradients_reduce_scattered_once_per_global_batch(runs, name):
     """Only the backward of each chunk's last micro batch reduce-scatters (4 micro batches
     per rank here): once per unit and iteration, the pipeline schedules' included."""
-    results = runs["ranks2"] if name in ("fsdp", *LAYOUTS2) else runs["ranks4"]
+    results = runs["ranks2"] if name in LAYOUTS2 else runs["ranks4"]
     assert [r[name]["reduce-scatters"] for r in results] == [UNITS[name] * ITERS] * len(results)
 
 
@@ -418,7 +440,9 @@ def test_kept_gathered_parameters_are_all_gathered_once_per_global_batch(runs):
     (["--DDP-impl", "torch"], ["--use-torch-fsdp2", "--DDP-impl torch"]),
     (["--torch-compile"], ["--use-torch-fsdp2", "--torch-compile"]),
     (["--tensor-model-parallel-size", "4"], ["--use-torch-fsdp2", "context-parallel size of 1"]),
+    (["--pipeline-model-parallel-size", "4"], ["--use-torch-fsdp2", "context-parallel size of 1"]),
     (["--save", "x", "--ckpt-format", "torch"], ["--ckpt-format torch", "torch_dist"]),
+    (["--load", "x", "--ckpt-format", "torch"], ["--ckpt-format torch", "torch_dist"]),
 ])
 def test_unsupported_combinations_are_one_line(flags, words, capsys):
     from megatron.arguments import parse_args

@@ -42,15 +42,6 @@ REFUSED = {
         DENSE + ["--moe-ffn-hidden-size", "32"], 1,
         ["--moe-ffn-hidden-size needs --num-experts"],
         dict(num_moe_experts=None, moe_ffn_hidden_size=32, moe_router_topk=2)),
-    "expert biases split over expert TP (its default, TP)": (
-        ["--tensor-model-parallel-size", "2"], 2,
-        ["--expert-tensor-parallel-size 1", "got 2", "--tensor-model-parallel-size",
-         "--disable-bias-linear"],
-        dict(tensor_model_parallel_size=2)),
-    "expert biases split over an explicit expert TP": (
-        ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], 2,
-        ["--expert-tensor-parallel-size 1", "got 2", "--disable-bias-linear"],
-        dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=2)),
     "group top-k without groups": (
         ["--moe-router-group-topk", "1"], 1,
         ["--moe-router-group-topk needs --moe-router-num-groups"],

@@ -111,7 +111,8 @@ def _close(predicted, measured, what):
 ONE_PROCESS = [(), ("--recompute-granularity", "selective"), ("--recompute-granularity", "full"),
                ("--attention-impl", "torch"), ("--bf16",),
                # the explicit softmax (its probabilities) where CoreAttention takes it
-               ("--position-embedding-type", "alibi"), ("--window-size", "16")]
+               ("--position-embedding-type", "alibi"), ("--window-size", "16"),
+               ("--sandwich-norm",)]
 
 
 @pytest.mark.parametrize("flags", ONE_PROCESS, ids=lambda f: " ".join(f) or "plain")
@@ -300,3 +301,13 @@ def test_cli_plans_fsdp_shards_and_gathered_units(capsys):
     assert fsdp["gathered"] > 0 and fsdp["full-grads"] > 0
     assert fsdp["total"] == pytest.approx(sum(v for k, v in fsdp.items() if k != "total"),
                                           abs=5e-3)
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_stage_params_count_the_sink_logits(pp_rank):
+    """--softmax-type learnable: one parameter per head and layer, counted exactly."""
+    config = config_for("--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                        "--softmax-type", "learnable", world_size=2)
+    with one_thread():
+        params, _ = measured_stage(config, pp_rank, 2)
+    assert stage_params(config, pp_rank) == params

@@ -18,7 +18,8 @@ SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B
            "megatron_11b.sh", "pretrain_llama2_7b.sh", "pretrain_llama3_8b.sh",
            "pretrain_qwen2.5_7b.sh", "pretrain_qwen3_8b.sh",
            "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh",
-           "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh"]
+           "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh", "pretrain_gemma3_12b.sh",
+           "pretrain_gpt_oss_20b.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
@@ -93,13 +94,41 @@ PRESETS = {
     "pretrain_qwen3_moe.sh": dict(num_layers=48, hidden_size=2048, num_attention_heads=32,
                                   kv_channels=128, num_query_groups=4, qk_layernorm=True,
                                   normalization="RMSNorm", layernorm_epsilon=1e-6,
-                                  rotary_base=1000000, add_bias_linear=False)}
+                                  rotary_base=1000000, add_bias_linear=False),
+    "pretrain_gemma3_12b.sh": dict(num_layers=48, hidden_size=3840, num_attention_heads=16,
+                                   kv_channels=256, num_query_groups=8, ffn_hidden_size=15360,
+                                   seq_length=8192, max_position_embeddings=131072,
+                                   normalization="RMSNorm", layernorm_epsilon=1e-6,
+                                   apply_layernorm_1p=True, sandwich_norm=True,
+                                   qk_layernorm=True, activation="geglu_tanh",
+                                   add_bias_linear=False, embedding_multiplier=3840 ** 0.5,
+                                   untie_embeddings_and_output_weights=False,
+                                   rotary_base=1000000, rotary_base_local=10000,
+                                   rotary_seq_len_interpolation_factor=8.0,
+                                   rope_scaling_local=False, window_size=1024,
+                                   window_attn_skip_freq=6),
+    # gpt-oss-20b's config.json
+    "pretrain_gpt_oss_20b.sh": dict(num_layers=24, hidden_size=2880, num_attention_heads=64,
+                                    kv_channels=64, num_query_groups=8, ffn_hidden_size=2880,
+                                    normalization="RMSNorm", layernorm_epsilon=1e-5,
+                                    rotary_base=150000, rope_scaling_type="yarn",
+                                    rope_scaling_factor=32.0,
+                                    rope_scaling_original_max_position_embeddings=4096,
+                                    yarn_correction_range_round_to_int=False,
+                                    max_position_embeddings=131072, window_size=128,
+                                    window_attn_skip_freq=2, softmax_type="learnable",
+                                    activation="quick_geglu", glu_linear_offset=1.0,
+                                    activation_func_clamp_value=7.0, add_bias_linear=True,
+                                    untie_embeddings_and_output_weights=True,
+                                    pad_vocab_size_to=201088)}
 MOE_PRESETS = {
     "pretrain_mixtral_8x7b.sh": (32, dict(num_experts=8, moe_router_topk=2, moe_grouped_gemm=True,
                                           moe_aux_loss_coeff=1e-2,
                                           moe_token_dispatcher_type="alltoall"), (1, 4, 8)),
     "pretrain_qwen3_moe.sh": (16, dict(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
                                        moe_aux_loss_coeff=1e-3, moe_router_dtype="fp32"), (1, 2, 8)),
+    "pretrain_gpt_oss_20b.sh": (8, dict(num_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880,
+                                        moe_router_pre_softmax=False), (1, 1, 8)),
 }
 
 
@@ -136,8 +165,16 @@ def test_every_example_script_is_checked():
 
 @pytest.mark.parametrize("script, architecture", [("pretrain_qwen2.5_7b.sh", "Qwen2ForCausalLM"),
                                                   ("pretrain_qwen3_8b.sh", "Qwen3ForCausalLM"),
-                                                  ("pretrain_llama3_8b.sh", "LlamaForCausalLM")])
+                                                  ("pretrain_llama3_8b.sh", "LlamaForCausalLM"),
+                                                  ("pretrain_gemma3_12b.sh", "Gemma3ForCausalLM"),
+                                                  ("pretrain_gpt_oss_20b.sh", "GptOssForCausalLM")])
 def test_presets_export_as_their_family(tmp_path, script, architecture):
     from megatron.checkpointing.hf.families import hf_config_for
     config, _ = parsed_launch(tmp_path, script)
     assert hf_config_for(config.model, 151936)[0] == architecture
+
+
+def test_gpt_oss_preset_alternates_sliding_and_full_layers(tmp_path):
+    config, _ = parsed_launch(tmp_path, "pretrain_gpt_oss_20b.sh")
+    model = config.model
+    assert [model.window_for_layer(n) for n in (1, 2, 3, 24)] == [128, None, 128, None]

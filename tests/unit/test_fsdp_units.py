@@ -1,8 +1,16 @@
 """megatron.distributed.fsdp.expert_units: which sub-modules of a layer FSDP shards over the
-expert-data-parallel group (pure: modules only, no process group)."""
+expert-data-parallel group (pure: modules only, no process group), and the refusals of
+pretrain_gpt.py --use-torch-fsdp2 (one line, exit 2)."""
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from megatron.distributed.fsdp import expert_units
+from tests.conftest import ROOT
+from tests.gpt_setup import tiny_gpt_argv
 
 
 def _expert_linear():
@@ -40,3 +48,21 @@ def test_a_dense_layer_has_no_expert_unit():
     layer = _layer()
     del layer.mlp.experts
     assert expert_units(layer) == []
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--use-distributed-optimizer"], ["--use-torch-fsdp2", "--use-distributed-optimizer"]),
+    (["--save", "ckpt", "--ckpt-format", "torch"], ["--ckpt-format torch", "torch_dist"]),
+    (["--tensor-model-parallel-size", "4"], ["--use-torch-fsdp2", "context-parallel size of 1"]),
+])
+def test_pretrain_gpt_refuses_what_fsdp_cannot_serve_in_one_line(flags, words, tmp_path):
+    """`torchrun --nproc_per_node 4 pretrain_gpt.py --use-torch-fsdp2 ...` as a user launches
+    it (WORLD_SIZE 4): each rank stops before any process group with one line and exit 2."""
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
+    argv = tiny_gpt_argv(tmp_path / "data", tmp_path / "cache", "--use-torch-fsdp2", *flags)
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, argv)],
+                          env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert all(word in err for word in words), err

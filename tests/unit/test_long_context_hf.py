@@ -31,6 +31,10 @@ VARIANTS = {
     "yarn": ("llama", {"rope_parameters": {
         "rope_type": "yarn", "factor": 6.0, "original_max_position_embeddings": WINDOW,
         "rope_theta": 10000.0}}),
+    # gpt-oss's: the ramp's ends not rounded (--no-yarn-correction-range-round-to-int)
+    "yarn-no-truncate": ("llama", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 6.0, "original_max_position_embeddings": WINDOW,
+        "rope_theta": 10000.0, "truncate": False, "beta_fast": 8.0, "beta_slow": 0.5}}),
 }
 
 
@@ -124,9 +128,6 @@ def test_model_trained_here_exports_its_window_and_scaling(variant):
 @pytest.mark.parametrize("overrides, message", [
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
      "rope scaling 'dynamic' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
-                          "original_max_position_embeddings": 48, "truncate": False}},
-     "truncate=false is not supported"),
 ])
 def test_unsupported_scalings_are_one_line(tmp_path, capsys, overrides, message):
     save_hf_model("llama", str(tmp_path / "hf"), **overrides)

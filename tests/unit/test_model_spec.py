@@ -187,8 +187,10 @@ def test_cpu_attention_kernel_is_the_auto_choice_and_matches_sdpa(arch, monkeypa
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", [LLAMA, BLOOM, dict(qk_layernorm=True, apply_layernorm_1p=True)],
-                         ids=["llama", "bloom", "qk-layernorm"])
+@pytest.mark.parametrize("arch", [LLAMA, BLOOM, dict(qk_layernorm=True, apply_layernorm_1p=True),
+                                  dict(LLAMA, qk_layernorm=True, apply_layernorm_1p=True,
+                                       sandwich_norm=True, softmax_scale=0.1, window_size=4)],
+                         ids=["llama", "bloom", "qk-layernorm", "gemma3-layer"])
 def test_kv_cache_decoding_equals_the_full_forward(arch):
     model = model_of(config(**arch))
     ids, _ = tokens_of(s=12)

@@ -146,6 +146,10 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         raise ConversionError(f"--save {save} already holds a checkpoint; choose a new directory")
     hf = read_config(load)
     arch, family = family_of(hf)
+    if hasattr(family, "text_part"):  # a multimodal architecture: its text model (gemma3)
+        arch, hf, note = family.text_part(arch, hf)
+        if note:
+            print(f" {note}", flush=True)
     fields = family.model_fields(hf, seq_length)
     flat = family.to_megatron(read_weights(load), hf, build_config(fields, 1, VocabOptions(1), 1))
     rows = flat[WORD].shape[0]

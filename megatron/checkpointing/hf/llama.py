@@ -45,8 +45,6 @@ def _yarn_attention_factor(params: dict, factor: float):
 
 
 def _yarn_fields(params: dict, hf: dict) -> dict:
-    c.refuse(params.get("truncate", True) is not True,
-             "yarn rope scaling with truncate=false is not supported")
     factor = params.get("factor")
     original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
     factor = float(factor if factor is not None else hf["max_position_embeddings"] / original)
@@ -54,6 +52,7 @@ def _yarn_fields(params: dict, hf: dict) -> dict:
                 rope_scaling_original_max_position_embeddings=original,
                 yarn_beta_fast=float(params.get("beta_fast") or 32),
                 yarn_beta_slow=float(params.get("beta_slow") or 1),
+                yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
                 yarn_attention_factor=_yarn_attention_factor(params, factor))
 
 
@@ -232,7 +231,8 @@ def _rope_scaling(cfg) -> dict:
     if cfg.rope_scaling_type == "yarn":
         out = {"rope_type": "yarn", "factor": cfg.rope_scaling_factor,
                "original_max_position_embeddings": original,
-               "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow}
+               "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+               "truncate": cfg.yarn_correction_range_round_to_int}
         if cfg.yarn_attention_factor is not None:
             out["attention_factor"] = cfg.yarn_attention_factor
         return out
