@@ -57,7 +57,7 @@ def forward_step(config, eod, pstate, device, data_iterator, model):
                       d.reset_attention_mask, d.eod_mask_loss)
     tokens, labels, loss_mask, mask, position_ids = split_batch_for_cp(
         batch, pstate.cp_rank, pstate.cp_size)
-    output = model(tokens, position_ids, mask, labels=labels)
+    output = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask, pstate.dp_group, cp_group=pstate.cp_group)
 
 

@@ -115,6 +115,8 @@ def _add_architecture_args(parser):
     for name in ("--embedding-multiplier", "--softmax-scale", "--glu-linear-offset",
                  "--activation-func-clamp-value"):
         _flag(g, name, "model", type=float, default=None)
+    _flag(g, "--mtp-num-layers", "model", type=int, default=None)
+    _flag(g, "--mtp-loss-scaling-factor", "model", type=float, default=0.1)
     _off(g, "--disable-bias-linear", "model", "add_bias_linear")
 
 

@@ -121,6 +121,9 @@ HELP = {
     "--disable-bias-linear": "no biases in the linear layers (LLaMA)",
     "--embedding-multiplier": "multiply the word embeddings by this (Gemma: sqrt(hidden size))",
     "--untie-embeddings-and-output-weights": "a separate output layer instead of the tied embeddings",
+    "--mtp-num-layers": "multi-token prediction depths after the decoder (Megatron-Core's MTP "
+                        "block; needs rope or no positions), on the last pipeline stage",
+    "--mtp-loss-scaling-factor": "weight of the mean MTP loss in the training loss",
     "--pad-vocab-size-to": "pad the vocabulary to exactly this many rows (a multiple of TP)",
     # parallelism
     "--tensor-model-parallel-size": "ranks that split each layer (TP)",

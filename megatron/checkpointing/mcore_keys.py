@@ -27,6 +27,11 @@ stacked experts `mlp.experts.linear_fc1.X` are Megatron-Core's
 that its SequentialMLP, GroupedMLP and TEGroupedMLP share, the global expert index being
 the offset along the axis after the layer axis; `shared_experts` keep their names.
 
+MTP depths (megatron/model/mtp.py) keep their names, `mtp.layers.K.{enorm,hnorm,eh_proj,
+final_layernorm}.X`, each unstacked, and their transformer layer is renamed as a decoder
+layer is: `mtp.layers.K.transformer_layer.self_attention.linear_qkv.X`, as Megatron-Core's
+MultiTokenPredictionBlock.sharded_state_dict names them.
+
 The fused QKV rows (query groups of [q heads, k, v]) and the gated MLP's [gate; up] rows
 are the same in both. A name Megatron-Core lacks (e.g. BLOOM's embedding layer norm) keeps
 its place under the same prefix (`embedding.word_embeddings.norm.weight`). The optimizer
@@ -36,6 +41,7 @@ import re
 from typing import Optional, Tuple
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
 _IN_LAYER = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
              ("self_attention.query_key_value.", "self_attention.linear_qkv."),
              ("self_attention.dense.", "self_attention.linear_proj."),
@@ -70,6 +76,11 @@ def mcore_key(global_name: str, stacked: bool = True) -> Tuple[str, Optional[int
     """(Megatron-Core key, global layer index along the stacked axis or None) of a parameter
     named with global layer numbers (GPTModel.global_parameter_names); `stacked` False
     (stacks_layers) puts the layer index in the key instead."""
+    match = _MTP_LAYER.match(global_name)
+    if match:  # Megatron-Core keys each MTP layer on its own, never stacked
+        return match.group(1) + (_rename(match.group(2), _IN_LAYER) or match.group(2)), None
+    if global_name.startswith("mtp.layers."):
+        return global_name, None
     match = _LAYER.match(global_name)
     if match:
         inner = _rename(match.group(2), _IN_LAYER) or match.group(2)

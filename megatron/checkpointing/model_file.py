@@ -68,6 +68,7 @@ _EMBEDDING = "language_model.embedding."
 _ENCODER = "language_model.encoder."
 _HEAD = "word_embeddings_for_head."
 _OUTPUT = "language_model.output_layer."
+_MTP = "mtp.layers."
 
 
 def to_megatron_layout(flat: Dict[str, torch.Tensor]) -> dict:
@@ -84,6 +85,8 @@ def to_megatron_layout(flat: Dict[str, torch.Tensor]) -> dict:
                 "output_layer", {})[key[len(_OUTPUT):]] = value
         elif key.startswith(_HEAD):
             nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD):]] = value
+        elif key.startswith(_MTP):  # flat, as in Megatron-LM's (Megatron-Core) models
+            nested[key] = value
         else:
             raise KeyError(f"unexpected model parameter {key!r}")
     return nested
@@ -101,6 +104,7 @@ def from_megatron_layout(nested: dict) -> Dict[str, torch.Tensor]:
         flat[_OUTPUT + name] = value
     for name, value in nested.get("word_embeddings_for_head", {}).items():
         flat[_HEAD + name] = value
+    flat.update((key, value) for key, value in nested.items() if key.startswith(_MTP))
     return flat
 
 

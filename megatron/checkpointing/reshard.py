@@ -43,6 +43,7 @@ from megatron.pipeline.layout import PipelineLayout, layout_of_counts, pipeline_
 
 WORD = "language_model.embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
+MTP = "mtp.layers."
 OUTPUT = "language_model.output_layer."
 FINAL_NORM = "language_model.encoder.final_layernorm."
 LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -337,7 +338,8 @@ def target_stages(name: str, layout: PipelineLayout) -> Tuple[int, str]:
     if match:
         stage, _, local = layout.place(int(match.group(1)))
         return stage, f"language_model.encoder.layers.{local}.{match.group(2)}"
-    if name.startswith(FINAL_NORM) or name.startswith(OUTPUT) or name == HEAD:
+    if name.startswith(FINAL_NORM) or name.startswith(OUTPUT) or name == HEAD or \
+            name.startswith(MTP):
         return layout.pp_size - 1, name
     return 0, name
 
@@ -347,11 +349,15 @@ def split_for_target(full: Flat, layout: PipelineLayout, tp: int,
     """Parameters of each target (tp_rank, pp_rank), each tensor its own copy."""
     full, pp = dict(full), layout.pp_size
     untied = any(name.startswith(OUTPUT) for name in full)
-    if pp == 1:
+    mtp = any(name.startswith(MTP) for name in full)
+    if pp == 1 or mtp:
         full.pop(HEAD, None)  # one stage: the head is the embedding itself
     elif HEAD not in full and not untied:
         full[HEAD] = full[WORD]
     out: Dict[Tuple[int, int], Flat] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    if mtp and pp > 1:  # the MTP stage embeds: its own copy of the word embeddings
+        for t in range(tp):
+            out[(t, pp - 1)][WORD] = shard_tensor(full[WORD], sharding(WORD), t, tp).clone()
     for name, tensor in full.items():
         stage, local = target_stages(name, layout)
         meta = sharding(name)

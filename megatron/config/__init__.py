@@ -15,6 +15,7 @@ from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import LoggingConfig, OptimizerConfig, TrainingConfig
 from megatron.mpu.topology import ParallelDims
+from megatron.pipeline.layout import LOSS as LOSS_LAYER, MTP as MTP_LAYER
 from megatron.pipeline.layout import LayoutError, PipelineLayout, parse_layout, pipeline_layout
 
 __all__ = ["Config", "SECTIONS", "ConfigError", "ModelConfig", "ParallelConfig",
@@ -205,12 +206,16 @@ class Config:
         p = self.parallel
         text = p.pipeline_model_parallel_layout
         try:
-            return pipeline_layout(self.model.num_layers, p.pipeline_model_parallel_size,
-                                   None if text else self.virtual_pipeline_size, text,
-                                   p.decoder_first_pipeline_num_layers,
-                                   p.decoder_last_pipeline_num_layers)
+            layout = pipeline_layout(self.model.num_layers, p.pipeline_model_parallel_size,
+                                     None if text else self.virtual_pipeline_size, text,
+                                     p.decoder_first_pipeline_num_layers,
+                                     p.decoder_last_pipeline_num_layers, self.model.mtp_depths)
         except LayoutError as err:
             raise ConfigError(str(err)) from None
+        require(not self.model.mtp_depths or MTP_LAYER + LOSS_LAYER in layout.stages[-1],
+                f"--pipeline-model-parallel-layout {text!r}: the MTP layers (m) must be on the "
+                f"last stage, just before L (MTP runs with the loss); move them there")
+        return layout
 
     def to_dict(self) -> dict:
         return asdict(self)

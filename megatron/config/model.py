@@ -27,7 +27,8 @@ ARCHITECTURE_FIELDS = (
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
     "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
     "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
-    "rope_scaling_local", "softmax_type", "glu_linear_offset", "activation_func_clamp_value")
+    "rope_scaling_local", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
+    "mtp_num_layers")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -205,6 +206,12 @@ class ModelConfig:
     """A separate, vocab-parallel output layer instead of the tied word embeddings."""
     pad_vocab_size_to: Optional[int] = None
     """Pad the vocabulary to exactly this many rows (--pad-vocab-size-to)."""
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths after the decoder (--mtp-num-layers; None: none), each
+    an MTP layer of megatron/model/mtp.py predicting one token further, as Megatron-Core's."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the mean of the MTP depths' losses in the training loss
+    (--mtp-loss-scaling-factor)."""
     moe: Optional[MoEConfig] = None
     """Mixture of experts (megatron/config/moe.py); None or no --num-experts: dense."""
 
@@ -250,10 +257,11 @@ class ModelConfig:
             self.moe.layer_pattern(self.num_layers)  # validates a list form's length
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether (1-based, global) layer `layer_number` has an MoE MLP."""
+        """Whether (1-based, global) layer `layer_number` has an MoE MLP; the MTP layers'
+        (numbers past --num-layers) are of the last decoder layer's kind, as Megatron-Core's."""
         if self.moe is None or not self.moe.enabled:
             return False
-        return bool(self.moe.layer_pattern(self.num_layers)[layer_number - 1])
+        return bool(self.moe.layer_pattern(self.num_layers)[min(layer_number, self.num_layers) - 1])
 
     def _check_architecture(self):
         for name, value, allowed in (
@@ -272,6 +280,7 @@ class ModelConfig:
         require(factor is None or factor >= 1.0,
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         self._check_long_context()
+        self._check_mtp()
         self._check_glu()
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
         require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
@@ -285,6 +294,20 @@ class ModelConfig:
                 f"--softmax-scale must be positive, got {self.softmax_scale}")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
+
+    def _check_mtp(self):
+        if self.mtp_num_layers is None:
+            return
+        require(self.mtp_num_layers > 0, f"--mtp-num-layers must be positive, got "
+                                         f"{self.mtp_num_layers}; drop it for no MTP")
+        require(self.position_embedding_type in ("rope", "none"),
+                f"--mtp-num-layers needs --position-embedding-type rope or none, got "
+                f"{self.position_embedding_type} (as Megatron-LM)")
+
+    @property
+    def mtp_depths(self) -> int:
+        """The number of MTP layers (0 without --mtp-num-layers)."""
+        return self.mtp_num_layers or 0
 
     def _check_glu(self):
         clamp = self.activation_func_clamp_value

@@ -41,18 +41,17 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
 def tied_embedding_params(models, pstate) -> List[torch.nn.Parameter]:
     """This rank's copies of the word embeddings whose gradients are summed over the
     embedding group (the first stage's and the last stage's; none without pipelining or
-    with untied embeddings, whose output layer is a parameter of its own)."""
+    with untied embeddings, whose output layer is a parameter of its own, unless MTP
+    embeds on the last stage: GPTModel.shared_embedding_weight)."""
     if pstate.pp_size == 1 or not pstate.in_embedding_group():
-        return []
-    if models[0].cfg.untie_embeddings_and_output_weights:
         return []
     params = []
     first, last = models[0], models[-1]
     if pstate.is_first_stage() and first.pre_process:
-        params.append(first.head_weight())
+        params.append(first.shared_embedding_weight())
     if pstate.is_last_stage() and last.post_process and not last.pre_process:
-        params.append(last.head_weight())
-    return params
+        params.append(last.shared_embedding_weight())
+    return [p for p in params if p is not None]
 
 
 def allreduce_embedding_grads(models, pstate) -> None:

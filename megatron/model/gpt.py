@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.mpu.sharding import parameter_meta
+from megatron.model.mtp import MTPBlock
 from megatron.model.positions import sinusoidal_table
 from megatron.model.spec import make_norm
 from megatron.model.transformer import ParallelTransformer, dropout_rng_context
@@ -112,8 +113,15 @@ class GPTModel(torch.nn.Module):
         self.language_model = LanguageModel(cfg, tp_group, pre_process, post_process,
                                             layer_offset, num_layers, device, dtype,
                                             expert_groups)
+        self.mtp = None
+        if post_process and cfg.mtp_depths:  # MTP on the loss stage, with its own embedding
+            self.mtp = MTPBlock(cfg, tp_group, device, dtype, expert_groups)
+            if not pre_process:
+                self.language_model.embedding = Embedding(cfg, tp_group, device, dtype)
+                self.language_model.embedding.word_embeddings.weight.shared_embedding = True
         self.word_embeddings_for_head = None
-        if post_process and not pre_process and not cfg.untie_embeddings_and_output_weights:
+        if post_process and not pre_process and not cfg.untie_embeddings_and_output_weights \
+                and self.mtp is None:
             self.word_embeddings_for_head = VocabParallelEmbedding(
                 cfg.padded_vocab_size, cfg.hidden_size, tp_group=tp_group,
                 init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
@@ -129,9 +137,19 @@ class GPTModel(torch.nn.Module):
     def head_weight(self) -> torch.Tensor:
         if self.cfg.untie_embeddings_and_output_weights:
             return self.language_model.output_layer.weight
-        if self.pre_process:
+        if self.word_embeddings_for_head is None:
             return self.language_model.embedding.word_embeddings.weight
         return self.word_embeddings_for_head.weight
+
+    def shared_embedding_weight(self) -> Optional[torch.Tensor]:
+        """The word embeddings whose gradient the first and last pipeline stages sum: the
+        tied head's, or with MTP (which embeds on the last stage) the embedding's; None
+        when this stage has neither."""
+        if not self.cfg.untie_embeddings_and_output_weights:
+            return self.head_weight() if self.pre_process or self.post_process else None
+        if self.cfg.mtp_depths and self.language_model.embedding is not None:
+            return self.language_model.embedding.word_embeddings.weight
+        return None
 
     # -- initialisation ----------------------------------------------------
     def global_name(self, name: str) -> str:
@@ -139,6 +157,8 @@ class GPTModel(torch.nn.Module):
         numbers, the head copy named as the embedding it mirrors)."""
         if name.startswith("word_embeddings_for_head."):
             return WORD_EMBEDDINGS
+        if name.startswith("mtp."):  # numbered by depth, on every layout
+            return name
         offset = self.language_model.encoder.layer_offset
         return re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{int(m.group(1)) + offset}.", name)
 
@@ -166,8 +186,10 @@ class GPTModel(torch.nn.Module):
 
     # -- forward -------------------------------------------------------------
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
-                inference_params=None):
-        """Per-token losses [b, s] when `labels` is given, else logits [b, s, V(/TP)].
+                inference_params=None, loss_mask=None):
+        """Per-token losses [b, s] when `labels` is given, else logits [b, s, V(/TP)]; in
+        training the MTP depths (megatron/model/mtp.py) add their losses, over `loss_mask`
+        (None: every token), to the backward. Logits and evaluation skip them.
 
         attention_mask: None for plain causal attention, else bool [b, 1, s, s]
         with True where attention is not allowed. inference_params: a KV cache
@@ -180,6 +202,9 @@ class GPTModel(torch.nn.Module):
         hidden = self.language_model.encoder(hidden, attention_mask, inference_params)
         if not self.post_process:
             return hidden
+        if self.mtp is not None and labels is not None and self.training:
+            hidden = self.mtp(hidden, input_ids, position_ids, labels, loss_mask,
+                              self.language_model.embedding, self._head, attention_mask)
         return self._head(hidden, labels)
 
     def _mask_padding(self, logits):

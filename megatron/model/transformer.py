@@ -302,8 +302,8 @@ def enable_context_parallel(model: torch.nn.Module, group, comm_type: str = "p2p
     for module in model.modules():
         if isinstance(module, ParallelAttention):
             module.cp_group, module.cp_comm_type = group, comm_type
-        elif isinstance(module, TopKRouter):
-            module.cp_group = group
+        elif isinstance(module, TopKRouter) or getattr(module, "follows_context_parallel", False):
+            module.cp_group = group  # routers, the MTP block (megatron/model/mtp.py)
 
 
 class ParallelMLP(torch.nn.Module):

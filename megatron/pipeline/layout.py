@@ -17,7 +17,7 @@ order. The split is, in the first of these forms that is given:
   --num-layers-per-virtual-pipeline-stage.
 
 The embedding is always on chunk 0 of rank 0 and the loss on the last chunk of the last
-rank. Bad settings raise LayoutError, one line naming the flags and values.
+rank; without a layout, the --mtp-num-layers MTP layers are on the loss's chunk, before it. Bad settings raise LayoutError, one line naming the flags and values.
 """
 import re
 from dataclasses import dataclass
@@ -109,7 +109,11 @@ def pipeline_layout(num_layers: int, pp_size: int, vp_size: Optional[int] = None
         if count % vp:
             raise LayoutError(f"pipeline rank {rank} holds {count} layers, not divisible by "
                               f"the {vp} virtual pipeline stages")
-    return layout_of_counts([[count // vp] * vp for count in counts])
+    found = layout_of_counts([[count // vp] * vp for count in counts])
+    if not mtp_num_layers:
+        return found
+    last = found.stages[-1][:-len(LOSS)] + MTP * mtp_num_layers + LOSS  # on the loss stage
+    return PipelineLayout(pp_size, found.stages[:-1] + (last,))
 
 
 def layout_of_counts(counts: List[List[int]]) -> PipelineLayout:

@@ -98,10 +98,12 @@ def _dense_mlp_params(m, tp: int) -> int:
 
 
 def stage_layer_numbers(config, pp_rank: int):
-    """Global (1-based) numbers of the layers of the rank at `pp_rank`, all its chunks."""
-    numbers = []
+    """Global (1-based) numbers of the layers of the rank at `pp_rank`, all its chunks (the
+    MTP layers' transformer layers too: --num-layers + k)."""
+    numbers, layers = [], config.model.num_layers
     for chunk in config.pipeline_layout().chunks(pp_rank):
         numbers += range(chunk.layer_offset + 1, chunk.layer_offset + chunk.num_layers + 1)
+        numbers += range(layers + 1, layers + chunk.mtp_layers + 1)  # MTP layers, numbered after
     return numbers
 
 
@@ -151,6 +153,19 @@ def stage_params(config, pp_rank: int) -> int:
         params += norm
         if m.untie_embeddings_and_output_weights or not first:
             params += vocab * h  # the output layer, or the last stage's copy of the embeddings
+        params += _mtp_params(m, tp, first)
+    return params
+
+
+def _mtp_params(m, tp: int, first: bool) -> int:
+    """What the MTP depths add beyond their transformer layers: enorm, hnorm, final norm and
+    eh_proj each, and an untied model's embedding copy on a last stage that is not first."""
+    if not m.mtp_depths:
+        return 0
+    norm = m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size
+    params = m.mtp_depths * (3 * norm + 2 * m.hidden_size * m.hidden_size // tp)
+    if m.untie_embeddings_and_output_weights and not first:
+        params += _embedding_params(m, tp)
     return params
 
 
@@ -424,8 +439,8 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     per_micro = stage_layers(config, layout.pp_rank) * sum(
         layer_activations(config, b, layout.device_type).values())
     extra = _moe_activation_correction(config, b, layout.pp_rank)
-    if layout.pp_rank == pp - 1:
-        extra += head_activation_elements(config, b)
+    if layout.pp_rank == pp - 1:  # the head, again for each MTP depth
+        extra += (1 + m.mtp_depths) * head_activation_elements(config, b)
     per_micro += extra * _bytes_per(config)
     head_fp32 = 4 * local_seq_length(config) * b * m.padded_vocab_size / \
         config.parallel.tensor_model_parallel_size

@@ -17,6 +17,7 @@ from megatron.distributed.grads import (allreduce_embedding_grads,
                                         allreduce_sequence_parallel_grads, tied_embedding_params)
 from megatron.model.moe.layer import collect_moe_metrics, update_expert_bias
 from megatron.model.moe.router import AuxLossScaler
+from megatron.model.mtp import collect_mtp_metrics
 from megatron.mpu.mappings import COLLECTIVE_WAIT
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.pipeline.executor import forward_backward
@@ -117,7 +118,7 @@ class Trainer:
 
     def _run_schedule(self, iterators, num_microbatches, forward_only):
         scale = self.optimizer.loss_scale
-        # MoE auxiliary losses get the main loss's gradient scale (Megatron-LM's).
+        # MoE auxiliary and MTP losses get the main loss's gradient scale (Megatron-LM's).
         AuxLossScaler.set_scale((1.0 if scale is None else float(scale)) / num_microbatches)
         return forward_backward(
             self.schedule, forward_step=self.forward_step, data_iterators=iterators,
@@ -135,6 +136,7 @@ class Trainer:
                 reducer.begin_step(num_micro_batches)
         losses = self._run_schedule(iterators, num_micro_batches, False)
         moe_metrics = collect_moe_metrics(self.models, self.pstate, num_micro_batches)
+        moe_metrics.update(collect_mtp_metrics(self.models, self.pstate, num_micro_batches))
         self._reduce_grads()
         # Megatron-Core's finalize_model_grads: every step, before the optimizer may skip
         update_expert_bias(self.models, self.pstate)

@@ -65,7 +65,8 @@ MOE_FIELDS = ("load_balancing_loss", "z_loss", "tokens-per-expert max/mean")
 def _result(state) -> dict:
     return {"losses": losses(state), "iterations": [h["iteration"] for h in state.history],
             "grad norms": [h.get("grad norm") for h in state.history],
-            "moe": [{k: h[k] for k in MOE_FIELDS if k in h} for h in state.history]}
+            "moe": [{k: h[k] for k in MOE_FIELDS if k in h} for h in state.history],
+            "mtp": [{k: v for k, v in h.items() if k.startswith("mtp_")} for h in state.history]}
 
 
 def train(argv):

@@ -142,7 +142,9 @@ def test_pipeline_stage_params_and_activations(pp_rank):
 @pytest.mark.parametrize("pp_rank", [0, 1])
 @pytest.mark.parametrize("split, layers", [
     (["--pipeline-model-parallel-layout", "Ettt|tL"], [3, 1]),
-    (["--decoder-first-pipeline-num-layers", "1"], [1, 3])])
+    (["--decoder-first-pipeline-num-layers", "1"], [1, 3]),
+    (["--pipeline-model-parallel-layout", "Ettt|tmL", "--mtp-num-layers", "1",
+      "--position-embedding-type", "rope"], [3, 2])])  # the MTP layer on the last stage
 def test_uneven_pipeline_stages(pp_rank, split, layers):
     """The planner counts each stage's layers as the pipeline layout places them."""
     config = config_for("--pipeline-model-parallel-size", "2", "--global-batch-size", "8", *split,

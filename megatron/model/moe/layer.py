@@ -79,10 +79,11 @@ def collect_moe_metrics(models, pstate, num_micro_batches: int) -> Dict[str, flo
     cfg = models[0].cfg
     if cfg.moe is None or not cfg.moe.enabled:
         return {}
-    pattern = cfg.moe.layer_pattern(cfg.num_layers)
+    rows = cfg.num_layers + cfg.mtp_depths  # MTP layers count as Megatron-Core counts them
+    pattern = [cfg.is_moe_layer(n) for n in range(1, rows + 1)]
     names = ("load_balancing_loss", "z_loss")
-    values = torch.zeros(len(names), cfg.num_layers)
-    tokens = torch.zeros(cfg.num_layers, cfg.moe.num_experts)
+    values = torch.zeros(len(names), rows)
+    tokens = torch.zeros(rows, cfg.moe.num_experts)
     for layer in moe_layers(models):
         metrics, i = layer.router.metrics, layer.layer_number - 1
         for k, name in enumerate(names):
