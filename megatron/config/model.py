@@ -261,7 +261,7 @@ class ModelConfig:
         (numbers past --num-layers) are of the last decoder layer's kind, as Megatron-Core's."""
         if self.moe is None or not self.moe.enabled:
             return False
-        return bool(self.moe.layer_pattern(self.num_layers)[min(layer_number, self.num_layers) - 1])
+        return bool(self.moe.layer_pattern(self.num_layers)[self._listed(layer_number)])
 
     def _check_architecture(self):
         for name, value, allowed in (
@@ -379,12 +379,18 @@ class ModelConfig:
                 f"({self.num_layers})")
         return value
 
+    def _listed(self, layer_number: int) -> int:
+        """The index of (1-based, global) `layer_number` in a per-layer list flag: an MTP
+        layer (past --num-layers) takes the last decoder layer's entry."""
+        return min(layer_number, self.num_layers) - 1
+
     def window_for_layer(self, layer_number: int) -> Optional[int]:
         """The sliding window of (1-based, global) layer `layer_number`; None: full attention."""
         freq = self.window_attn_skip_freq
         if self.window_size is None or freq is None:
             return self.window_size
-        windowed = layer_number % freq != 0 if isinstance(freq, int) else freq[layer_number - 1]
+        windowed = (layer_number % freq != 0 if isinstance(freq, int)
+                    else freq[self._listed(layer_number)])
         return self.window_size if windowed else None
 
     def rotary_base_for_layer(self, layer_number: int) -> int:
@@ -404,7 +410,7 @@ class ModelConfig:
         freq = self.no_rope_freq
         if self.position_embedding_type != "rope" or freq is None:
             return self.position_embedding_type == "rope"
-        return layer_number % freq != 0 if isinstance(freq, int) else not freq[layer_number - 1]
+        return layer_number % freq != 0 if isinstance(freq, int) else not freq[self._listed(layer_number)]
 
     def masked_layers(self, seq_length: int) -> List[int]:
         """The layers whose sliding window hides keys of a `seq_length`-token sequence."""

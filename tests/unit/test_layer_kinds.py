@@ -58,6 +58,9 @@ def test_list_form_text_and_defaults():
     assert [cfg.rotary_base_for_layer(n) for n in range(1, 7)] == [10000, 10000, 1000000] * 2
     assert [cfg.uses_rope(n) for n in range(1, 7)] == [True] * 5 + [False]
     assert cfg.masked_layers(16) == [1, 2, 4, 5] and cfg.masked_layers(4) == []
+    # an MTP layer (number past --num-layers) is of the last decoder layer's kinds
+    assert (cfg.window_for_layer(7), cfg.rotary_base_for_layer(7), cfg.uses_rope(7)) == \
+        (None, 1000000, False)
     plain = config(window_size=4)
     assert [plain.window_for_layer(n) for n in range(1, 7)] == [4] * 6
     assert [plain.rotary_base_for_layer(n) for n in range(1, 7)] == [10000] * 6
