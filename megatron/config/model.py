@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config.errors import require
+from megatron.config.mla import MLA_DEFAULTS, check_mla
 from megatron.config.moe import MoEConfig
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
@@ -23,7 +24,9 @@ ARCHITECTURE_FIELDS = (
     "rotary_seq_len_interpolation_factor", "normalization", "layernorm_epsilon",
     "apply_layernorm_1p", "qk_layernorm", "embed_layernorm", "embedding_multiplier",
     "scale_embeddings", "activation", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type")
+    "untie_embeddings_and_output_weights", "window_size", "rope_scaling_type",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -165,6 +168,23 @@ class ModelConfig:
     """A separate, vocab-parallel output layer instead of the tied word embeddings."""
     pad_vocab_size_to: Optional[int] = None
     """Pad the vocabulary to exactly this many rows (--pad-vocab-size-to)."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (--multi-latent-attention, megatron/model/mla.py)."""
+    q_lora_rank: Optional[int] = MLA_DEFAULTS["q_lora_rank"]
+    """MLA: rank of the compressed query (--q-lora-rank); None: no query compression."""
+    kv_lora_rank: int = MLA_DEFAULTS["kv_lora_rank"]
+    """MLA: rank of the compressed key / value latent (--kv-lora-rank)."""
+    qk_head_dim: int = MLA_DEFAULTS["qk_head_dim"]
+    """MLA: per-head query / key channels without position (--qk-head-dim)."""
+    qk_pos_emb_head_dim: int = MLA_DEFAULTS["qk_pos_emb_head_dim"]
+    """MLA: per-head channels of the RoPE query and of the decoupled, shared RoPE key
+    (--qk-pos-emb-head-dim)."""
+    v_head_dim: int = MLA_DEFAULTS["v_head_dim"]
+    """MLA: per-head value channels (--v-head-dim)."""
+    mscale: float = MLA_DEFAULTS["mscale"]
+    """MLA YaRN: cos / sin magnitude mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    mscale_all_dim: float = MLA_DEFAULTS["mscale_all_dim"]
+    """MLA YaRN: the softmax scale is multiplied by mscale(factor, mscale_all_dim)^2."""
     moe: Optional[MoEConfig] = None
     """Mixture of experts (megatron/config/moe.py); None or no --num-experts: dense."""
 
@@ -228,6 +248,7 @@ class ModelConfig:
         require(factor is None or factor >= 1.0,
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         self._check_long_context()
+        check_mla(self)
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
         require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
                 f"--rotary-percent {self.rotary_percent} of {self.kv_channels} channels per head "
@@ -274,9 +295,14 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels per head that RoPE rotates (even)."""
+        """Channels per head that RoPE rotates (even); MLA: its decoupled RoPE channels."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent) // 2 * 2
 
     @property
     def query_projection_size(self) -> int:
+        """Input width of the attention's output projection (MLA: heads x v_head_dim)."""
+        if self.multi_latent_attention:
+            return self.v_head_dim * self.num_attention_heads
         return self.kv_channels * self.num_attention_heads

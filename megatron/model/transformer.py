@@ -230,12 +230,15 @@ class ParallelAttention(torch.nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inference_params is not None:
             k, v = inference_params.update(self.layer_number, k, v)
+        return self.dense(self._attention(q, k, v, mask))
+
+    def _attention(self, q, k, v, mask):
+        """The context [s, b, heads * head_dim]: here or across CP, recomputed in the
+        backward under selective recomputation."""
         attend = self._attend if group_size(self.cp_group) == 1 else self._attend_across_cp
         if self.cfg.recompute_granularity == "selective" and self.training:
-            context = checkpoint(attend, q, k, v, mask)
-        else:
-            context = attend(q, k, v, mask)
-        return self.dense(context)
+            return checkpoint(attend, q, k, v, mask)
+        return attend(q, k, v, mask)
 
     def _attend(self, q, k, v, mask):
         k, v = self._expand_groups(k), self._expand_groups(v)
@@ -267,6 +270,15 @@ def enable_context_parallel(model: torch.nn.Module, group, comm_type: str = "p2p
             module.cp_group, module.cp_comm_type = group, comm_type
         elif isinstance(module, TopKRouter):
             module.cp_group = group
+
+
+def attention_class(cfg: ModelConfig):
+    """The self-attention module of `cfg`: multi-latent attention (megatron/model/mla.py,
+    --multi-latent-attention) or ParallelAttention."""
+    if cfg.multi_latent_attention:
+        from megatron.model.mla import MLASelfAttention  # it builds on this module
+        return MLASelfAttention
+    return ParallelAttention
 
 
 class ParallelMLP(torch.nn.Module):
@@ -304,7 +316,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.cfg = cfg
         self.layer_number = layer_number
         self.input_layernorm = make_norm(cfg, device, dtype)
-        self.self_attention = ParallelAttention(cfg, layer_number, tp_group, device, dtype)
+        self.self_attention = attention_class(cfg)(cfg, layer_number, tp_group, device, dtype)
         self.post_attention_layernorm = make_norm(cfg, device, dtype)
         if cfg.is_moe_layer(layer_number):
             groups = expert_groups or ExpertGroups(tp_group=tp_group)
