@@ -10,6 +10,9 @@ from megatron.config.errors import require
 # ModelConfig fields that only an MLA model may set away from their defaults.
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
               "mscale", "mscale_all_dim")
+# Position encodings MLA combines with (its own RoPE always; Megatron-Core adds learned
+# absolute embeddings to the input when asked, and so do we).
+MLA_POSITIONS = ("rope", "learned_absolute")
 # Megatron-LM's defaults (arguments.py, _add_mla_args); a flag left unset keeps them.
 MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
                 "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "mscale": 1.0, "mscale_all_dim": 0.0}
@@ -37,9 +40,10 @@ def check_mla(cfg) -> None:
     require(cfg.qk_pos_emb_head_dim % 2 == 0,
             f"--qk-pos-emb-head-dim must be even (RoPE rotates channel pairs), got "
             f"{cfg.qk_pos_emb_head_dim}")
-    require(cfg.position_embedding_type == "rope",
-            f"--multi-latent-attention rotates its decoupled key with RoPE; "
-            f"--position-embedding-type {cfg.position_embedding_type} is not supported, use rope")
+    require(cfg.position_embedding_type in MLA_POSITIONS,
+            f"--multi-latent-attention rotates its decoupled key with RoPE (learned absolute "
+            f"positions may come on top, as in Megatron-Core); --position-embedding-type "
+            f"{cfg.position_embedding_type} is not supported, use rope")
     require(not cfg.group_query_attention,
             "--multi-latent-attention has one latent for all heads; drop --group-query-attention")
     require(not cfg.qk_layernorm,

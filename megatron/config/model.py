@@ -269,7 +269,7 @@ class ModelConfig:
                 f"scaling: --rotary-seq-len-interpolation-factor)")
         if kind is None:
             return
-        require(self.position_embedding_type == "rope",
+        require(self.position_embedding_type == "rope" or self.multi_latent_attention,
                 f"--rope-scaling-type {kind} needs --position-embedding-type rope, "
                 f"got {self.position_embedding_type}")
         require(self.rope_scaling_factor >= 1.0,

@@ -50,17 +50,22 @@ def test_flags_take_megatron_lm_defaults():
                                  "2", "--mscale-all-dim", "0.5"])[0].model
     assert (m.q_lora_rank, m.kv_lora_rank, m.v_head_dim, m.mscale_all_dim) == (8, 4, 2, 0.5)
     assert m.rotary_dim == 64 and m.query_projection_size == 4 * 2
+    # Megatron-LM's default positions (learned absolute) stay on top of MLA's RoPE, as in
+    # Megatron-Core's GPTModel
+    m = parse_args(BASE + ["--multi-latent-attention"])[0].model
+    assert m.position_embedding_type == "learned_absolute"
 
 
 @pytest.mark.parametrize("flags, world, words", [
     (["--kv-lora-rank", "16"], 1, ["--kv-lora-rank 16 needs --multi-latent-attention"]),
     (["--q-lora-rank", "16"], 1, ["--q-lora-rank 16 needs --multi-latent-attention"]),
-    (["--multi-latent-attention"], 1, ["--position-embedding-type learned_absolute", "rope"]),
+    (["--multi-latent-attention", "--position-embedding-type", "alibi"], 1,
+     ["--position-embedding-type alibi", "use rope"]),
     (MLA + ["--qk-pos-emb-head-dim", "5"], 1, ["--qk-pos-emb-head-dim must be even", "5"]),
     (MLA + ["--kv-lora-rank", "0"], 1, ["--kv-lora-rank must be positive, got 0"]),
     (MLA + ["--qk-layernorm"], 1, ["drop --qk-layernorm"]),
     (MLA + ["--tensor-model-parallel-size", "3"], 3, ["--num-attention-heads (4)", "3"]),
-], ids=["kv-rank-without-mla", "q-rank-without-mla", "learned-positions", "odd-rope-dim",
+], ids=["kv-rank-without-mla", "q-rank-without-mla", "alibi", "odd-rope-dim",
         "zero-rank", "qk-layernorm", "tp-not-dividing-heads"])
 def test_bad_settings_exit_2_with_one_line(capsys, flags, world, words):
     assert_exits_2_with_one_line(capsys, lambda: parse_args(BASE + flags, world_size=world),
@@ -87,8 +92,9 @@ def test_every_parameter_shards_and_merges_back(q_lora_rank):
         assert torch.equal(merge_shards(shards, meta), param.detach()), name
 
 
-def test_compressed_cache_holds_latent_and_rope_key_and_gives_the_same_tokens():
-    model = mla_model()
+@pytest.mark.parametrize("positions", ["rope", "learned_absolute"])
+def test_compressed_cache_holds_latent_and_rope_key_and_gives_the_same_tokens(positions):
+    model = mla_model(position_embedding_type=positions)
     tok = ByteLevelTokenizer()
     prompts = ["Hello", "a longer prompt than that", [5, 6, 7]]
     cached = generate(model, tok, prompts, 24, greedy=True, eod_stop=False)
