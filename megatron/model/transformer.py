@@ -52,6 +52,16 @@ def windowed_mask(mask, sq: int, sk: int, window, device):
     return hidden if mask is None else mask.bool() | hidden
 
 
+def _kernel_values(q, v):
+    """v as the CPU kernel takes it: of q's head size. Multi-latent attention's narrower
+    values are zero-padded (a copy; the kernel on them is still ~3.5x faster than SDPA on
+    the unpadded ones, README), others pass as they are."""
+    pad = q.shape[-1] - v.shape[-1]
+    if pad <= 0 or q.device.type != "cpu" or q.shape[-1] % 16:
+        return v
+    return F.pad(v, (0, pad))
+
+
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d)) v over this rank's heads, causal or with a mask."""
 
@@ -65,15 +75,9 @@ class CoreAttention(torch.nn.Module):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None."""
         mask = windowed_mask(mask, q.shape[0], k.shape[0], self.cfg.window_size, q.device)
-        if self._use_cpu_kernel(q, k, v, mask, bias):
-            p = self._dropout_p()
-            fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
-                                        f"{fused.cpu_kernels_isa()}, dropout {p})")
-            seed = None
-            if p > 0:
-                with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
-                    seed = fused.attention_dropout_seed()
-            return fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), p, seed)
+        kernel_v = _kernel_values(q, v) if mask is None and bias is None else v
+        if self._use_cpu_kernel(q, k, kernel_v, mask, bias):
+            return self._cpu_kernel(q, k, kernel_v, v.shape[-1])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         if self._use_sdpa(mask, q, bias):
             fused.announce("attention", f"SDPA ({self.cfg.attention_impl})")
@@ -84,6 +88,22 @@ class CoreAttention(torch.nn.Module):
             context = self._explicit(q, k, v, mask, bias)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def _cpu_kernel(self, q, k, v, value_dim: int):
+        """Our CPU kernel; values zero-padded to the q / k head size (`_kernel_values`) give
+        outputs whose padded channels are dropped here."""
+        p = self._dropout_p()
+        fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
+                                    f"{fused.cpu_kernels_isa()}, dropout {p})")
+        seed = None
+        if p > 0:
+            with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
+                seed = fused.attention_dropout_seed()
+        out = fused.causal_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]), p, seed)
+        if value_dim == v.shape[-1]:
+            return out
+        s, b, heads = q.shape[:3]
+        return out.view(s, b, heads, -1)[..., :value_dim].reshape(s, b, heads * value_dim)
 
     def _dropout_p(self) -> float:
         return self.dropout_p if self.training else 0.0

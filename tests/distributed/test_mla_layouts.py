@@ -1,7 +1,8 @@
 """A tiny GPT with multi-latent attention trains like one process and resumes exactly.
 
 The model: MLA with query and KV compression (--q-lora-rank 16, --kv-lora-rank 16), a
-value head size (8) other than the query / key head size (16 + 8 RoPE channels), YaRN
+value head size (8) other than the query / key head size (24 + 8 RoPE channels: the CPU
+kernel takes them, values zero-padded, where it is chosen), YaRN
 with --mscale / --mscale-all-dim; RMSNorm, SwiGLU, untied head, no biases; hidden 32, 2
 layers, seq 32. With the machinery of tests/distributed/layouts.py: 10 iterations at TP 2
 with sequence parallelism and selective recomputation, TP 2 with full recomputation, CP 2
@@ -19,7 +20,7 @@ MODEL = ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--sw
          "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
-         "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8",
+         "--qk-head-dim", "24", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8",
          "--rope-scaling-type", "yarn", "--rope-scaling-factor", "4",
          "--rope-scaling-original-max-position-embeddings", "8", "--mscale", "0.9",
          "--mscale-all-dim", "0.7"]

@@ -1,13 +1,15 @@
 """Multi-latent attention in one process: its flags (Megatron-LM's names and defaults, bad
 settings one line and exit 2), the sharding metadata of its parameters, and generation
 with the compressed KV cache (the normed latent and the rotated RoPE key per token and
-layer) giving the tokens of a forward over the whole sequence (expanded keys and values)."""
+layer) giving the tokens of an expanded cache (keys and values per head) and of a forward
+over the whole sequence."""
 import pytest
 import torch
 
 from megatron.arguments import parse_args
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
+from megatron.model.mla import MLASelfAttention
 from megatron.mpu import model_parallel_seed
 from megatron.mpu.sharding import merge_shards, parameter_meta, shard_tensor
 from megatron.text_generation import KVCache, generate
@@ -107,3 +109,69 @@ def test_compressed_cache_holds_latent_and_rope_key_and_gives_the_same_tokens(po
     for layer in (1, 2):
         per_token = (cache.keys[layer][0, 0].numel() + cache.values[layer][0, 0].numel())
         assert per_token == cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+
+
+class ExpandedCacheMLA(MLASelfAttention):
+    """The same attention caching the expanded keys and values instead of the latents."""
+
+    def forward(self, hidden, mask, inference_params=None):
+        q = self._query(hidden)
+        latent, k_pe = self._latent(hidden)
+        q, k_pe = self._rope(q, k_pe, inference_params)
+        k, v = self._keys_values(latent, k_pe)
+        if inference_params is not None:
+            k, v = inference_params.update(self.layer_number, k, v)
+        return self.dense(self._attention(q * self.query_scale, k, v, mask))
+
+
+def _cache_values_per_token(model, tokens):
+    cache = KVCache.for_model(model, tokens.shape[0], tokens.shape[1])
+    forward_with_cache(model, tokens, cache)
+    return sum(cache.keys[n][0, 0].numel() + cache.values[n][0, 0].numel() for n in cache.keys)
+
+
+def test_compressed_and_expanded_caches_give_the_same_tokens():
+    model = mla_model()
+    tok = ByteLevelTokenizer()
+    prompts = ["Hello", "a longer prompt than that"]
+    tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    compressed = generate(model, tok, prompts, 24, greedy=True, eod_stop=False)
+    compressed_size = _cache_values_per_token(model, tokens)
+    for module in model.modules():
+        if isinstance(module, MLASelfAttention):
+            module.__class__ = ExpandedCacheMLA
+    assert generate(model, tok, prompts, 24, greedy=True, eod_stop=False) == compressed
+    cfg = model.cfg
+    assert compressed_size == cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim)
+    heads = cfg.num_attention_heads
+    assert _cache_values_per_token(model, tokens) == cfg.num_layers * heads * (
+        cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim)
+
+
+def test_cpu_kernel_serves_narrower_values_padded(monkeypatch):
+    """Under `auto` with our kernels chosen, values narrower than q / k (MLA's) go through
+    the CPU kernel zero-padded; outputs and gradients equal SDPA's on the unpadded ones."""
+    from megatron import fused
+    from megatron.fused import choice
+    from megatron.model.transformer import CoreAttention
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(64, 2, 4, 32, generator=g) for _ in range(2))
+    v, dy = torch.randn(64, 2, 4, 16, generator=g), torch.randn(64, 2, 64, generator=g)
+    if not fused.causal_attention_fusable(q, k, torch.nn.functional.pad(v, (0, 16))):
+        pytest.skip("the CPU attention kernel is not built here")
+    monkeypatch.setenv(choice.MODE_ENV, "ours")
+    offered = []
+    kernel = fused.causal_attention
+    monkeypatch.setattr(fused, "causal_attention",
+                        lambda q, k, v, *a: offered.append(v.shape) or kernel(q, k, v, *a))
+    results = {}
+    for impl in ("auto", "sdpa"):
+        cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=64,
+                          max_position_embeddings=64, attention_impl=impl, attention_dropout=0.0)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = CoreAttention(cfg, 1)(*inputs, None)
+        out.backward(dy)
+        results[impl] = [out.detach()] + [t.grad for t in inputs]
+    assert offered == [torch.Size([64, 2, 4, 32])]  # auto only, values padded to 32
+    for got, want in zip(results["auto"], results["sdpa"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
