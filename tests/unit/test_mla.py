@@ -175,3 +175,13 @@ def test_cpu_kernel_serves_narrower_values_padded(monkeypatch):
     assert offered == [torch.Size([64, 2, 4, 32])]  # auto only, values padded to 32
     for got, want in zip(results["auto"], results["sdpa"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_flags_have_help_and_are_in_the_readme():
+    from megatron.arguments import build_parser
+    from tests.data_setup import ROOT
+    readme = (ROOT / "README.md").read_text()
+    actions = build_parser()._option_string_actions
+    for flag in ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                 "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale", "--mscale-all-dim"):
+        assert actions[flag].help and f"`{flag}" in readme, flag
