@@ -185,3 +185,18 @@ def test_the_flags_have_help_and_are_in_the_readme():
     for flag in ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
                  "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale", "--mscale-all-dim"):
         assert actions[flag].help and f"`{flag}" in readme, flag
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_flops_count_the_matmuls_of_the_attention(q_lora_rank):
+    """The attention terms of the layer FLOPs (megatron/training/flops.py) equal what
+    torch's FLOP counter sees in MLA's forward (explicit softmax path, full s x s scores)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from megatron.training.flops import layer_forward_flops
+    cfg = mla_config(q_lora_rank=q_lora_rank, attention_impl="torch", seq_length=32)
+    attention = mla_model(q_lora_rank=q_lora_rank, attention_impl="torch",
+                          seq_length=32).language_model.encoder.layers[0].self_attention
+    with FlopCounterMode(display=False) as counter:
+        attention(torch.randn(32, 3, 32), None)
+    f = layer_forward_flops(cfg, 3 * 32)
+    assert counter.get_total_flops() == f.qkv + f.scores + f.context + f.dense
