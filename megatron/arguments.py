@@ -96,6 +96,7 @@ def _add_architecture_args(parser):
     _flag(g, "--rotary-base", "model", type=int, default=None)
     _flag(g, "--rotary-seq-len-interpolation-factor", "model", type=float, default=None)
     _add_long_context_args(g)
+    _add_mla_args(g)
     _flag(g, "--normalization", "model", choices=list(NORMALIZATIONS), default=None)
     _flag(g, "--norm-epsilon", "model", "layernorm_epsilon", type=float, default=None)
     for name in ("--apply-layernorm-1p", "--qk-layernorm", "--embed-layernorm", "--scale-embeddings",
@@ -139,6 +140,18 @@ def _add_long_context_args(g):
     _flag(g, "--rotary-base-local", "model", type=int, default=None)
     _flag(g, "--no-rope-freq", "model", default=None)
     _flag(g, "--softmax-type", "model", choices=list(SOFTMAX_TYPES), default=None)
+
+
+def _add_mla_args(g):
+    """Multi-latent attention (megatron/config/mla.py; Megatron-LM's names and defaults)."""
+    _flag(g, "--multi-latent-attention", "model", action="store_true")
+    for name in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                 "--v-head-dim"):
+        _flag(g, name, "model", type=int, default=None)
+    for name in ("--mscale", "--mscale-all-dim"):
+        _flag(g, name, "model", type=float, default=None)
+
+
 def _add_moe_args(parser):
     """Mixture of experts: Megatron-LM's --moe-* flags (megatron/config/moe.py)."""
     g = parser.add_argument_group("mixture of experts")

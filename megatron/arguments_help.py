@@ -78,6 +78,14 @@ HELP = {
     "--no-yarn-correction-range-round-to-int":
         "yarn: keep the ramp's ends fractional (HF's truncate=false, gpt-oss)",
     "--yarn-attention-factor": "yarn: cos / sin multiplier (default 0.1 ln(factor) + 1)",
+    "--multi-latent-attention": "DeepSeek's multi-latent attention (needs --position-embedding-type rope)",
+    "--q-lora-rank": "MLA: rank of the compressed query (default none: no query compression)",
+    "--kv-lora-rank": "MLA: rank of the compressed key / value latent (default 32)",
+    "--qk-head-dim": "MLA: per-head query / key channels without position (default 128)",
+    "--qk-pos-emb-head-dim": "MLA: per-head RoPE channels of the query and shared key (default 64)",
+    "--v-head-dim": "MLA: per-head value channels (default 128)",
+    "--mscale": "MLA with yarn: cos / sin magnitude mscale(f, mscale) / mscale(f, mscale-all-dim) (default 1)",
+    "--mscale-all-dim": "MLA with yarn: softmax scale times mscale(f, mscale-all-dim)^2 (default 0)",
     "--context-parallel-size": "ranks that split each sequence (2·CP load-balanced chunks; default 1)",
     "--cp-comm-type": "attention across CP ranks: p2p (K/V ring, LSE merge) or a2a (Ulysses)",
     "--window-attn-skip-freq": "with --window-size: every N-th layer attends to all earlier "

@@ -110,6 +110,29 @@ def _patch_torch_norm() -> None:
     WrappedTorchNorm.__new__ = new
 
 
+def patch_mla() -> None:
+    """Multi-latent attention from the local spec on CPU (references.md, items 10-11):
+    10. MLASelfAttention hands its core attention `k_channels` / `v_channels`, which the
+        local DotProductAttention does not take: accept them, and size its output by the
+        value head size (v_head_dim, not kv_channels);
+    11. `multi_latent_attention.HAVE_TE` is True without Transformer Engine (the import of
+        its extension module succeeds with None placeholders), and `isinstance(...,
+        TELinear)` then fails: set it False."""
+    from megatron.core.transformer import dot_product_attention, multi_latent_attention
+    multi_latent_attention.HAVE_TE = False
+    cls = dot_product_attention.DotProductAttention
+    if getattr(cls.__init__, "patched", False):
+        return
+    init = cls.__init__
+
+    def new_init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        init(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+    new_init.patched = True
+    cls.__init__ = new_init
+
+
 def mcore_gpt(tp: int, layers: int, hidden: int, heads: int, vocab: int, seq: int,
               activation_func=None, **model_kwargs):
     """A Megatron-Core GPTModel (local spec, dropout 0, CPU init) at TP `tp`."""

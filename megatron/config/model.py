@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 from megatron.config.errors import require
+from megatron.config.mla import MLA_DEFAULTS, check_mla
 from megatron.config.moe import MoEConfig, parse_layer_freq
 
 ATTENTION_IMPLS = ("auto", "sdpa", "fused", "torch")
@@ -28,7 +29,8 @@ ARCHITECTURE_FIELDS = (
     "untie_embeddings_and_output_weights", "window_size", "window_attn_skip_freq",
     "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
     "rope_scaling_local", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
-    "mtp_num_layers")
+    "mtp_num_layers", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -212,6 +214,23 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the mean of the MTP depths' losses in the training loss
     (--mtp-loss-scaling-factor)."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (--multi-latent-attention, megatron/model/mla.py)."""
+    q_lora_rank: Optional[int] = MLA_DEFAULTS["q_lora_rank"]
+    """MLA: rank of the compressed query (--q-lora-rank); None: no query compression."""
+    kv_lora_rank: int = MLA_DEFAULTS["kv_lora_rank"]
+    """MLA: rank of the compressed key / value latent (--kv-lora-rank)."""
+    qk_head_dim: int = MLA_DEFAULTS["qk_head_dim"]
+    """MLA: per-head query / key channels without position (--qk-head-dim)."""
+    qk_pos_emb_head_dim: int = MLA_DEFAULTS["qk_pos_emb_head_dim"]
+    """MLA: per-head channels of the RoPE query and of the decoupled, shared RoPE key
+    (--qk-pos-emb-head-dim)."""
+    v_head_dim: int = MLA_DEFAULTS["v_head_dim"]
+    """MLA: per-head value channels (--v-head-dim)."""
+    mscale: float = MLA_DEFAULTS["mscale"]
+    """MLA YaRN: cos / sin magnitude mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    mscale_all_dim: float = MLA_DEFAULTS["mscale_all_dim"]
+    """MLA YaRN: the softmax scale is multiplied by mscale(factor, mscale_all_dim)^2."""
     moe: Optional[MoEConfig] = None
     """Mixture of experts (megatron/config/moe.py); None or no --num-experts: dense."""
 
@@ -282,6 +301,7 @@ class ModelConfig:
         self._check_long_context()
         self._check_mtp()
         self._check_glu()
+        check_mla(self)
         require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}")
         require(self.position_embedding_type != "rope" or self.rotary_dim > 0,
                 f"--rotary-percent {self.rotary_percent} of {self.kv_channels} channels per head "
@@ -329,7 +349,7 @@ class ModelConfig:
                 f"scaling: --rotary-seq-len-interpolation-factor)")
         if kind is None:
             return
-        require(self.position_embedding_type == "rope",
+        require(self.position_embedding_type == "rope" or self.multi_latent_attention,
                 f"--rope-scaling-type {kind} needs --position-embedding-type rope, "
                 f"got {self.position_embedding_type}")
         require(self.rope_scaling_factor >= 1.0,
@@ -430,17 +450,15 @@ class ModelConfig:
         return self.embedding_multiplier * root
 
     @property
-    def attention_scale(self) -> float:
-        """What q k^T is multiplied by before the softmax (--softmax-scale, else 1 / sqrt(d))."""
-        if self.softmax_scale is not None:
-            return self.softmax_scale
-        return 1.0 / math.sqrt(self.kv_channels)
-
-    @property
     def rotary_dim(self) -> int:
-        """Channels per head that RoPE rotates (even)."""
+        """Channels per head that RoPE rotates (even); MLA: its decoupled RoPE channels."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent) // 2 * 2
 
     @property
     def query_projection_size(self) -> int:
+        """Input width of the attention's output projection (MLA: heads x v_head_dim)."""
+        if self.multi_latent_attention:
+            return self.v_head_dim * self.num_attention_heads
         return self.kv_channels * self.num_attention_heads

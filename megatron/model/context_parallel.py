@@ -103,10 +103,11 @@ def _kernel_layout(*tensors):
     return [t.permute(2, 0, 1, 3) for t in tensors]
 
 
-def _use_kernel(q, k, causal: bool, fusion: bool) -> bool:
+def _use_kernel(q, k, causal: bool, fusion: bool, v=None) -> bool:
     """The CPU flash-attention kernel (float32, head_dim % 16, sq == sk) for the causal
-    diagonal blocks and the full (non-causal) ones."""
-    if not (fusion and q.shape == k.shape):
+    diagonal blocks and the full (non-causal) ones; not for values of another head size
+    (multi-latent attention), which the kernel does not take."""
+    if not (fusion and q.shape == k.shape and (v is None or v.shape[-1] == q.shape[-1])):
         return False
     q_s, k_s = _kernel_layout(q, k)
     return fused.causal_attention_fusable(q_s, k_s, k_s, dtypes=(torch.float32,))
@@ -127,7 +128,7 @@ def _kernel_backward(q, k, v, out, lse, dout, scale, causal):
 
 def block_forward(q, k, v, scale: float, causal: bool, fusion: bool = True):
     """(out [b, h, sq, d], lse [b, h, sq]) of q over one key block (k / v grouped)."""
-    if _use_kernel(q, _expand(k, q.shape[1]), causal, fusion):
+    if _use_kernel(q, _expand(k, q.shape[1]), causal, fusion, v):
         return _kernel_forward(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), scale, causal)
     s = _scores(q, _expand(k, q.shape[1]), scale, causal)
     lse = torch.logsumexp(s, dim=-1)
@@ -139,7 +140,7 @@ def block_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fusion: 
     """(dq, dk, dv) of one block, from the final output and log-sum-exp of its rows."""
     heads, groups = q.shape[1], k.shape[1]
     ke, ve = _expand(k, heads), _expand(v, heads)
-    if _use_kernel(q, ke, causal, fusion):
+    if _use_kernel(q, ke, causal, fusion, v):
         dq, dk, dv = _kernel_backward(q, ke, ve, out, lse, dout, scale, causal)
         return dq, _fold(dk, groups), _fold(dv, groups)
     p = torch.exp(_scores(q, ke, scale, causal) - lse[..., None])
@@ -183,15 +184,15 @@ def _tile_pairs(q, k, causal: bool):
                 yield qs, ks, kind == "causal"
 
 
-def _whole_block(q, k, causal: bool, fusion: bool) -> bool:
+def _whole_block(q, k, v, causal: bool, fusion: bool) -> bool:
     """The block runs in one piece: through the kernel (it tiles itself), or small."""
     small = q.shape[2] <= TILE and k.shape[2] <= TILE
-    return small or _use_kernel(q, _expand(k, q.shape[1]), causal, fusion)
+    return small or _use_kernel(q, _expand(k, q.shape[1]), causal, fusion, v)
 
 
 def tiled_forward(q, k, v, scale: float, causal: bool, fusion: bool = True):
     """`block_forward` tile by tile, merged by log-sum-exp (bounded scores memory)."""
-    if _whole_block(q, k, causal, fusion):
+    if _whole_block(q, k, v, causal, fusion):
         return block_forward(q, k, v, scale, causal, fusion)
     rows = {}
     for qs, ks, tile_causal in _tile_pairs(q, k, causal):
@@ -204,7 +205,7 @@ def tiled_forward(q, k, v, scale: float, causal: bool, fusion: bool = True):
 
 def tiled_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fusion: bool = True):
     """`block_backward` tile by tile."""
-    if _whole_block(q, k, causal, fusion):
+    if _whole_block(q, k, v, causal, fusion):
         return block_backward(q, k, v, out, lse, dout, scale, causal, fusion)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for qs, ks, tile_causal in _tile_pairs(q, k, causal):

@@ -38,7 +38,8 @@ def check_generation_model(model) -> None:
 
 class KVCache:
     """Keys and values [max_len, b, query groups of this rank, head_dim] of each layer
-    (allocated on first use), filled front to back; the attention modules read and
+    (multi-latent attention: its latents [max_len, b, kv_lora_rank] and RoPE keys
+    [max_len, b, 1, qk_pos_emb_head_dim]; allocated on first use), filled front to back; the attention modules read and
     write it (`inference_params`).
 
     `length` positions are valid: the next tokens' positions start there. `update`
@@ -63,9 +64,8 @@ class KVCache:
             raise GenerationError(f"KV cache holds {self.max_len} positions; "
                                   f"{end} were requested")
         if layer not in self.keys:
-            shape = (self.max_len,) + tuple(k.shape[1:])
-            self.keys[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
+            self.keys[layer] = k.new_empty((self.max_len,) + tuple(k.shape[1:]))
+            self.values[layer] = v.new_empty((self.max_len,) + tuple(v.shape[1:]))
         self.keys[layer][self.length:end] = k
         self.values[layer][self.length:end] = v
         return self.keys[layer][:end], self.values[layer][:end]

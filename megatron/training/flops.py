@@ -59,8 +59,23 @@ def _layers_total(cfg, tokens: int, part) -> float:
     return total
 
 
+def mla_forward_flops(cfg, tokens: int, moe_layer: bool = False) -> LayerFlops:
+    """One multi-latent attention layer's forward: the down- and up-projections of the
+    query (or its direct projection) and of the latent, scores over q / k heads of
+    qk_head_dim + qk_pos_emb_head_dim, the context and output over v_head_dim."""
+    h, s, n = cfg.hidden_size, cfg.seq_length, cfg.num_attention_heads
+    qk, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    q = h * n * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + n * qk)
+    kv = h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * n * (cfg.qk_head_dim + v)
+    return LayerFlops(qkv=2.0 * tokens * (q + kv), scores=2.0 * tokens * s * n * qk,
+                      context=2.0 * tokens * s * n * v, dense=2.0 * tokens * n * v * h,
+                      mlp=mlp_forward_flops(cfg, tokens, moe_layer))
+
+
 def layer_forward_flops(cfg, tokens: int, moe_layer: bool = False) -> LayerFlops:
     """One layer's forward over `tokens` = batch x seq tokens (sequences of cfg.seq_length)."""
+    if cfg.multi_latent_attention:
+        return mla_forward_flops(cfg, tokens, moe_layer)
     h, s = cfg.hidden_size, cfg.seq_length
     q_size = cfg.num_attention_heads * cfg.kv_channels
     kv_size = cfg.num_query_groups * cfg.kv_channels

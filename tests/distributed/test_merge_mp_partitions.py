@@ -331,6 +331,17 @@ SPEC_ARCHS = {
     "mixed": dict(qk_layernorm=True, apply_layernorm_1p=True, activation="geglu", kv_channels=8,
                   add_bias_linear=False, add_qkv_bias=True, position_embedding_type="rope",
                   rotary_percent=0.5),
+    # multi-latent attention (replicated down-projections and norms, heads split), with
+    # and without query compression, YaRN's mscales, values narrower than queries / keys
+    "mla": dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
+                qk_pos_emb_head_dim=8, v_head_dim=4, position_embedding_type="rope",
+                normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                rope_scaling_type="yarn", rope_scaling_factor=4.0,
+                rope_scaling_original_max_position_embeddings=4, mscale=0.9,
+                mscale_all_dim=0.7),
+    "mla-no-q-lora": dict(multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8,
+                          qk_pos_emb_head_dim=4, v_head_dim=12, position_embedding_type="rope",
+                          normalization="RMSNorm"),
 }
 
 
