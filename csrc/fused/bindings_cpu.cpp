@@ -387,6 +387,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
   m.def("attention_dropout_keep", &mf::attention_dropout_keep,
         "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
+  m.def("cpu_caches",
+        []() {
+          const auto c = mf::cpu::cpu_caches();
+          return std::make_tuple(c.l1d, c.l2);
+        },
+        "(L1 data, L2) cache bytes per core that the attention kernels' blocks are sized by");
+  m.def("set_cpu_caches", &mf::cpu::set_cpu_caches,
+        "override the cache sizes the blocks are sized by (tests; 0, 0: those read at start-up)",
+        py::arg("l1d"), py::arg("l2"));
+  m.def("attention_tiles",
+        [](int64_t sq, int64_t hn) {
+          const auto t = mf::cpu::attention_tiles(sq, hn);
+          return std::make_tuple(t.rows, t.forward_keys, t.backward_keys);
+        },
+        "(query rows, forward keys, backward keys) per block of the attention kernels");
   m.def("swiglu_experts_forward", &mf::cpu::swiglu_experts_forward,
         "SwiGLU experts of rows x [N, h] sorted by expert: w1 [E, 2F, h], w2 [E, h, F], "
         "counts [E] -> (y [N, h], pre-activation [N, 2F])");

@@ -101,5 +101,21 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
                              const Dropout& drop, float* work);
 int64_t attention_work_floats(int64_t sq, int64_t hn);
 
+// The per-core data caches, in bytes (cpu_caches.cpp): read once at start-up from
+// /sys/devices/system/cpu/cpu0/cache, else sysconf; set_cpu_caches overrides them
+// (tests; 0, 0: back to those read).
+struct CpuCaches {
+  int64_t l1d, l2;
+};
+CpuCaches cpu_caches();
+void set_cpu_caches(int64_t l1d, int64_t l2);
+
+// The attention kernels' blocks for sq keys of head size hn, from cpu_caches(): rows per
+// query block and keys per key block of the forward, keys per key block of the backward.
+struct AttentionTiles {
+  int64_t rows, forward_keys, backward_keys;
+};
+AttentionTiles attention_tiles(int64_t sq, int64_t hn);
+
 }  // namespace cpu
 }  // namespace megatron_fused
