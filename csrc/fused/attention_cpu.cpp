@@ -253,6 +253,9 @@ struct Head {
   int64_t sq, hn;
   float scale;
   bool causal;
+  // The head's attention sink: a logit that joins every row's softmax denominator with no
+  // value (-inf, weight 0: none; else weight exp(sink - sink) = 1 at the row's start).
+  float sink = -kInf, sink_weight = 0.0f;
   // Keys seen by some row of the group of rows i0 .. i0 + R - 1 / by row i.
   MF_INLINE int64_t block_keys(int64_t i0, int64_t R) const { return causal ? i0 + R : sq; }
   MF_INLINE int64_t row_keys(int64_t i) const { return causal ? i + 1 : sq; }
@@ -267,8 +270,9 @@ struct Head {
 
 // The group of rows i0 .. i0 + R - 1 against the key block [j0, end): its scores s (pitch
 // sld) from k^T (pitch ld), the online softmax (m, l: the rows' running max and sum over
-// the blocks before), o = o * exp(m_old - m) + p v; the block that holds the group's last
-// keys divides o by the sum and writes the log-sum-exp.
+// the blocks before, or over the sink alone at the first block), o = o * exp(m_old - m) +
+// p v; the block that holds the group's last keys divides o by the sum and writes the
+// log-sum-exp.
 template <int R>
 MF_INLINE void forward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
                              const float* kt, int64_t ld, float* s, int64_t sld, float* o,
@@ -280,10 +284,11 @@ MF_INLINE void forward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
   for (int r = 0; r < R; ++r) {
     float* row = s + r * sld;
     const int64_t valid = h.visible_keys(i0 + r, j0, end);
-    const float mx = first ? row_max(row, valid) : std::max(m[r], row_max(row, valid));
+    const float m_old = first ? h.sink : m[r], l_old = first ? h.sink_weight : l[r];
+    const float mx = std::max(m_old, row_max(row, valid));
     const float sum = exp_row(row, valid, n16, mx);
-    keep[r] = first ? 0.0f : std::exp(m[r] - mx);
-    l[r] = first ? sum : keep[r] * l[r] + sum;
+    keep[r] = std::exp(m_old - mx);  // 0 where m_old is -inf
+    l[r] = keep[r] * l_old + sum;
     m[r] = mx;
     scale[r] = last ? 1.0f / l[r] : 1.0f;
     keep[r] *= scale[r];
@@ -391,7 +396,7 @@ AttentionTiles attention_tiles(int64_t sq, int64_t hn) {
 void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
                             const float* v, int64_t vs, float* o, int64_t os, float* lse,
                             int64_t sq, int64_t hn, float scale, bool causal,
-                            const Dropout& drop, float* work) {
+                            const Dropout& drop, float* work, const float* sink) {
   const AttentionTiles t = attention_tiles(sq, hn);
   const int64_t ld = row_pitch(sq), sld = row_pitch(t.forward_keys);
   float* kt = work;
@@ -401,7 +406,11 @@ void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t 
   float* l = m + t.rows;
   transpose_rows(kt, k, sq, ks, hn, ld);
   copy_rows(vc, hn, v, vs, sq, hn);
-  const Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal};
+  Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal};
+  if (sink) {
+    h.sink = *sink;
+    h.sink_weight = 1.0f;
+  }
   for (int64_t q0 = 0; q0 < sq; q0 += t.rows) {
     const int64_t q1 = std::min(sq, q0 + t.rows);
     for (int64_t j0 = 0; j0 < h.block_keys(q0, q1 - q0); j0 += t.forward_keys) {

@@ -246,3 +246,48 @@ def test_attention_blocks_follow_the_cache_sizes(kernels):
         assert all(n % 32 == 0 for n in small[1:] + large[1:])
     finally:
         kernels.set_cpu_caches(0, 0)
+
+
+def sink_attention(q, k, v, scale, sinks, keep=None, dropout_p=0.0):
+    """Reference: softmax over [scale q k^T (causal), sink] per row, the sink's column dropped,
+    in plain PyTorch (the kernel's dropout mask `keep` applied as in explicit_attention)."""
+    s, b, heads, d = q.shape
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(
+        torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    sink = sinks.view(1, heads, 1, 1).expand(b, heads, s, 1).to(scores.dtype)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]
+    if keep is not None:
+        probs = probs * keep.view(b, heads, s, s) / (1.0 - dropout_p)
+    return (probs @ vh).permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+@pytest.mark.parametrize("s,dim,p,tiny", [(70, 32, 0.0, False), (70, 32, 0.0, True),
+                                          (45, 16, 0.25, True), (1, 16, 0.0, False)])
+def test_attention_sinks_match_softmax_over_scores_and_sink(kernels, s, dim, p, tiny):
+    """causal_attention(..., sinks=): output and gradients of q, k, v and the sinks against an
+    explicit softmax over [scores, sink] in float64, with several key blocks (tiny caches)
+    or one, with dropout; large sinks (most weight on the sink) and small ones."""
+    torch.manual_seed(s + dim)
+    b, heads, seed = 2, 3, 99 + s
+    qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+    sinks = torch.tensor([-2.0, 0.5, 4.0])
+    keep = fused.attention_dropout_keep(b * heads, s, p, seed) if p else None
+    if tiny:
+        kernels.set_cpu_caches(4096, 16384)
+    try:
+        out, (dqkv, dsinks) = outputs_and_grads(
+            lambda x, w: fused.causal_attention(*x.split(dim, dim=-1), 0.2, p, seed, sinks=w),
+            [qkv, sinks], grad)
+    finally:
+        kernels.set_cpu_caches(0, 0)
+    ref, (ref_dqkv, ref_dsinks) = outputs_and_grads(
+        lambda x, w: sink_attention(*x.split(dim, dim=-1), 0.2, w, keep, p),
+        [qkv.double(), sinks.double()], grad.double())
+    assert rel_err(out, ref.float()) < 2e-6
+    assert rel_err(dqkv, ref_dqkv.float()) < 5e-6
+    assert rel_err(dsinks, ref_dsinks.float()) < 5e-6
+    plain = fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, p, seed)
+    assert not torch.allclose(plain, out)  # the sinks take weight
+    with pytest.raises(ValueError, match=r"one logit per head, shape \(3,\)"):
+        fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, sinks=torch.zeros(2))
