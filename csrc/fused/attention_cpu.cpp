@@ -1,11 +1,16 @@
 // CPU kernel for self-attention, softmax(scale * q k^T) v over keys j <= query i (causal)
 // or over all keys (the full blocks of context-parallel ring attention), in the manner of
-// flash attention: one (batch, head) per task; the scores of a block of query rows are
-// computed, turned into probabilities and multiplied by v while they sit in cache, and
-// only each row's log-sum-exp is kept. The backward recomputes the probabilities from
-// it. Causal: keys beyond a block's last query are never touched, which halves the work.
-// q, k, v rows may be strided (views of the fused QKV projection); the head size is a
-// multiple of 16.
+// flash attention: one (batch, head) per task, tiled so that the working set stays in
+// the core's L2 at any sequence length. The forward takes blocks of query rows and streams
+// blocks of keys past them with an online softmax (each row's running max and sum; the
+// output is rescaled when the max grows); the scores of a group of kRows rows and one key
+// block are computed, turned into probabilities and multiplied by v while they sit in L1,
+// and only each row's log-sum-exp is kept. The backward takes one key block at a time,
+// keeps its dk / dv sums in cache and streams the query rows past it, recomputing the
+// probabilities from the log-sum-exp. The block sizes come from the cache sizes read at
+// start-up (cpu_caches). Causal: key blocks beyond a row group's last query are never
+// touched, which halves the work. q, k, v rows may be strided (views of the fused QKV
+// projection); the head size is a multiple of 16.
 //
 // Attention dropout: probability (i, j) is kept with probability 1 - p and scaled by
 // 1 / (1 - p). Whether it is kept is a hash of (seed, task, i * sq + j) (dropout_keep
@@ -29,7 +34,7 @@ using namespace lanes;
 
 namespace {
 
-constexpr int kRows = 8;  // query rows per block
+constexpr int kRows = 8;  // query rows per group (the registers' rows)
 
 // The products below keep R rows x V lane vectors of accumulators in registers: V = 2
 // where there are 32 vector registers (AVX-512: 16 accumulators of 8 x 2), 1 where there
@@ -65,11 +70,11 @@ MF_INLINE void transpose_rows(float* xt, const float* x, int64_t n, int64_t stri
 // The three products below work on chunks of V = kChunkVecs lane vectors and, for a
 // last vector, of V = 1.
 
-// s[r * ld + j + c] = scale * sum_d a[r * a_stride + d] * bt[d * ld + j + c] for r < R,
+// s[r * sld + j + c] = scale * sum_d a[r * a_stride + d] * bt[d * ld + j + c] for r < R,
 // c < kLanes V.
 template <int R, int V>
-MF_INLINE void products_chunk(float* s, int64_t ld, const float* a, int64_t a_stride,
-                              const float* bt, int64_t j, int64_t hn, float scale) {
+MF_INLINE void products_chunk(float* s, int64_t sld, const float* a, int64_t a_stride,
+                              const float* bt, int64_t ld, int64_t j, int64_t hn, float scale) {
   LaneVec acc[V][R];
   for (int v = 0; v < V; ++v)
     for (int r = 0; r < R; ++r) acc[v][r] = splat(0.0f);
@@ -82,25 +87,26 @@ MF_INLINE void products_chunk(float* s, int64_t ld, const float* a, int64_t a_st
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store(s + r * ld + j + v * kLanes, acc[v][r] * scale);
+    for (int v = 0; v < V; ++v) store(s + r * sld + j + v * kLanes, acc[v][r] * scale);
 }
 
 // The products above for j < n (a multiple of kLanes).
 template <int R>
-MF_INLINE void block_products(float* s, int64_t ld, const float* a, int64_t a_stride,
-                              const float* bt, int64_t n, int64_t hn, float scale) {
+MF_INLINE void block_products(float* s, int64_t sld, const float* a, int64_t a_stride,
+                              const float* bt, int64_t ld, int64_t n, int64_t hn, float scale) {
   int64_t j = 0;
   for (; j + kChunkVecs * kLanes <= n; j += kChunkVecs * kLanes)
-    products_chunk<R, kChunkVecs>(s, ld, a, a_stride, bt, j, hn, scale);
-  if (j < n) products_chunk<R, 1>(s, ld, a, a_stride, bt, j, hn, scale);
+    products_chunk<R, kChunkVecs>(s, sld, a, a_stride, bt, ld, j, hn, scale);
+  if (j < n) products_chunk<R, 1>(s, sld, a, a_stride, bt, ld, j, hn, scale);
 }
 
-// out[r * out_stride + c + i] = row_scale[r] * sum_{j < n} p[r * ld + j] *
-// x[j * x_stride + c + i] for r < R, i < kLanes V.
+// out[r * out_stride + c + i] = keep[r] * out[...] + row_scale[r] * sum_{j < n}
+// p[r * ld + j] * x[j * x_stride + c + i] for r < R, i < kLanes V (keep null: out's
+// old values are not read): the blocks of keys accumulate into out.
 template <int R, int V>
 MF_INLINE void combine_chunk(float* out, int64_t out_stride, const float* p, int64_t ld,
                              const float* x, int64_t x_stride, int64_t n, int64_t c,
-                             const float* row_scale) {
+                             const float* keep, const float* row_scale) {
   LaneVec acc[V][R];
   for (int v = 0; v < V; ++v)
     for (int r = 0; r < R; ++r) acc[v][r] = splat(0.0f);
@@ -113,19 +119,22 @@ MF_INLINE void combine_chunk(float* out, int64_t out_stride, const float* p, int
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      store(out + r * out_stride + c + v * kLanes, acc[v][r] * row_scale[r]);
+    for (int v = 0; v < V; ++v) {
+      float* dst = out + r * out_stride + c + v * kLanes;
+      const LaneVec sum = acc[v][r] * row_scale[r];
+      store(dst, keep ? load(dst) * keep[r] + sum : sum);
+    }
 }
 
 // The combination above for all c < hn (a multiple of kLanes).
 template <int R>
 MF_INLINE void block_combine(float* out, int64_t out_stride, const float* p, int64_t ld,
                              const float* x, int64_t x_stride, int64_t n, int64_t hn,
-                             const float* row_scale) {
+                             const float* keep, const float* row_scale) {
   int64_t c = 0;
   for (; c + kChunkVecs * kLanes <= hn; c += kChunkVecs * kLanes)
-    combine_chunk<R, kChunkVecs>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
-  if (c < hn) combine_chunk<R, 1>(out, out_stride, p, ld, x, x_stride, n, c, row_scale);
+    combine_chunk<R, kChunkVecs>(out, out_stride, p, ld, x, x_stride, n, c, keep, row_scale);
+  if (c < hn) combine_chunk<R, 1>(out, out_stride, p, ld, x, x_stride, n, c, keep, row_scale);
 }
 
 // y[j * y_stride + c + i] += scale * sum_{r < R} w[r * ld + j] * a[r * a_stride + c + i] for
@@ -210,29 +219,30 @@ MF_INLINE LaneU32 dropout_hash(const Dropout& drop, uint32_t counter) {
   return mix32(mix32(c ^ drop.k0) + drop.k1);
 }
 
-// The dropout factors (0 or 1 / (1 - p)) of keys j .. j + kLanes - 1 of row `row`.
+// The dropout factors (0 or 1 / (1 - p)) of keys j .. j + kLanes - 1 of row `row` (j
+// counted from the first key of the sequence).
 MF_INLINE LaneVec dropout_factor(const Dropout& drop, int64_t row, int64_t j) {
   const LaneU32 h = dropout_hash(drop, static_cast<uint32_t>(row * drop.keys + j));
   return select(h >= drop.threshold, splat(drop.scale), splat(0.0f));
 }
 
 // ds[j] = p[j] * (z[j] * ds[j] - delta), then p[j] *= z[j], with z[j] the dropout factor
-// of key j in row `row` (0 or 1 / (1 - p)): the softmax backward through dropout, and p
-// becomes the dropped probabilities that the value gradient takes.
+// of key j0 + j in row `row` (0 or 1 / (1 - p)): the softmax backward through dropout,
+// and p becomes the dropped probabilities that the value gradient takes.
 MF_INLINE void dropout_softmax_grad_row(float* ds, float* p, int64_t n16, float delta,
-                                        const Dropout& drop, int64_t row) {
+                                        const Dropout& drop, int64_t row, int64_t j0) {
   for (int64_t j = 0; j < n16; j += kLanes) {
-    const LaneVec z = dropout_factor(drop, row, j);
+    const LaneVec z = dropout_factor(drop, row, j0 + j);
     const LaneVec pj = load(p + j);
     store(ds + j, pj * (z * load(ds + j) - delta));
     store(p + j, pj * z);
   }
 }
 
-// row[j] *= the dropout factor of key j, for j < n16.
-MF_INLINE void dropout_row(float* row, int64_t n16, const Dropout& drop, int64_t r) {
+// row[j] *= the dropout factor of key j0 + j, for j < n16.
+MF_INLINE void dropout_row(float* row, int64_t n16, const Dropout& drop, int64_t r, int64_t j0) {
   for (int64_t j = 0; j < n16; j += kLanes)
-    store(row + j, load(row + j) * dropout_factor(drop, r, j));
+    store(row + j, load(row + j) * dropout_factor(drop, r, j0 + j));
 }
 
 struct Head {
@@ -243,52 +253,90 @@ struct Head {
   int64_t sq, hn;
   float scale;
   bool causal;
-  // Keys seen by some row of the block of rows i0 .. i0 + R - 1 / by row i.
-  MF_INLINE int64_t block_keys(int64_t i0, int R) const { return causal ? i0 + R : sq; }
+  // The head's attention sink: a logit that joins every row's softmax denominator with no
+  // value (-inf, weight 0: none; else weight exp(sink - sink) = 1 at the row's start).
+  float sink = -kInf, sink_weight = 0.0f;
+  // Keys seen by some row of the group of rows i0 .. i0 + R - 1 / by row i.
+  MF_INLINE int64_t block_keys(int64_t i0, int64_t R) const { return causal ? i0 + R : sq; }
   MF_INLINE int64_t row_keys(int64_t i) const { return causal ? i + 1 : sq; }
+  // The same, counted from j0, within the key block [j0, end) (at least 1 where j0 <= i0).
+  MF_INLINE int64_t group_keys(int64_t i0, int64_t R, int64_t j0, int64_t end) const {
+    return std::min(end, block_keys(i0, R)) - j0;
+  }
+  MF_INLINE int64_t visible_keys(int64_t i, int64_t j0, int64_t end) const {
+    return std::min(end, row_keys(i)) - j0;
+  }
 };
 
+// The group of rows i0 .. i0 + R - 1 against the key block [j0, end): its scores s (pitch
+// sld) from k^T (pitch ld), the online softmax (m, l: the rows' running max and sum over
+// the blocks before, or over the sink alone at the first block), o = o * exp(m_old - m) +
+// p v; the block that holds the group's last keys divides o by the sum and writes the
+// log-sum-exp.
 template <int R>
-MF_INLINE void forward_block(const Head& h, int64_t i0, const float* kt, float* s, int64_t ld,
-                             float* o, int64_t os, float* lse, const Dropout& drop) {
-  const int64_t n = h.block_keys(i0, R);  // keys 0 .. n-1 are visible to some row
-  block_products<R>(s, ld, h.q + i0 * h.qs, h.qs, kt, round_lanes(n), h.hn, h.scale);
-  float inv[R];
+MF_INLINE void forward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
+                             const float* kt, int64_t ld, float* s, int64_t sld, float* o,
+                             int64_t os, float* m, float* l, float* lse, const Dropout& drop) {
+  const int64_t n = h.group_keys(i0, R, j0, end), n16 = round_lanes(n);
+  block_products<R>(s, sld, h.q + i0 * h.qs, h.qs, kt + j0, ld, n16, h.hn, h.scale);
+  const bool first = j0 == 0, last = end >= h.block_keys(i0, R);
+  float keep[R], scale[R];
   for (int r = 0; r < R; ++r) {
-    const int64_t valid = h.row_keys(i0 + r);
-    float* row = s + r * ld;
-    const float m = row_max(row, valid);
-    const float l = exp_row(row, valid, round_lanes(n), m);
-    lse[i0 + r] = m + std::log(l);
-    inv[r] = 1.0f / l;
-    if (drop.active()) dropout_row(row, round_lanes(n), drop, i0 + r);
+    float* row = s + r * sld;
+    const int64_t valid = h.visible_keys(i0 + r, j0, end);
+    const float m_old = first ? h.sink : m[r], l_old = first ? h.sink_weight : l[r];
+    const float mx = std::max(m_old, row_max(row, valid));
+    const float sum = exp_row(row, valid, n16, mx);
+    keep[r] = std::exp(m_old - mx);  // 0 where m_old is -inf
+    l[r] = keep[r] * l_old + sum;
+    m[r] = mx;
+    scale[r] = last ? 1.0f / l[r] : 1.0f;
+    keep[r] *= scale[r];
+    if (last) lse[i0 + r] = mx + std::log(l[r]);
+    if (drop.active()) dropout_row(row, n16, drop, i0 + r, j0);
   }
-  block_combine<R>(o + i0 * os, os, s, ld, h.v, h.vs, n, h.hn, inv);
+  block_combine<R>(o + i0 * os, os, s, sld, h.v + j0 * h.vs, h.vs, n, h.hn,
+                   first ? nullptr : keep, scale);
 }
 
+// The group of rows i0 .. i0 + R - 1 against the key block [j0, end): the probabilities p
+// and their gradients ds (pitch sld) recomputed from lse, dq += scale ds k (written by
+// the first block), and the block's sums dv += p^T dout, dk += scale ds^T q (rows from j0,
+// pitch hn).
 template <int R>
-MF_INLINE void backward_block(const Head& h, int64_t i0, const float* kt, const float* vt, float* p,
-                    float* ds, int64_t ld, const float* dout, int64_t dos, const float* lse,
-                    const float* delta, float* dq, int64_t dqs, float* dk, int64_t dks,
-                    float* dv, int64_t dvs, const Dropout& drop) {
-  const int64_t n = h.block_keys(i0, R);
-  const int64_t n16 = round_lanes(n);
-  block_products<R>(p, ld, h.q + i0 * h.qs, h.qs, kt, n16, h.hn, h.scale);
-  block_products<R>(ds, ld, dout + i0 * dos, dos, vt, n16, h.hn, 1.0f);
+MF_INLINE void backward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
+                              const float* kt, const float* vt, int64_t ld, float* p, float* ds,
+                              int64_t sld, const float* dout, int64_t dos, const float* lse,
+                              const float* delta, float* dq, int64_t dqs, float* dk, float* dv,
+                              const Dropout& drop) {
+  const int64_t n = h.group_keys(i0, R, j0, end), n16 = round_lanes(n);
+  block_products<R>(p, sld, h.q + i0 * h.qs, h.qs, kt + j0, ld, n16, h.hn, h.scale);
+  block_products<R>(ds, sld, dout + i0 * dos, dos, vt + j0, ld, n16, h.hn, 1.0f);
+  float keep[R], scale[R];
   for (int r = 0; r < R; ++r) {
     const int64_t i = i0 + r;
-    float* prow = p + r * ld;
-    exp_row(prow, h.row_keys(i), n16, lse[i]);  // the probabilities of row i
+    float* prow = p + r * sld;
+    exp_row(prow, h.visible_keys(i, j0, end), n16, lse[i]);  // the probabilities of row i
     if (drop.active())
-      dropout_softmax_grad_row(ds + r * ld, prow, n16, delta[i], drop, i);
+      dropout_softmax_grad_row(ds + r * sld, prow, n16, delta[i], drop, i, j0);
     else
-      softmax_grad_row(ds + r * ld, prow, n16, delta[i]);
+      softmax_grad_row(ds + r * sld, prow, n16, delta[i]);
+    keep[r] = 1.0f;
+    scale[r] = h.scale;
   }
-  float scale[R];
-  for (int r = 0; r < R; ++r) scale[r] = h.scale;
-  block_combine<R>(dq + i0 * dqs, dqs, ds, ld, h.k, h.ks, n, h.hn, scale);
-  block_accumulate<R>(dv, dvs, p, ld, dout + i0 * dos, dos, n, h.hn, 1.0f);
-  block_accumulate<R>(dk, dks, ds, ld, h.q + i0 * h.qs, h.qs, n, h.hn, h.scale);
+  block_combine<R>(dq + i0 * dqs, dqs, ds, sld, h.k + j0 * h.ks, h.ks, n, h.hn,
+                   j0 == 0 ? nullptr : keep, scale);
+  block_accumulate<R>(dv, h.hn, p, sld, dout + i0 * dos, dos, n, h.hn, 1.0f);
+  block_accumulate<R>(dk, h.hn, ds, sld, h.q + i0 * h.qs, h.qs, n, h.hn, h.scale);
+}
+
+// Key blocks are a multiple of this many keys (of kRows and of the products' chunks), so
+// that a group of rows sees a block whole or not at all.
+constexpr int64_t kKeyAlign = 32;
+
+MF_INLINE int64_t fit_keys(int64_t floats, int64_t sq) {
+  const int64_t fit = std::max<int64_t>(kKeyAlign, floats / kKeyAlign * kKeyAlign);
+  return std::min(fit, (sq + kKeyAlign - 1) / kKeyAlign * kKeyAlign);
 }
 
 #define MF_ROWS_DISPATCH(rows, call) \
@@ -331,22 +379,50 @@ void attention_dropout_keep(uint8_t* keep, int64_t rows, const Dropout& drop) {
     }
 }
 
+AttentionTiles attention_tiles(int64_t sq, int64_t hn) {
+  const CpuCaches caches = cpu_caches();
+  const int64_t l1 = caches.l1d / int64_t(sizeof(float)), half_l2 = caches.l2 / 8;
+  AttentionTiles t;
+  // forward: a query block's q and o rows in a quarter of the L2, its key block's k^T and
+  // v rows in another quarter, one group's scores in half of the L1
+  t.rows = std::max<int64_t>(kRows, half_l2 / (4 * hn) / kRows * kRows);
+  t.forward_keys = fit_keys(std::min(half_l2 / (4 * hn), l1 / (2 * kRows)), sq);
+  // backward: a key block's k^T, v^T, k, dk and dv in half of the L2, one group's
+  // probabilities and their gradients in half of the L1
+  t.backward_keys = fit_keys(std::min(half_l2 / (5 * hn), l1 / (4 * kRows)), sq);
+  return t;
+}
+
 void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
                             const float* v, int64_t vs, float* o, int64_t os, float* lse,
                             int64_t sq, int64_t hn, float scale, bool causal,
-                            const Dropout& drop, float* work) {
-  const int64_t ld = row_pitch(sq);
+                            const Dropout& drop, float* work, const float* sink) {
+  const AttentionTiles t = attention_tiles(sq, hn);
+  const int64_t ld = row_pitch(sq), sld = row_pitch(t.forward_keys);
   float* kt = work;
-  float* s = kt + hn * ld;
-  float* vc = s + kRows * ld;  // v's rows, contiguous
+  float* vc = kt + hn * ld;  // v's rows, contiguous
+  float* s = vc + sq * hn;
+  float* m = s + kRows * sld;  // the running max and sum of a query block's rows
+  float* l = m + t.rows;
   transpose_rows(kt, k, sq, ks, hn, ld);
   copy_rows(vc, hn, v, vs, sq, hn);
-  const Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal};
-  for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, sq - i0);
-#define MF_FORWARD(R) forward_block<R>(h, i0, kt, s, ld, o, os, lse, drop)
-    MF_ROWS_DISPATCH(rows, MF_FORWARD)
+  Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal};
+  if (sink) {
+    h.sink = *sink;
+    h.sink_weight = 1.0f;
+  }
+  for (int64_t q0 = 0; q0 < sq; q0 += t.rows) {
+    const int64_t q1 = std::min(sq, q0 + t.rows);
+    for (int64_t j0 = 0; j0 < h.block_keys(q0, q1 - q0); j0 += t.forward_keys) {
+      const int64_t end = std::min(sq, j0 + t.forward_keys);
+      for (int64_t i0 = causal ? std::max(q0, j0) : q0; i0 < q1; i0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, q1 - i0);
+#define MF_FORWARD(R) \
+  forward_group<R>(h, i0, j0, end, kt, ld, s, sld, o, os, m + (i0 - q0), l + (i0 - q0), lse, drop)
+        MF_ROWS_DISPATCH(rows, MF_FORWARD)
 #undef MF_FORWARD
+      }
+    }
   }
 }
 
@@ -356,40 +432,45 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
                              int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
                              int64_t sq, int64_t hn, float scale, bool causal,
                              const Dropout& drop, float* work) {
-  const int64_t ld = row_pitch(sq);
+  const AttentionTiles t = attention_tiles(sq, hn);
+  const int64_t ld = row_pitch(sq), sld = row_pitch(t.backward_keys);
   float* kt = work;
   float* vt = kt + hn * ld;
-  float* p = vt + hn * ld;
-  float* ds = p + kRows * ld;
-  float* delta = ds + kRows * ld;
-  // k's rows and the dk / dv sums, contiguous: every block reads or adds to all rows
-  // before it, and the tensors' own rows lie a power of two apart (b * heads * hn floats)
-  // in few cache sets.
-  float* kc = delta + sq;
-  float* dkc = kc + sq * hn;
-  float* dvc = dkc + sq * hn;
+  float* kc = vt + hn * ld;  // k's rows, contiguous
+  float* p = kc + sq * hn;
+  float* ds = p + kRows * sld;
+  float* delta = ds + kRows * sld;
+  float* dkb = delta + sq;  // the key block's dk and dv sums
+  float* dvb = dkb + t.backward_keys * hn;
   transpose_rows(kt, k, sq, ks, hn, ld);
   transpose_rows(vt, v, sq, vs, hn, ld);
   copy_rows(kc, hn, k, ks, sq, hn);
-  fill_zero(dkc, 2 * sq * hn);
   // delta_i = sum_j p_ij dp_ij = dout_i . o_i, with or without dropout (o = dropped p v)
   for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);
   const Head h{q, kc, v, qs, hn, vs, sq, hn, scale, causal};
-  for (int64_t i0 = 0; i0 < sq; i0 += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, sq - i0);
-#define MF_BACKWARD(R)                                                                       \
-  backward_block<R>(h, i0, kt, vt, p, ds, ld, dout, dos, lse, delta, dq, dqs, dkc, hn, dvc, hn, \
-                    drop)
-    MF_ROWS_DISPATCH(rows, MF_BACKWARD)
+  for (int64_t j0 = 0; j0 < sq; j0 += t.backward_keys) {
+    const int64_t end = std::min(sq, j0 + t.backward_keys);
+    fill_zero(dkb, 2 * t.backward_keys * hn);
+    for (int64_t i0 = causal ? j0 : 0; i0 < sq; i0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, sq - i0);
+#define MF_BACKWARD(R)                                                                     \
+  backward_group<R>(h, i0, j0, end, kt, vt, ld, p, ds, sld, dout, dos, lse, delta, dq, dqs, \
+                    dkb, dvb, drop)
+      MF_ROWS_DISPATCH(rows, MF_BACKWARD)
 #undef MF_BACKWARD
+    }
+    copy_rows(dk + j0 * dks, dks, dkb, hn, end - j0, hn);
+    copy_rows(dv + j0 * dvs, dvs, dvb, hn, end - j0, hn);
   }
-  copy_rows(dk, dks, dkc, hn, sq, hn);
-  copy_rows(dv, dvs, dvc, hn, sq, hn);
 }
 
 int64_t attention_work_floats(int64_t sq, int64_t hn) {
+  const AttentionTiles t = attention_tiles(sq, hn);
   const int64_t ld = row_pitch(sq);
-  return 2 * hn * ld + 2 * kRows * ld + sq + 3 * sq * hn;
+  const int64_t forward = hn * ld + sq * hn + kRows * row_pitch(t.forward_keys) + 2 * t.rows;
+  const int64_t backward = 2 * hn * ld + sq * hn + 2 * kRows * row_pitch(t.backward_keys) + sq +
+                           2 * t.backward_keys * hn;
+  return std::max(forward, backward);
 }
 
 }  // namespace cpu

@@ -284,14 +284,22 @@ void for_each_task(int64_t tasks, int64_t work_floats, Fn&& fn) {
 }
 
 // Returns (o [sq, b, heads, hn] contiguous, lse [b * heads, sq] float). causal: keys
-// j <= i, else all keys; dropout_p with the mask of `seed` (see cpu_kernels.h).
+// j <= i, else all keys; dropout_p with the mask of `seed` (see cpu_kernels.h); sinks:
+// float32 [heads], each head's attention-sink logit (in the lse too).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale,
                                                      bool causal, double dropout_p,
-                                                     int64_t seed) {
+                                                     int64_t seed,
+                                                     const c10::optional<at::Tensor>& sinks) {
   check_attention_inputs(q, k, v);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
   task_dropout(dropout_p, seed, 0, sq);
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  TORCH_CHECK(!has_sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                             sinks->size(0) == q.size(2) && sinks->is_contiguous() &&
+                             sinks->device().type() == kCPU),
+              "sinks must be a contiguous float32 CPU tensor [heads] = [", q.size(2), "]");
+  const float* sp = has_sinks ? sinks->data_ptr<float>() : nullptr;
   at::Tensor o = new_output(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = new_output({tasks, sq}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -301,7 +309,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                 k.stride(0), vp + head_offset(v, t), v.stride(0),
                                 op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
                                 static_cast<float>(scale), causal,
-                                task_dropout(dropout_p, seed, t, sq), work);
+                                task_dropout(dropout_p, seed, t, sq), work,
+                                sp ? sp + t % q.size(2) : nullptr);
   });
   return {o, lse};
 }
@@ -378,15 +387,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
   m.def("causal_attention_forward", &mf::attention_forward,
         "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim], causal or over all keys, "
-        "with attention dropout -> (out, lse)",
+        "with attention dropout and optional per-head sinks [heads] -> (out, lse)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = true,
-        py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
+        py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("sinks") = py::none());
   m.def("causal_attention_backward", &mf::attention_backward,
         "gradients of causal_attention_forward -> (dq, dk, dv)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
         py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
   m.def("attention_dropout_keep", &mf::attention_dropout_keep,
         "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
+  m.def("cpu_caches",
+        []() {
+          const auto c = mf::cpu::cpu_caches();
+          return std::make_tuple(c.l1d, c.l2);
+        },
+        "(L1 data, L2) cache bytes per core that the attention kernels' blocks are sized by");
+  m.def("set_cpu_caches", &mf::cpu::set_cpu_caches,
+        "override the cache sizes the blocks are sized by (tests; 0, 0: those read at start-up)",
+        py::arg("l1d"), py::arg("l2"));
+  m.def("attention_tiles",
+        [](int64_t sq, int64_t hn) {
+          const auto t = mf::cpu::attention_tiles(sq, hn);
+          return std::make_tuple(t.rows, t.forward_keys, t.backward_keys);
+        },
+        "(query rows, forward keys, backward keys) per block of the attention kernels");
   m.def("swiglu_experts_forward", &mf::cpu::swiglu_experts_forward,
         "SwiGLU experts of rows x [N, h] sorted by expert: w1 [E, 2F, h], w2 [E, h, F], "
         "counts [E] -> (y [N, h], pre-activation [N, 2F])");

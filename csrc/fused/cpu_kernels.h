@@ -88,11 +88,13 @@ void attention_dropout_keep(uint8_t* keep, int64_t rows, const Dropout& drop);
 // [sq, hn] at the given row strides (hn contiguous, a multiple of 16); causal: keys
 // j <= i, else all sq keys; lse [sq] the log-sum-exp of each row of scale * q k^T over
 // the visible keys (before dropout). `work` holds attention_work_floats floats. The
-// backward writes dq, dk, dv.
+// backward writes dq, dk, dv. sink (null: none): the head's attention-sink logit, which
+// joins each row's softmax denominator (and its lse) with no value; the backward takes
+// the lse that includes it.
 void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
                             const float* v, int64_t vs, float* o, int64_t os, float* lse,
                             int64_t sq, int64_t hn, float scale, bool causal,
-                            const Dropout& drop, float* work);
+                            const Dropout& drop, float* work, const float* sink = nullptr);
 void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,
                              const float* v, int64_t vs, const float* o, int64_t os,
                              const float* dout, int64_t dos, const float* lse, float* dq,
@@ -100,6 +102,22 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
                              int64_t sq, int64_t hn, float scale, bool causal,
                              const Dropout& drop, float* work);
 int64_t attention_work_floats(int64_t sq, int64_t hn);
+
+// The per-core data caches, in bytes (cpu_caches.cpp): read once at start-up from
+// /sys/devices/system/cpu/cpu0/cache, else sysconf; set_cpu_caches overrides them
+// (tests; 0, 0: back to those read).
+struct CpuCaches {
+  int64_t l1d, l2;
+};
+CpuCaches cpu_caches();
+void set_cpu_caches(int64_t l1d, int64_t l2);
+
+// The attention kernels' blocks for sq keys of head size hn, from cpu_caches(): rows per
+// query block and keys per key block of the forward, keys per key block of the backward.
+struct AttentionTiles {
+  int64_t rows, forward_keys, backward_keys;
+};
+AttentionTiles attention_tiles(int64_t sq, int64_t hn);
 
 }  // namespace cpu
 }  // namespace megatron_fused

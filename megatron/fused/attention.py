@@ -25,27 +25,43 @@ class FusedCausalAttention(torch.autograd.Function):
     head_dim], flash-attention style on CPUs (saves the output and each row's log-sum-exp;
     the backward recomputes the probabilities). With dropout_p > 0 the probabilities are
     dropped by the kernel's counter-based mask of `seed` (`attention_dropout_keep`), which
-    the backward regenerates."""
+    the backward regenerates. sinks [heads]: each head's attention-sink logit, which joins
+    every row's softmax denominator as exp(sink - max) with no value (gpt-oss); its
+    gradient is -sum_rows exp(sink - lse) (dout . out)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0):
+    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0, sinks=None):
+        wide_sinks = None if sinks is None else sinks.detach().float().contiguous()
         out, lse = _ext(q).causal_attention_forward(*_widened(q, k, v), float(scale), True,
-                                                    float(dropout_p), int(seed))
+                                                    float(dropout_p), int(seed), wide_sinks)
         out = out.to(q.dtype)  # bfloat16 inputs: saved and returned in bfloat16
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, wide_sinks)
         ctx.scale, ctx.dropout = float(scale), (float(dropout_p), int(seed))
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        grad = _widened(grad)[0]
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grad, wide_out = _widened(grad, out)
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        grads = _ext(q).causal_attention_backward(grad, *_widened(q, k, v, out), lse, ctx.scale,
-                                                  True, *ctx.dropout)
-        return (*(g.to(q.dtype) for g in grads), None, None, None)
+        grads = _ext(q).causal_attention_backward(grad, *_widened(q, k, v), wide_out, lse,
+                                                  ctx.scale, True, *ctx.dropout)
+        dsinks = None if sinks is None else _sinks_grad(grad, wide_out, lse, sinks)
+        return (*(g.to(q.dtype) for g in grads), None, None, None,
+                None if dsinks is None else dsinks.to(ctx.sinks_dtype))
+
+
+def _sinks_grad(grad, out, lse, sinks):
+    """d loss / d sinks [heads] from the float32 output gradient and output [sq, b, heads, d]
+    and lse [b * heads, sq] (which includes the sinks): the sink's probability in each row
+    times (0 - delta), delta = dout . out, summed over rows and batch."""
+    sq, b, heads, _ = out.shape
+    delta = (grad.view_as(out) * out).sum(-1)  # [sq, b, heads]
+    p_sink = torch.exp(sinks - lse.view(b, heads, sq).permute(2, 0, 1))
+    return -(p_sink * delta).sum((0, 1))
 
 
 def _widened(*tensors):
@@ -184,12 +200,17 @@ def causal_attention_preferred(q, k, v, dropout_p: float = 0.0) -> bool:
     return choice.prefer_ours(attention_decision(q, dropout_p))
 
 
-def causal_attention(q, k, v, scale, dropout_p: float = 0.0, seed: int | None = None):
+def causal_attention(q, k, v, scale, dropout_p: float = 0.0, seed: int | None = None,
+                     sinks: torch.Tensor | None = None):
     """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
     with the CPU kernel (check `causal_attention_fusable` first); dropout_p > 0 drops
-    probabilities with the mask of `seed` (None: `attention_dropout_seed()`)."""
+    probabilities with the mask of `seed` (None: `attention_dropout_seed()`); sinks: a float
+    tensor [heads] of attention-sink logits (gpt-oss; differentiable) or None."""
     sq, b, heads, dim = q.shape
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)}: pass one logit per head, "
+                         f"shape ({heads},)")
     if dropout_p > 0 and seed is None:
         seed = attention_dropout_seed()
-    return FusedCausalAttention.apply(q, k, v, scale, dropout_p, seed or 0).view(
+    return FusedCausalAttention.apply(q, k, v, scale, dropout_p, seed or 0, sinks).view(
         sq, b, heads * dim)

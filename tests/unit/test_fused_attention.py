@@ -1,5 +1,7 @@
 """The CPU causal-attention kernel (flash-attention style, dropout inside, the full blocks of
 ring attention) against SDPA and the explicit path."""
+import os
+
 import pytest
 import torch
 
@@ -185,3 +187,107 @@ def test_full_block_kernel_matches_explicit_path(s, b, heads, groups, dim):
              for fusion in (True, False)]
     for a, b_ in zip(*grads):
         assert a.shape == b_.shape and rel_err(a, b_) < 5e-6
+
+
+@pytest.fixture
+def small_caches(kernels):
+    """Cache sizes so small that the kernels take blocks of 32 keys and a few query rows: every
+    row group streams several key blocks (the online softmax, the backward's per-block dk /
+    dv sums) at test sizes."""
+    kernels.set_cpu_caches(4096, 16384)
+    yield kernels
+    kernels.set_cpu_caches(0, 0)
+
+
+@pytest.mark.parametrize("s,dim,causal,p", [(100, 16, True, 0.0), (130, 64, True, 0.2),
+                                            (77, 32, False, 0.0), (96, 48, False, 0.3)])
+def test_tiled_attention_matches_explicit_path(small_caches, s, dim, causal, p):
+    """With many key blocks per row: outputs, log-sum-exps and gradients of the kernel (causal
+    or over all keys, with dropout of the same mask as untiled) against the explicit path."""
+    rows, *keys = small_caches.attention_tiles(s, dim)
+    assert rows < s and keys == [32, 32]
+    torch.manual_seed(s)
+    b, heads, seed = 2, 3, 4321 + s
+    q, k, v = (torch.randn(s, b, heads, dim, requires_grad=True) for _ in range(3))
+    keep = fused.attention_dropout_keep(b * heads, s, p, seed) if p else None
+    ref = explicit_attention(q, k, v, 0.3, causal, keep, p).view(s, b, heads, dim)
+    out, lse = small_caches.causal_attention_forward(q, k, v, 0.3, causal, p, seed)
+    scores = torch.einsum("ibhd,jbhd->bhij", q, k) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    assert rel_err(out, ref) < 2e-6
+    assert rel_err(lse, scores.logsumexp(-1).reshape(b * heads, s)) < 1e-6
+    dout = torch.randn_like(out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    grads = small_caches.causal_attention_backward(dout, *(t.detach() for t in (q, k, v)), out,
+                                                   lse, 0.3, causal, p, seed)
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert rel_err(grad, ref_grad) < 5e-6
+
+
+def test_attention_blocks_follow_the_cache_sizes(kernels):
+    """The blocks come from the caches read at start-up (sysfs, as lscpu shows them): a
+    larger L2 gives larger blocks, a larger head size smaller ones, and no block exceeds the
+    sequence (rounded to 32 keys)."""
+    l1d, l2 = kernels.cpu_caches()
+    index = "/sys/devices/system/cpu/cpu0/cache/index2"
+    if os.path.exists(f"{index}/size") and open(f"{index}/level").read().strip() == "2":
+        size = open(f"{index}/size").read().strip()
+        assert l2 == int(size[:-1]) << {"K": 10, "M": 20}[size[-1]]
+    assert l1d >= 4096 and l2 >= 65536
+    try:
+        kernels.set_cpu_caches(32 << 10, 256 << 10)
+        small = kernels.attention_tiles(1 << 16, 64)
+        kernels.set_cpu_caches(48 << 10, 2 << 20)
+        large = kernels.attention_tiles(1 << 16, 64)
+        assert all(a < b for a, b in zip(small, large)), (small, large)
+        assert all(a >= b for a, b in zip(large, kernels.attention_tiles(1 << 16, 128)))
+        assert kernels.attention_tiles(40, 64)[1:] == (64, 64)
+        assert all(n % 32 == 0 for n in small[1:] + large[1:])
+    finally:
+        kernels.set_cpu_caches(0, 0)
+
+
+def sink_attention(q, k, v, scale, sinks, keep=None, dropout_p=0.0):
+    """Reference: softmax over [scale q k^T (causal), sink] per row, the sink's column dropped,
+    in plain PyTorch (the kernel's dropout mask `keep` applied as in explicit_attention)."""
+    s, b, heads, d = q.shape
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(
+        torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    sink = sinks.view(1, heads, 1, 1).expand(b, heads, s, 1).to(scores.dtype)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]
+    if keep is not None:
+        probs = probs * keep.view(b, heads, s, s) / (1.0 - dropout_p)
+    return (probs @ vh).permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+@pytest.mark.parametrize("s,dim,p,tiny", [(70, 32, 0.0, False), (70, 32, 0.0, True),
+                                          (45, 16, 0.25, True), (1, 16, 0.0, False)])
+def test_attention_sinks_match_softmax_over_scores_and_sink(kernels, s, dim, p, tiny):
+    """causal_attention(..., sinks=): output and gradients of q, k, v and the sinks against an
+    explicit softmax over [scores, sink] in float64, with several key blocks (tiny caches)
+    or one, with dropout; large sinks (most weight on the sink) and small ones."""
+    torch.manual_seed(s + dim)
+    b, heads, seed = 2, 3, 99 + s
+    qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+    sinks = torch.tensor([-2.0, 0.5, 4.0])
+    keep = fused.attention_dropout_keep(b * heads, s, p, seed) if p else None
+    if tiny:
+        kernels.set_cpu_caches(4096, 16384)
+    try:
+        out, (dqkv, dsinks) = outputs_and_grads(
+            lambda x, w: fused.causal_attention(*x.split(dim, dim=-1), 0.2, p, seed, sinks=w),
+            [qkv, sinks], grad)
+    finally:
+        kernels.set_cpu_caches(0, 0)
+    ref, (ref_dqkv, ref_dsinks) = outputs_and_grads(
+        lambda x, w: sink_attention(*x.split(dim, dim=-1), 0.2, w, keep, p),
+        [qkv.double(), sinks.double()], grad.double())
+    assert rel_err(out, ref.float()) < 2e-6
+    assert rel_err(dqkv, ref_dqkv.float()) < 5e-6
+    assert rel_err(dsinks, ref_dsinks.float()) < 5e-6
+    plain = fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, p, seed)
+    assert not torch.allclose(plain, out)  # the sinks take weight
+    with pytest.raises(ValueError, match=r"one logit per head, shape \(3,\)"):
+        fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, sinks=torch.zeros(2))
