@@ -65,8 +65,9 @@ class Decision:
 
     def key(self) -> str:
         shape = " ".join(f"{name}{value}" for name, value in self.dims)
-        return (f"{fused_kernels.cpu_model()} | {fused_kernels.cpu_isa()} | threads "
-                f"{torch.get_num_threads()} | {self.op} | {self.dtype} | {shape}")
+        return (f"{fused_kernels.cpu_model()} | {fused_kernels.cpu_isa()} | kernels "
+                f"{fused_kernels.cpu_kernels_version()} | threads {torch.get_num_threads()} | "
+                f"{self.op} | {self.dtype} | {shape}")
 
 
 def bucket(n: int) -> int:

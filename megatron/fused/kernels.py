@@ -204,6 +204,13 @@ def _build_key(name: str, spec: dict) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_kernels_version() -> str:
+    """The hash of our CPU kernels' sources and build flags for this ISA: a measured choice
+    between them and a plain path holds only for this version (megatron/fused/choice.py)."""
+    return _build_key(CPU_EXTENSION, _extension_specs()[CPU_EXTENSION])
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path):
     """Exclusive lock on `path` across processes (no-op where fcntl is missing)."""

@@ -95,8 +95,8 @@ class CoreAttention(torch.nn.Module):
         mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
         sinks = self.sinks(heads)
         kernel_v = _kernel_values(q, v) if mask is None and bias is None else v
-        if sinks is None and self._use_cpu_kernel(q, k, kernel_v, mask, bias):
-            return self._cpu_kernel(q, k, kernel_v, v.shape[-1])
+        if self._use_cpu_kernel(q, k, kernel_v, mask, bias):
+            return self._cpu_kernel(q, k, kernel_v, v.shape[-1], sinks)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         with_sinks = "" if sinks is None else f", {self.cfg.softmax_type} sinks"
         if self._use_sdpa(mask, q, bias):
@@ -110,18 +110,19 @@ class CoreAttention(torch.nn.Module):
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
-    def _cpu_kernel(self, q, k, v, value_dim: int):
-        """Our CPU kernel; values zero-padded to the q / k head size (`_kernel_values`) give
-        outputs whose padded channels are dropped here."""
+    def _cpu_kernel(self, q, k, v, value_dim: int, sinks=None):
+        """Our CPU kernel (sinks: this rank's sink logits or None); values zero-padded to the
+        q / k head size (`_kernel_values`) give outputs whose padded channels are dropped here."""
         p = self._dropout_p()
+        with_sinks = "" if sinks is None else f", {self.cfg.softmax_type} sinks"
         fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
-                                    f"{fused.cpu_kernels_isa()}, dropout {p})")
+                                    f"{fused.cpu_kernels_isa()}, dropout {p}{with_sinks})")
         seed = None
         if p > 0:
             with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
                 seed = fused.attention_dropout_seed()
         scale = self.cfg.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
-        out = fused.causal_attention(q, k, v, scale, p, seed)
+        out = fused.causal_attention(q, k, v, scale, p, seed, sinks)
         if value_dim == v.shape[-1]:
             return out
         s, b, heads = q.shape[:3]

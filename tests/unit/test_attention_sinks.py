@@ -101,14 +101,24 @@ def test_off_by_one_is_a_fixed_zero_logit_not_saved():
     assert not torch.allclose(core(q, k, v, None), vanilla(q, k, v, None))
 
 
-def test_auto_does_not_take_our_cpu_kernel_with_sinks(monkeypatch, capsys):
+@pytest.mark.parametrize("scale", [None, 0.07])
+def test_auto_takes_our_cpu_kernel_with_sinks(monkeypatch, capsys, scale):
+    """Where `auto` prefers our kernel, it serves the sinks (its `sinks=` input), equal to
+    the reference with gradients."""
     from megatron import fused
     from megatron.fused import paths
     monkeypatch.setattr(paths, "_ANNOUNCED", set())
     monkeypatch.setattr(fused, "causal_attention_preferred", lambda *a, **k: True)
-    q, k, v, _, _ = _inputs(16, 16)
-    _core("auto")(q, k, v, None)
-    assert "attention: SDPA (auto, learnable sinks)" in capsys.readouterr().out
+    core = _core("auto", softmax_scale=scale)
+    q, k, v, sinks, dout = _inputs(16, 16)
+
+    def ours(q, k, v, s):
+        return torch.func.functional_call(core, {"softmax_offset": s}, (q, k, v, None))
+    got = _grads(ours, q, k, v, sinks, dout)
+    assert "attention: our CPU kernel (auto" in capsys.readouterr().out
+    want = _grads(lambda *t: reference(*t, scale=scale), q, k, v, sinks, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_learnable_sinks_are_split_over_tp_with_their_heads():

@@ -36,19 +36,23 @@ def decision(rows=1000):
     return choice.Decision(OP, "float32", (("rows", choice.bucket(rows)), ("hidden", 64)))
 
 
-def test_cache_key_names_machine_isa_threads_dtype_and_bucket(monkeypatch):
+def test_cache_key_names_machine_isa_kernels_threads_dtype_and_bucket(monkeypatch):
+    """The key names the kernels' version too: a choice measured against an older kernel
+    is not taken for a changed one."""
     from megatron.fused import kernels
     assert [choice.bucket(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
     assert decision(1000) == decision(1024) != decision(1025)
     key = decision().key()
-    for part in (kernels.cpu_model(), kernels.cpu_isa(), f"threads {torch.get_num_threads()}",
-                 OP, "float32", "rows1024 hidden64"):
+    for part in (kernels.cpu_model(), kernels.cpu_isa(), f"kernels {kernels.cpu_kernels_version()}",
+                 f"threads {torch.get_num_threads()}", OP, "float32", "rows1024 hidden64"):
         assert part in key, (part, key)
     threads = torch.get_num_threads()
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
     assert decision().key() != key
     monkeypatch.setattr(kernels, "cpu_isa", lambda: "baseline")
     assert "| baseline |" in decision().key()
+    monkeypatch.setattr(kernels, "cpu_kernels_version", lambda: "0123456789abcdef")
+    assert "| kernels 0123456789abcdef |" in decision().key()
 
 
 def test_cache_file_written_read_and_remeasured_once_deleted(auto, capsys):
