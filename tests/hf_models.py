@@ -147,8 +147,23 @@ def _deepseek_v3_no_q_lora():  # q_proj, half-split RoPE rows, no groups, top-1 
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
+def _kimi_k2():  # Kimi-K2's shape: one group, top-8, one shared, first layer dense, YaRN 32
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM, DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=96, moe_intermediate_size=16, n_routed_experts=12, num_experts_per_tok=8,
+        n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.827, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, vocab_size=163, max_position_embeddings=256,
+        rms_norm_eps=1e-6, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 8, "rope_theta": 50000.0})
+
+
 OTHER_FAMILIES = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3,
-                  "deepseek_v3_no_q_lora": _deepseek_v3_no_q_lora}  # tested in their own files
+                  "deepseek_v3_no_q_lora": _deepseek_v3_no_q_lora,
+                  "kimi_k2": _kimi_k2}  # tested in their own files
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 

@@ -4,7 +4,8 @@ Two random models built in-process (nothing downloaded): one with q_lora_rank, a
 dense layer, 2 of 4 expert groups, 2 shared experts, YaRN with mscale / mscale_all_dim
 and DeepSeek's MTP layer added to its file; one without q_lora_rank, with half-split
 RoPE rows (rope_interleave false) and top-1 unnormalised routing. Each gives transformers'
-logits (max relative difference < 1e-5) and 32 greedy tokens, and comes back
+logits (max relative difference < 1e-5) and 32 greedy tokens (so does one of Kimi-K2's
+shape: one group, top-8 of 12, YaRN factor 32 with mscale = mscale_all_dim = 1), and comes back
 tensor-identical with its config, generation config and tokenizer files. An FP8 (e4m3,
 128 x 128 block scales, partial edge blocks) copy imports as its dequantized weights.
 """
@@ -22,7 +23,7 @@ from tests.hf_models import (NEW_TOKENS, assert_same_hf_dirs, build_hf_model, co
                              rel_err, save_word_tokenizer)
 
 pytestmark = oracles.needs("transformers")
-FAMILIES = ("deepseek_v3", "deepseek_v3_no_q_lora")
+FAMILIES = ("deepseek_v3", "deepseek_v3_no_q_lora", "kimi_k2")
 
 
 def _random_bias(model, seed: int = 3) -> None:
@@ -85,11 +86,11 @@ def _fused(sd: dict, experts: int) -> dict:
     return out
 
 
-def _save(name: str, directory: str):
+def save_with_mtp(name: str, directory: str, **overrides):
     """The random HF model `name` saved to `directory` (the first with DeepSeek's MTP
-    layer in its file), returned."""
+    layer in its file), returned; `overrides`: config attributes changed."""
     from safetensors.torch import save_file
-    model = build_hf_model(name)
+    model = build_hf_model(name, **overrides)
     _random_bias(model)
     model.save_pretrained(directory, safe_serialization=True)
     if model.config.num_nextn_predict_layers:
@@ -103,7 +104,7 @@ def _save(name: str, directory: str):
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     work = str(tmp_path_factory.mktemp(request.param))
-    model = _save(request.param, os.path.join(work, "hf"))
+    model = save_with_mtp(request.param, os.path.join(work, "hf"))
     converted(work, request.param)
     return request.param, model, work
 
@@ -127,9 +128,12 @@ def test_config_is_read(family, ours):
         assert (cfg.moe.moe_router_num_groups, cfg.moe.moe_router_group_topk) == (4, 2)
         assert cfg.moe.moe_shared_expert_intermediate_size == 64
         assert (cfg.mscale, cfg.mscale_all_dim, cfg.rope_scaling_type) == (0.9, 0.7, "yarn")
-    else:
+    elif name == "deepseek_v3_no_q_lora":
         assert cfg.q_lora_rank is None and cfg.mtp_num_layers is None
         assert cfg.moe.moe_router_num_groups is None
+    else:  # Kimi-K2's routing: no groups, top-8 renormalised and scaled
+        assert cfg.moe.moe_router_num_groups is None and cfg.moe.moe_router_topk == 8
+        assert cfg.moe.moe_router_topk_scaling_factor == 2.827
 
 
 def test_logits_equal_transformers(family, ours):
@@ -167,7 +171,7 @@ def test_mtp_layer_is_deepseeks(family, ours):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
     name, hf_model, work = family
     if name != "deepseek_v3":
-        pytest.skip("the model without q_lora_rank has no MTP layer")
+        pytest.skip("only the first model has an MTP layer")
     model, config = ours[0], hf_model.config
     n, p = config.num_hidden_layers, f"model.layers.{config.num_hidden_layers}."
     files = load_safetensors(os.path.join(work, "hf", "model.safetensors"))
