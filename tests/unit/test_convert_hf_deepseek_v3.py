@@ -273,3 +273,52 @@ def test_unsupported_settings_are_one_line():
         deepseek_v3.model_fields(dict(hf, norm_topk_prob=False))
     with pytest.raises(ConversionError, match="attention_bias=True is not supported"):
         deepseek_v3.model_fields(dict(hf, attention_bias=True))
+
+
+def test_continue_with_mtp_needs_only_run_flags(tmp_path, monkeypatch, capsys):
+    """pretrain_gpt.py --load <converted> with data / batch / schedule / --save flags only:
+    the first loss is transformers' on that batch, the MTP depth trains beside it (its
+    loss on the log line), and the export carries DeepSeek's MTP layer, trained."""
+    import pretrain_gpt
+    from tests.gpt_setup import losses
+    from tests.unit.test_hf_continue import hf_loss, record_batches, run_flags
+    from tools import convert_checkpoint
+    hf_dir = str(tmp_path / "hf")
+    model = save_with_mtp("deepseek_v3", hf_dir)
+    save_word_tokenizer(hf_dir, model.config.vocab_size - 1)
+    ckpt = converted(str(tmp_path), "deepseek_v3")
+    batches = record_batches(monkeypatch)
+    trained, exported = tmp_path / "trained", str(tmp_path / "exported")
+    with one_thread():
+        state = pretrain_gpt.main(["--load", ckpt, *run_flags(trained)])
+    first, expected = losses(state)[0], hf_loss(model, *batches[0])
+    assert abs(first - expected) / expected < 1e-5, (first, expected)
+    assert " mtp_1 loss: " in capsys.readouterr().out
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load",
+                                    str(trained), "--save", exported]) == 0
+    before = load_safetensors(os.path.join(hf_dir, "model.safetensors"))
+    after = load_safetensors(os.path.join(exported, "model.safetensors"))
+    assert sorted(after) == sorted(before)
+    eh_proj = f"model.layers.{model.config.num_hidden_layers}.eh_proj.weight"
+    assert not torch.equal(after[eh_proj], before[eh_proj])
+
+
+def test_model_trained_here_is_exported_as_deepseek_v3(family, ours, tmp_path):
+    """Without the stored HF entry our config alone describes a DeepseekV3ForCausalLM
+    (rope_interleave: our pe layout) that transformers loads with the original's logits."""
+    from megatron.checkpointing.hf import deepseek_v3
+    from megatron.checkpointing.hf.common import OUTPUT, WORD
+    from megatron.checkpointing.hf.families import hf_config_for
+    from megatron.checkpointing.hf.hf_files import write_hf_dir
+    from transformers import AutoModelForCausalLM
+    _, hf_model, _ = family
+    cfg, vocab = ours[2].model, hf_model.config.vocab_size
+    arch, hf = hf_config_for(cfg, vocab)
+    assert arch == "DeepseekV3ForCausalLM"
+    flat = {k: v[:vocab] if k in (WORD, OUTPUT) else v for k, v in ours[0].state_dict().items()}
+    write_hf_dir(str(tmp_path / "hf"), hf, deepseek_v3.to_hf(flat, hf, cfg), None, {})
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                    attn_implementation="eager").eval()
+    tokens = prompts(vocab)
+    with torch.no_grad(), one_thread():
+        assert rel_err(exported(tokens).logits, hf_model(tokens).logits) < 1e-5

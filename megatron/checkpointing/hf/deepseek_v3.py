@@ -274,7 +274,7 @@ def to_hf(flat: c.StateDict, hf: dict, cfg) -> c.StateDict:
 def hf_config(cfg, vocab: int) -> dict:
     """The DeepseekV3Config of an MLA model of ours (checked against `model_fields`)."""
     hf = llama.hf_config(cfg, vocab)
-    for key in ("attention_bias", "mlp_bias", "head_dim", "num_key_value_heads"):
+    for key in ("attention_bias", "mlp_bias", "head_dim"):
         hf.pop(key, None)
     hf.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
               q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
