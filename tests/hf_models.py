@@ -1,6 +1,7 @@
 """Small random Hugging Face models of each supported family, saved with safetensors,
 and our side of the comparison (the model the loading path builds from a converted
 checkpoint). Shared by the conversion tests."""
+import json
 import os
 
 import torch
@@ -118,7 +119,51 @@ def _gpt_oss():  # sinks, biases, yarn (truncate false), sliding / full layers, 
                          "original_max_position_embeddings": 32, "rope_theta": 150000.0})
 
 
-OTHER_FAMILIES = {"gpt_oss": _gpt_oss}  # tested in their own files
+def _deepseek_v3():  # q_lora_rank, a first dense layer, 2 of 4 groups, 2 shared, YaRN mscale
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM, DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, vocab_size=199, max_position_embeddings=128, rms_norm_eps=1e-6,
+        num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.7,
+                         "original_max_position_embeddings": 32, "rope_theta": 10000.0})
+
+
+def _deepseek_v3_no_q_lora():  # q_proj, half-split RoPE rows, no groups, top-1 unnormalised
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM, DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=1, n_group=1,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=1.5,
+        norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, vocab_size=201, max_position_embeddings=96,
+        rms_norm_eps=1e-6, rope_interleave=False, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _kimi_k2():  # Kimi-K2's shape: one group, top-8, one shared, first layer dense, YaRN 32
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM, DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=96, moe_intermediate_size=16, n_routed_experts=12, num_experts_per_tok=8,
+        n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.827, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, vocab_size=163, max_position_embeddings=256,
+        rms_norm_eps=1e-6, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 8, "rope_theta": 50000.0})
+
+
+OTHER_FAMILIES = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3,
+                  "deepseek_v3_no_q_lora": _deepseek_v3_no_q_lora,
+                  "kimi_k2": _kimi_k2}  # tested in their own files
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion
 
 
@@ -262,3 +307,30 @@ def round_trip(family, back: str):
     again = load_safetensors(os.path.join(back, "model.safetensors"))
     assert sorted(again) == sorted(original)
     return original, again
+
+
+def greedy_both(hf_model, model, tokenizer):
+    """(transformers' NEW_TOKENS greedy tokens, ours with the KV cache) after the first
+    PROMPT_LEN tokens of `prompts`, on one thread."""
+    from megatron.text_generation import generate
+    from tests.gpt_setup import one_thread
+    prompt = prompts(hf_model.config.vocab_size)[:, :PROMPT_LEN]
+    with one_thread():
+        return hf_greedy(hf_model, prompt), generate(
+            model, tokenizer, prompt.tolist(), NEW_TOKENS, greedy=True, eod_stop=False,
+            use_cache=True)
+
+
+def assert_same_hf_dirs(original: str, back: str) -> None:
+    """`back` holds the files of `original`, its tensors identical (dtype too) and its
+    JSON files (config, generation config, tokenizer) equal."""
+    assert sorted(os.listdir(back)) == sorted(os.listdir(original))
+    first = load_safetensors(os.path.join(original, "model.safetensors"))
+    again = load_safetensors(os.path.join(back, "model.safetensors"))
+    assert sorted(again) == sorted(first)
+    for key, tensor in first.items():
+        assert again[key].dtype == tensor.dtype and torch.equal(again[key], tensor), key
+    for name in os.listdir(original):
+        if name.endswith(".json"):
+            with open(os.path.join(original, name)) as a, open(os.path.join(back, name)) as b:
+                assert json.load(a) == json.load(b), name

@@ -150,8 +150,11 @@ def hf_to_megatron(load: str, save: str, tp: int = 1, pp: int = 1,
         arch, hf, note = family.text_part(arch, hf)
         if note:
             print(f" {note}", flush=True)
+    weights = read_weights(load)
+    if hasattr(family, "prepare"):  # what the files hold decides (deepseek_v3: FP8, MTP)
+        hf, weights = family.prepare(hf, weights)
     fields = family.model_fields(hf, seq_length)
-    flat = family.to_megatron(read_weights(load), hf, build_config(fields, 1, VocabOptions(1), 1))
+    flat = family.to_megatron(weights, hf, build_config(fields, 1, VocabOptions(1), 1))
     rows = flat[WORD].shape[0]
     check_tokenizer_fits(load, rows)
     cfg = build_config(fields, rows, vocab, tp)
