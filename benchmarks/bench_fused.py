@@ -245,7 +245,7 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
     the explicit path (fused softmax and dropout; SDPA with dropout on a CPU is unfused
     math with Bernoulli sampling)."""
     from megatron.config import ModelConfig
-    from megatron.model.transformer import CoreAttention
+    from megatron.model.attention import CoreAttention
     shapes = ATTENTION_SHAPES + (LONG_ATTENTION_SHAPES if long else ())
     for dtype, (s, b, heads, dim) in ((d, shape) for d in dtypes for shape in shapes):
         if (max_seq is not None and s > max_seq) or (min_seq is not None and s < min_seq):

@@ -31,7 +31,7 @@ from megatron.config import ModelConfig
 from megatron.config.mla import rope_magnitude, softmax_scale
 from megatron.model.positions import RotaryEmbedding, apply_rotary
 from megatron.model.spec import make_norm
-from megatron.model.transformer import CoreAttention, ParallelAttention
+from megatron.model.attention import CoreAttention, ParallelAttention
 from megatron.mpu.layers import (ColumnParallelLinear, RowParallelLinear, _new_param, divide,
                                  init_normal, scaled_init_normal, set_parallel_attributes)
 from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region,

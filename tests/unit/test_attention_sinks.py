@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, ModelConfig
-from megatron.model.transformer import CoreAttention
+from megatron.model.attention import CoreAttention
 from megatron.mpu.sharding import merge_shards, parameter_meta, shard_tensor
 
 HEADS, D, B = 4, 16, 2

@@ -133,7 +133,7 @@ def test_attention_dropout_seed_from_the_model_parallel_generator():
     the one fused.attention_dropout_keep gives for that seed, and recomputation under
     mpu.checkpoint reproduces it."""
     from megatron.config import ModelConfig
-    from megatron.model.transformer import CoreAttention
+    from megatron.model.attention import CoreAttention
     from megatron.mpu import checkpoint, get_rng_tracker, model_parallel_seed
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=24,
                       max_position_embeddings=24, padded_vocab_size=64, attention_dropout=0.2)

@@ -9,7 +9,7 @@ import torch
 
 from megatron import fused
 from megatron.model.spec import RMSNorm1P, make_post_norm
-from megatron.model.transformer import CoreAttention
+from megatron.model.attention import CoreAttention
 from megatron.training.memory import layer_params
 from tests import oracles
 from megatron.arguments import parse_args

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.config import ModelConfig
-from megatron.model.transformer import CoreAttention, windowed_mask
+from megatron.model.attention import CoreAttention, windowed_mask
 
 
 def _reference(q, k, v, window):

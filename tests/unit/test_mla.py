@@ -153,7 +153,7 @@ def test_cpu_kernel_serves_narrower_values_padded(monkeypatch):
     the CPU kernel zero-padded; outputs and gradients equal SDPA's on the unpadded ones."""
     from megatron import fused
     from megatron.fused import choice
-    from megatron.model.transformer import CoreAttention
+    from megatron.model.attention import CoreAttention
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(64, 2, 4, 32, generator=g) for _ in range(2))
     v, dy = torch.randn(64, 2, 4, 16, generator=g), torch.randn(64, 2, 64, generator=g)
