@@ -325,17 +325,19 @@ class CallCounter:
 def train_variants(data_prefix, cache_dir):
     """Losses of each TP = 2 variant, with counts that show the variant took effect."""
     import pretrain_gpt
-    from megatron.model import transformer
+    from megatron.model import attention, transformer
     results = {}
     for name, extra in TRAIN_VARIANTS.items():
         argv = tiny_gpt_argv(data_prefix, cache_dir, "--tensor-model-parallel-size", "2", *extra,
                              iters=ITERS)
-        with CollectiveCounter() as comm, CallCounter(transformer, "checkpoint") as ckpt:
+        # full recomputation checkpoints layers (transformer.py), selective the core attention
+        with CollectiveCounter() as comm, CallCounter(transformer, "checkpoint") as layers, \
+                CallCounter(attention, "checkpoint") as cores:
             curve = losses(pretrain_gpt.main(argv))
         kinds = collections.Counter()
         for (_, kind), n in comm.counts.items():
             kinds[kind.split("(")[0]] += n
-        results[name] = {"losses": curve, "checkpoints": ckpt.calls, **kinds}
+        results[name] = {"losses": curve, "checkpoints": layers.calls + cores.calls, **kinds}
     return results
 
 
