@@ -89,10 +89,10 @@ def test_mtp_layout_resumes_exactly(name, workdir, spawn):
 
 def _stage_tensors(root):
     import glob
-    import torch
+    from megatron.checkpointing.io import load_file
     from megatron.checkpointing.model_file import from_megatron_layout
     files = sorted(glob.glob(f"{root}/iter_*/mp_rank_*/model_optim_rng.pt"))
-    return [from_megatron_layout(torch.load(f, weights_only=False)["model"]) for f in files]
+    return [from_megatron_layout(load_file(f)["model"]) for f in files]
 
 
 def test_merge_mp_partitions_puts_mtp_on_the_last_stage(workdir, spawn, tmp_path):

@@ -125,8 +125,8 @@ def test_checkpoint_keeps_the_mtp_layers_and_generation_ignores_them(tmp_path):
                     checkpoint=CheckpointConfig(no_save_optim=True, no_save_rng=True))
     root = tmp_path / "ckpt"
     api.save(str(root), 7, RunState([model], config, single_process_state()))
-    saved = torch.load(root / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt",
-                       weights_only=False)["model"]
+    from megatron.checkpointing.io import load_file
+    saved = load_file(str(root / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt"))["model"]
     assert torch.equal(saved["mtp.layers.0.eh_proj.weight"], model.mtp.layers[0].eh_proj.weight)
     records = generate_samples_gpt.main(["--load", str(root), "--prompt", "Once upon",
                                          "--out-seq-length", "8", "--greedy"])
