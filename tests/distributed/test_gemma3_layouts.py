@@ -13,10 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.distributed.layouts import (Layout, check_losses, check_resume, reference_run,
+from tests.distributed.layouts import (Layout, check_losses, check_resume, model_fixtures,
                                        train_layouts)
-from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import wiki_workdir
 
 GEMMA3 = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--apply-layernorm-1p",
           "--sandwich-norm", "--qk-layernorm", "--softmax-scale", "0.2",
@@ -38,25 +36,13 @@ def _rank(rank, world_size, data_prefix, workdir):
     return train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-workdir = wiki_workdir("gemma3-layouts")
-
-
-@pytest.fixture(scope="module")
-def reference(workdir):
-    prefix, out = workdir
-    return reference_run(prefix, out / "cache-ref", *GEMMA3)
-
-
-@pytest.fixture(scope="module")
-def spawn2(workdir):
-    prefix, out = workdir
-    return run_ranks(_rank, 2, prefix, str(out), timeout=900)
+workdir, reference, spawns = model_fixtures("gemma3-layouts", LAYOUTS, GEMMA3, _rank)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_gemma3_layout_losses_equal_one_process(name, reference, spawn2):
-    check_losses(name, LAYOUTS[name], spawn2, reference)
+def test_gemma3_layout_losses_equal_one_process(name, reference, spawns):
+    check_losses(name, LAYOUTS[name], spawns[2], reference)
 
 
-def test_gemma3_pp2_resumes_exactly(workdir, spawn2):
-    check_resume("pp2", LAYOUTS["pp2"], spawn2, workdir[1])
+def test_gemma3_pp2_resumes_exactly(workdir, spawns):
+    check_resume("pp2", LAYOUTS["pp2"], spawns[2], workdir[1])

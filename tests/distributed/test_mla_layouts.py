@@ -13,8 +13,6 @@ resume bit for bit. One spawn of 2 ranks.
 import pytest
 
 from tests.distributed import layouts as L
-from tests.distributed.run_ranks import run_ranks
-from tests.gpt_setup import wiki_workdir
 
 MODEL = ["--use-rotary-position-embeddings", "--normalization", "RMSNorm", "--swiglu",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear",
@@ -42,26 +40,14 @@ def _rank(rank, world_size, data_prefix, workdir):
     return L.train_layouts(LAYOUTS, world_size, data_prefix, workdir)
 
 
-workdir = wiki_workdir("mla-layouts")
-
-
-@pytest.fixture(scope="module")
-def reference(workdir):
-    prefix, out = workdir
-    return L.reference_run(prefix, out / "cache-ref", *MODEL)
-
-
-@pytest.fixture(scope="module")
-def spawn2(workdir):
-    prefix, out = workdir
-    return run_ranks(_rank, 2, prefix, str(out), timeout=1200)
+workdir, reference, spawns = L.model_fixtures("mla-layouts", LAYOUTS, MODEL, _rank)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_mla_layout_equals_one_process(name, reference, spawn2):
-    L.check_losses(name, LAYOUTS[name], spawn2, reference)
+def test_mla_layout_equals_one_process(name, reference, spawns):
+    L.check_losses(name, LAYOUTS[name], spawns[2], reference)
 
 
 @pytest.mark.parametrize("name", [n for n, layout in LAYOUTS.items() if layout.resume])
-def test_mla_checkpoint_resumes_exactly(name, workdir, spawn2):
-    L.check_resume(name, LAYOUTS[name], spawn2, workdir[1])
+def test_mla_checkpoint_resumes_exactly(name, workdir, spawns):
+    L.check_resume(name, LAYOUTS[name], spawns[2], workdir[1])

@@ -161,57 +161,51 @@ def _pe_rows(weight: torch.Tensor, head: int, pe: int, permute) -> torch.Tensor:
 
 
 def _rope_layout(hf: dict, name: str, weight: torch.Tensor, cfg, permute) -> torch.Tensor:
-    """The q / kv down-projection's pe rows in the other convention (rope_interleave off)."""
+    """The q / kv down-projection's pe rows (HF `name`) in the other convention
+    (rope_interleave off)."""
     if hf.get("rope_interleave", True):
         return weight
     pe = cfg.qk_pos_emb_head_dim
-    if name in ("q_proj", "q_b_proj"):
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
         return _pe_rows(weight, cfg.qk_head_dim + pe, pe, permute)
-    if name == "kv_a_proj_with_mqa":
+    if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
         return _pe_rows(weight, weight.shape[0], pe, permute)
     return weight
 
 
-def _attention_names(cfg):
-    for theirs, ours in _ATTENTION:
-        if (theirs in ("q_proj",)) == (cfg.q_lora_rank is None) or theirs.startswith(("kv", "o")):
-            yield theirs, ours
+def _tensor_names(theirs: str, ours: str, cfg, number: int):
+    """(HF name, our name) of a decoder layer's norms, attention and expert bias."""
+    for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        yield theirs + norm, ours + norm
+    for hf_name, our_name in _ATTENTION:
+        if (hf_name == "q_proj") == (cfg.q_lora_rank is None) or hf_name.startswith(("kv", "o")):
+            yield f"{theirs}self_attn.{hf_name}.weight", f"{ours}self_attention.{our_name}.weight"
+    if cfg.is_moe_layer(number):
+        yield theirs + "mlp.gate.e_score_correction_bias", ours + "mlp.router.expert_bias"
+
+
+def _mlp(functions, sd, src, dst, cfg, number, out) -> None:
+    """A dense layer's MLP, or a MoE layer's experts and shared experts, one way."""
+    dense, experts = functions
+    if not cfg.is_moe_layer(number):
+        dense(sd, src, dst, "mlp.", out)
+        return
+    experts(sd, src, dst, cfg, NAMES, out)
+    if cfg.moe.moe_shared_expert_intermediate_size:
+        dense(sd, src, dst, "mlp.shared_experts.", out, ours="mlp.shared_experts.")
 
 
 def _layer_to_megatron(sd, hf, src, dst, cfg, number, out) -> None:
-    c.pair_to_megatron(sd, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
-    c.pair_to_megatron(sd, src + "post_attention_layernorm.", dst + "post_attention_layernorm.",
-                       out, bias=False)
-    for theirs, ours in _attention_names(cfg):
-        weight = c.take(sd, f"{src}self_attn.{theirs}.weight")
-        out[f"{dst}self_attention.{ours}.weight"] = _rope_layout(hf, theirs, weight, cfg,
-                                                                 _interleave)
-    if not cfg.is_moe_layer(number):
-        moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.", out)
-        return
-    moe_map.experts_to_megatron(sd, src, dst, cfg, NAMES, out)
-    out[f"{dst}mlp.router.expert_bias"] = c.take(sd, f"{src}mlp.gate.e_score_correction_bias")
-    if cfg.moe.moe_shared_expert_intermediate_size:
-        moe_map.dense_mlp_to_megatron(sd, src, dst, "mlp.shared_experts.", out,
-                                      ours="mlp.shared_experts.")
+    for theirs, ours in _tensor_names(src, dst, cfg, number):
+        out[ours] = _rope_layout(hf, theirs, c.take(sd, theirs), cfg, _interleave)
+    _mlp((moe_map.dense_mlp_to_megatron, moe_map.experts_to_megatron), sd, src, dst, cfg,
+         number, out)
 
 
 def _layer_to_hf(flat, hf, src, dst, cfg, number, out) -> None:
-    c.pair_to_hf(flat, src + "input_layernorm.", dst + "input_layernorm.", out, bias=False)
-    c.pair_to_hf(flat, src + "post_attention_layernorm.", dst + "post_attention_layernorm.",
-                 out, bias=False)
-    for theirs, ours in _attention_names(cfg):
-        weight = c.take(flat, f"{src}self_attention.{ours}.weight")
-        out[f"{dst}self_attn.{theirs}.weight"] = _rope_layout(hf, theirs, weight, cfg,
-                                                              _deinterleave)
-    if not cfg.is_moe_layer(number):
-        moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.", out)
-        return
-    moe_map.experts_to_hf(flat, src, dst, cfg, NAMES, out)
-    out[f"{dst}mlp.gate.e_score_correction_bias"] = c.take(flat, f"{src}mlp.router.expert_bias")
-    if cfg.moe.moe_shared_expert_intermediate_size:
-        moe_map.dense_mlp_to_hf(flat, src, dst, "mlp.shared_experts.", out,
-                                ours="mlp.shared_experts.")
+    for theirs, ours in _tensor_names(dst, src, cfg, number):
+        out[theirs] = _rope_layout(hf, theirs, c.take(flat, ours), cfg, _deinterleave)
+    _mlp((moe_map.dense_mlp_to_hf, moe_map.experts_to_hf), flat, src, dst, cfg, number, out)
 
 
 _MTP_NORMS = (("enorm.", "enorm."), ("hnorm.", "hnorm."), ("shared_head.norm.", "final_layernorm."))
