@@ -17,7 +17,8 @@ import dataclasses
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron.checkpointing import collectives, megatron_lm, torch_dist, torch_format, universal
+from megatron.checkpointing import (collectives, megatron_lm, portable, torch_dist, torch_format,
+                                   universal)
 from megatron.checkpointing.formats import (CheckpointFormat, Counters, Flat, Found, RunState,
                                             Target)
 from megatron.checkpointing.io import CheckpointError
@@ -206,4 +207,6 @@ def convert(load: str, save: str, name: str, target: Target = Target(),
                               f"is nothing to convert")
     with collectives.process_group():
         full, stored = found.format.read_model(found)
-        return fmt.write_model(save, full, stored, target)
+        path = fmt.write_model(save, full, stored, target)
+    portable.copy_origin_files(found.root, save)
+    return path

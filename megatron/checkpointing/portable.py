@@ -72,6 +72,15 @@ def carry_origin(config, stored: Dict[str, Any], load: str, rank: int) -> None:
             entry[field] = _relative(entry[field], source, load)
 
 
+def copy_origin_files(load: str, save: str) -> None:
+    """The origin directories of the checkpoint `load` (hf_files, fairseq) copied into the
+    re-sharded `save`, so that its stored relative names resolve there too."""
+    for directory in _ORIGIN_DIRS:
+        source = os.path.join(load, directory)
+        if os.path.isdir(source):
+            shutil.copytree(source, os.path.join(save, directory), dirs_exist_ok=True)
+
+
 def _relative(value, source: str, load: str):
     """`value` relative to the checkpoint `load` when it is inside its directory `source`."""
     if not value:

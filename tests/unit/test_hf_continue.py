@@ -217,3 +217,21 @@ def test_run_time_switches_are_not_taken_from_the_checkpoint():
                                                 "rope_scaling_factor")} == {
         "hidden_size": 64, "window_size": 16, "rope_scaling_type": "llama3",
         "rope_scaling_factor": 32.0}
+
+
+def test_a_resharded_converted_checkpoint_keeps_its_tokenizer_files(tmp_path):
+    """tools/merge_mp_partitions.py carries hf_files into the re-sharded checkpoint (the
+    README's convert-then-reshard flow), whose stored relative names then resolve there."""
+    from tools import merge_mp_partitions
+    _, ckpt = prepare(tmp_path, "mistral")
+    resharded = tmp_path / "tp2"
+    assert merge_mp_partitions.main(["--load", ckpt, "--save", str(resharded),
+                                     "--target-tensor-model-parallel-size", "2"]) == 0
+    shutil.rmtree(tmp_path / "hf")
+    assert sorted(os.listdir(resharded / "hf_files")) == sorted(
+        os.listdir(os.path.join(ckpt, "hf_files")))
+    shutil.rmtree(ckpt)
+    from tools import generate_samples_gpt
+    with one_thread():
+        records = generate_samples_gpt.main(["--load", str(resharded), *GREEDY])
+    assert records[0]["text"].split()[0].isdigit()  # the word tokenizer, read from tp2/hf_files
