@@ -23,7 +23,7 @@ from megatron.checkpointing import api  # noqa: E402
 from megatron.checkpointing.io import CheckpointError  # noqa: E402
 from megatron.checkpointing.portable import carry_origin  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.launch_env import apply_slurm_environment  # noqa: E402
+from megatron.training.launch_env import apply_launcher_environment  # noqa: E402
 from megatron.training.pretrain import check_run_paths, held_save_lock, pretrain  # noqa: E402
 from megatron.training.run_guard import RUN_FAILURES, exit_on_run_failure  # noqa: E402
 from megatron.training.trainer import print_rank_0, total_iterations  # noqa: E402
@@ -140,7 +140,7 @@ def setup(argv=None):
 def main(argv=None):
     """Train; a bad checkpoint, dataset or setting ends the run with one line and exit 2."""
     try:
-        apply_slurm_environment()  # `srun python pretrain_gpt.py`: ranks from SLURM_*
+        apply_launcher_environment()  # srun / mpirun without torchrun: ranks from their variables
         return _run(argv)
     except (CheckpointError, ConfigError, IndexedDatasetError, FileNotFoundError,
             PermissionError) as err:

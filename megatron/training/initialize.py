@@ -28,8 +28,8 @@ def initialize_distributed(config):
     parallel groups, pick the device and seed every generator.
 
     Works as a plain `python` process (one rank, no process group), under
-    torchrun, under `python -m torch.distributed.launch` and as a task of `srun` (the
-    entry point applies launch_env.apply_slurm_environment first). GLOO_SOCKET_IFNAME /
+    torchrun, under `python -m torch.distributed.launch` and as a task of `srun` or `mpirun` (the
+    entry point applies launch_env.apply_launcher_environment first). GLOO_SOCKET_IFNAME /
     NCCL_SOCKET_IFNAME naming no interface of this host is a ConfigError (per_host). A rank started by a launcher
     dies with it (megatron/lifetime.py): a killed job never keeps training or holding --save.
     """

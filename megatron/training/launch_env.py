@@ -4,6 +4,11 @@
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from SLURM_PROCID, SLURM_NTASKS,
   SLURM_LOCALID and the first host of SLURM_NODELIST (bracket syntax: `node[01-02,05]`).
   Variables already set win, so torchrun started by srun is left alone.
+- MPI without torchrun (`mpirun -np 8 python pretrain_gpt.py ...`): RANK, WORLD_SIZE and
+  LOCAL_RANK from Open MPI's OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK} or MPICH / Intel MPI's
+  PMI_RANK / PMI_SIZE (MPI_LOCALRANKID). MASTER_ADDR must be passed (`-x MASTER_ADDR=...`)
+  unless every rank is on one host (Open MPI's local size equals the world size), where it
+  is localhost; without it the run stops with one line instead of training as world 1.
 - GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: a name that matches no interface of this host
   is a ConfigError naming the interfaces that exist, before any connection is tried.
 
@@ -96,9 +101,37 @@ def slurm_environment(env: Mapping[str, str]) -> Dict[str, str]:
     return {key: value for key, value in updates.items() if key not in env}
 
 
-def apply_slurm_environment() -> Dict[str, str]:
-    """Put slurm_environment(os.environ) into os.environ; returns what it set."""
-    updates = slurm_environment(os.environ)
+_MPI = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))
+"""(rank, world size, local rank) variables of Open MPI and of MPICH / Intel MPI (PMI)."""
+
+
+def mpi_environment(env: Mapping[str, str]) -> Dict[str, str]:
+    """The torch.distributed variables a rank started by mpirun lacks (empty outside MPI, or
+    when RANK and WORLD_SIZE are set already)."""
+    names = next((n for n in _MPI if n[0] in env and n[1] in env), None)
+    if names is None or ("RANK" in env and "WORLD_SIZE" in env):
+        return {}
+    rank, size, local = (env.get(n, "0") for n in names)
+    for name, value in zip(names, (rank, size, local)):
+        if not value.isdigit():
+            raise ConfigError(f"{name}={value!r} is not a number; start the job with mpirun, "
+                              "which sets it")
+    updates = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local,
+               "MASTER_PORT": str(DEFAULT_MASTER_PORT)}
+    if "MASTER_ADDR" not in env:
+        if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") != size and size != "1":
+            raise ConfigError(f"started by MPI ({names[1]}={size}) without MASTER_ADDR; pass "
+                              "the first host's address (mpirun -x MASTER_ADDR=<host>) or "
+                              "launch with torchrun")
+        updates["MASTER_ADDR"] = "localhost"
+    return {key: value for key, value in updates.items() if key not in env}
+
+
+def apply_launcher_environment() -> Dict[str, str]:
+    """Put slurm_environment(os.environ), else mpi_environment(os.environ), into os.environ;
+    returns what it set."""
+    updates = slurm_environment(os.environ) or mpi_environment(os.environ)
     os.environ.update(updates)
     return updates
 

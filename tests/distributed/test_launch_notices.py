@@ -55,3 +55,27 @@ def test_torch_distributed_launch_prints_each_notice_once(tmp_path):
                    " saved checkpoint at iteration       2"):
         assert out.count(notice) == 1, (notice, out[-3000:])
     assert_each_line_once(out + done.stderr)
+
+
+def test_ranks_started_as_mpirun_starts_them_train_as_one_job(tmp_path):
+    """Two plain `python pretrain_gpt.py` processes with only Open MPI's variables (what
+    `mpirun -np 2` on one host gives each rank; no RANK / WORLD_SIZE / MASTER_ADDR) form one
+    world of 2 and print each line once, rather than training as two worlds of 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in one_thread_env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    procs = [subprocess.Popen(
+        [sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", "2",
+         "--micro-batch-size", "1", "--global-batch-size", "2"], cwd=ROOT,
+        env=dict(env, OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                 OMPI_COMM_WORLD_LOCAL_RANK=str(r), OMPI_COMM_WORLD_LOCAL_SIZE="2",
+                 MASTER_PORT=str(port)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    # as two worlds of 1, each would be a rank 0 (the training range) and a last rank (the
+    # iteration lines)
+    assert " training from iteration 0 to 2" in outs[0] and "training from" not in outs[1]
+    assert " iteration        2/       2 |" in outs[1] and "2/       2 |" not in outs[0]

@@ -5,7 +5,7 @@ import pytest
 from megatron.config import ConfigError
 from megatron.training.launch_env import (DEFAULT_MASTER_PORT, InterfaceError,
                                           check_socket_ifnames, expand_nodelist,
-                                          slurm_environment)
+                                          mpi_environment, slurm_environment)
 
 
 @pytest.mark.parametrize("text, hosts", [
@@ -61,3 +61,27 @@ def test_interface_names_are_checked_against_the_hosts():
     assert "eth0, ib0, lo" in str(err.value) and err.value.per_host
     with pytest.raises(InterfaceError, match="NCCL_SOCKET_IFNAME==ib matches no interface"):
         check_socket_ifnames({"NCCL_SOCKET_IFNAME": "=ib"}, have, "nccl")
+
+
+def test_an_mpirun_rank_gets_rank_world_and_local_rank():
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "node01"}
+    assert mpi_environment(ompi) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                     "MASTER_PORT": str(DEFAULT_MASTER_PORT)}
+    assert mpi_environment({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+                            "MASTER_ADDR": "a", "MASTER_PORT": "7"}) == {
+        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    one_host = dict(ompi, OMPI_COMM_WORLD_LOCAL_SIZE="4")
+    del one_host["MASTER_ADDR"]
+    assert mpi_environment(one_host)["MASTER_ADDR"] == "localhost"
+    assert mpi_environment(dict(ompi, RANK="0", WORLD_SIZE="4")) == {}  # torchrun under mpirun
+    assert mpi_environment({}) == {}
+
+
+def test_an_mpirun_job_across_hosts_without_master_addr_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"OMPI_COMM_WORLD_SIZE=4\) without MASTER_ADDR"):
+        mpi_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    with pytest.raises(ConfigError, match="PMI_RANK='x'"):
+        mpi_environment({"PMI_RANK": "x", "PMI_SIZE": "2", "MASTER_ADDR": "a"})
