@@ -4,7 +4,8 @@ Under torchrun's elastic agent (`--nnodes MIN:MAX --max-restarts K`) a failed ra
 agent restart the job on the nodes left. The lines here say so from the restarted job's side:
 
 - ` > restart 1 of at most 2 by torchrun's elastic agent, now at world size 1` at start-up;
-- ` > resumed at iteration 4 with layout TP 1 x PP 1 x DP 1 (world size 1)` after --load;
+- ` > resumed at iteration 4 with layout TP 1 x PP 1 x DP 1 (world size 1)` after --load
+  (` > starting at iteration 0 from the weights of iteration 4 ...` with --finetune);
 - and, for a rank whose peers went silent, whether its own host is the one cut off: a host
   that cannot reach the rendezvous store either cannot rejoin, so its agent, which would wait
   on that store, is stopped with it (`stop_cut_off_agent`).
@@ -37,7 +38,12 @@ def layout_text(dims) -> str:
     return " x ".join(parts + [f"DP {dims.dp}"]) + f" (world size {dims.world_size})"
 
 
-def resumed_line(iteration: int, dims) -> str:
+def resumed_line(iteration: int, dims, weights_of: Optional[int] = None) -> str:
+    """The resume line; with `weights_of` (--finetune, or a release checkpoint) it says that
+    only the weights of that saved iteration were taken and counting starts at `iteration`."""
+    if weights_of is not None:
+        return (f" > starting at iteration {iteration} from the weights of iteration "
+                f"{weights_of} with layout {layout_text(dims)}")
     return f" > resumed at iteration {iteration} with layout {layout_text(dims)}"
 
 

@@ -117,7 +117,9 @@ def _load(trainer: Trainer, config, pstate) -> None:
     state.iteration, state.consumed_train, state.consumed_valid = api.load(
         root, _run_state(trainer))
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {state.iteration}")
-    print_rank_0(resumed_line(state.iteration, pstate.dims))
+    weights_only = config.checkpoint.finetune and not found.release
+    print_rank_0(resumed_line(state.iteration, pstate.dims,
+                              weights_of=found.iteration if weights_only else None))
 
 
 def _save(trainer: Trainer, guard: RunGuard) -> None:

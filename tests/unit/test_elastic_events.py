@@ -17,6 +17,9 @@ def test_restart_and_resume_lines(monkeypatch):
         " > restart 1 of at most 3 by torchrun's elastic agent, now at world size 2"
     assert elastic_events.resumed_line(6, ParallelDims(8, tp=2, pp=2, virtual_pp=2)) == \
         " > resumed at iteration 6 with layout TP 2 x PP 2 (virtual 2) x DP 2 (world size 8)"
+    assert elastic_events.resumed_line(0, ParallelDims(1), weights_of=6) == \
+        " > starting at iteration 0 from the weights of iteration 6 with layout TP 1 x PP 1 x " \
+        "DP 1 (world size 1)"
     assert elastic_events.layout_text(ParallelDims(4, cp=2, ep=2)) == \
         "TP 1 x PP 1 x CP 2 x EP 2 x DP 2 (world size 4)"
 

@@ -67,12 +67,15 @@ def test_resume_reproduces_uninterrupted_losses(wiki, tmp_path):
     assert losses(resumed) == full[20:]
 
 
-def test_finetune_and_layout_errors(wiki, tmp_path):
+def test_finetune_and_layout_errors(wiki, tmp_path, capsys):
     prefix, cache = wiki
     save = str(tmp_path / "ckpt")
     pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--save", save, "--no-save-optim", iters=2))
+    capsys.readouterr()
     state = pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, "--finetune", iters=2))
     assert [h["iteration"] for h in state.history] == [1, 2]
+    assert " > starting at iteration 0 from the weights of iteration 2 with layout TP 1 x " \
+           "PP 1 x DP 1 (world size 1)" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # saved without optimizer: one-line error, exit 1
         pretrain_gpt.main(tiny_gpt_argv(prefix, cache, "--load", save, iters=4))
     pp2 = single_process_state()
