@@ -61,14 +61,24 @@ def load(found: Found, run: RunState, inference: bool = False) -> Counters:
     except reshard.ReshardError as err:
         raise _refusal(found.root, str(err), pstate, inference) from None
     _load_weights(run, mine, found.root)
-    if pstate.rank == 0 and inference:
-        print(f" re-sharding {found.root} in memory from TP {saved[0]} x PP {saved[1]} to "
-              f"TP {pstate.tp_size} x PP {pstate.pp_size}", flush=True)
-    elif pstate.rank == 0:
-        print(f" > --universal-checkpoint: re-sharded {found.root} from TP={saved[0]} "
-              f"PP={saved[1]} to TP={pstate.tp_size} PP={pstate.pp_size}; the optimizer state "
-              f"starts fresh", flush=True)
+    if pstate.rank == 0:
+        before, after = _layout_words(saved, run_layout(run))
+        print(f" re-sharding {found.root} in memory from {before} to {after}" if inference else
+              f" > --universal-checkpoint: re-sharded {found.root} from {before} to {after}; "
+              f"the optimizer state starts fresh", flush=True)
     return _counters(found, run, stored)
+
+
+def _layout_words(saved: tuple, now: tuple) -> tuple:
+    """("TP 2 x PP 1", "TP 1 x PP 1") of two run_layout tuples, with EP (and ETP) where
+    either side has experts split (ETP where it is not TP)."""
+    def words(layout, ep: bool, etp: bool) -> str:
+        tp, pp, _, experts, expert_tp, _ = layout
+        parts = [f"TP {tp}", f"PP {pp}"] + ([f"EP {experts}"] if ep else [])
+        return " x ".join(parts + ([f"ETP {expert_tp}"] if etp else []))
+    ep = saved[3] > 1 or now[3] > 1
+    etp = saved[4] != saved[0] or now[4] != now[0]
+    return words(saved, ep, etp), words(now, ep, etp)
 
 
 def _this_rank(full, stored: dict, pstate, layout):

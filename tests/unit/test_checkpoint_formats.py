@@ -231,3 +231,14 @@ def _tensors(tree, path=""):
     elif isinstance(tree, (list, tuple)):
         for i, item in enumerate(tree):
             yield from _tensors(item, f"{path}/{i}")
+
+
+def test_the_universal_notice_names_the_expert_layout_when_it_changes():
+    from megatron.checkpointing.universal import _layout_words
+    split = None
+    assert _layout_words((2, 1, 1, 1, 2, split), (1, 1, 1, 1, 1, split)) == ("TP 2 x PP 1",
+                                                                             "TP 1 x PP 1")
+    assert _layout_words((1, 1, 1, 1, 1, split), (1, 1, 1, 2, 1, split)) == (
+        "TP 1 x PP 1 x EP 1", "TP 1 x PP 1 x EP 2")
+    assert _layout_words((2, 1, 1, 2, 1, split), (2, 1, 1, 2, 2, split)) == (
+        "TP 2 x PP 1 x EP 2 x ETP 1", "TP 2 x PP 1 x EP 2 x ETP 2")
