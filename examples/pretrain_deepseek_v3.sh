@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # DeepSeek-V3 (671B total, 37B active; the shape of its config.json) with Megatron-LM's
-# DeepSeek-V3 flags on 32 nodes of 8 GPUs: 61 layers, hidden 7168, 128 heads with
+# DeepSeek-V3 flags on 128 nodes of 8 GPUs: 61 layers, hidden 7168, 128 heads with
 # multi-latent attention (query LoRA rank 1536, KV LoRA rank 512, qk head 128 + 64 RoPE
 # channels, value head 128), YaRN (factor 40 over 4096 positions, mscale 1.0), the first 3
 # layers dense (SwiGLU 18432), then 256 routed experts of width 2048 + 1 shared expert of
-# 2048, sigmoid top-8 over 8 groups keeping 4 with an expert bias (no auxiliary loss but a
-# 1e-4 sequence-wise one) and routed scaling 2.5, 1 MTP layer (loss weight 0.1).
-# Parallelism: TP 1, PP 8 with the layout Megatron-LM publishes for it,
-# "Et|(tt|)*30mL" (32 chunks: virtual PP 4; the embedding with the first layer, two layers
-# per chunk, the MTP layer and the loss alone in the last), EP 32 over the data-parallel
-# ranks, distributed optimizer (the shared flags: examples/deepseek_moe.sh). TOKENIZER is the Hugging Face tokenizer directory of DeepSeek-V3.
+# 2048, sigmoid top-8 over 8 groups keeping 4 with an expert bias (and a 1e-4 sequence-wise
+# auxiliary loss) and routed scaling 2.5, 1 MTP layer (loss weight 0.1).
+# Parallelism as Megatron's published 1024-GPU DeepSeek-V3 recipe: TP 2 with SP, PP 8 with
+# its layout "Et|(tt|)*30mL" (32 chunks: virtual PP 4; the embedding with the first layer,
+# two layers a chunk, the MTP layer and the loss alone in the last), EP 64 with expert TP 1,
+# global batch 8192, the distributed optimizer (the shared flags: examples/deepseek_moe.sh).
+# TOKENIZER is the Hugging Face tokenizer directory of DeepSeek-V3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:?set DATA}
 TOKENIZER=${TOKENIZER:?set TOKENIZER to the DeepSeek-V3 tokenizer directory}
 CHECKPOINTS=${CHECKPOINTS:-checkpoints/deepseek_v3}
 
-NODES=32
+NODES=128
 MODEL_ARGS=(
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 8
-    --pipeline-model-parallel-layout "Et|(tt|)*30mL" --expert-model-parallel-size 32
+    --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 8
+    --pipeline-model-parallel-layout "Et|(tt|)*30mL"
+    --expert-model-parallel-size 64 --expert-tensor-parallel-size 1
     --num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-hidden-size 18432
     --q-lora-rank 1536 --kv-lora-rank 512 --mscale 1.0 --mscale-all-dim 1.0
     --init-method-std 0.006

@@ -129,7 +129,7 @@ MOE_PRESETS = {
                                        moe_aux_loss_coeff=1e-3, moe_router_dtype="fp32"), (1, 2, 8)),
     "pretrain_gpt_oss_20b.sh": (8, dict(num_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880,
                                         moe_router_pre_softmax=False), (1, 1, 8)),
-    "pretrain_deepseek_v3.sh": (256, dict(num_experts=256, moe_router_topk=8,
+    "pretrain_deepseek_v3.sh": (1024, dict(num_experts=256, moe_router_topk=8,
                                           moe_ffn_hidden_size=2048, moe_router_num_groups=8,
                                           moe_router_group_topk=4,
                                           moe_router_score_function="sigmoid",
@@ -137,7 +137,7 @@ MOE_PRESETS = {
                                           moe_router_topk_scaling_factor=2.5,
                                           moe_shared_expert_intermediate_size=2048,
                                           moe_router_load_balancing_type="seq_aux_loss",
-                                          moe_aux_loss_coeff=1e-4), (1, 8, 32)),
+                                          moe_aux_loss_coeff=1e-4), (2, 8, 64)),
     "pretrain_deepseek_v2_lite.sh": (16, dict(num_experts=64, moe_router_topk=6,
                                               moe_ffn_hidden_size=1408,
                                               moe_router_score_function="softmax",
@@ -232,6 +232,7 @@ def test_deepseek_v3_preset_uses_megatron_lms_pipeline_layout(tmp_path):
     config, _ = parsed_launch(tmp_path, "pretrain_deepseek_v3.sh")
     p, m = config.parallel, config.model
     assert p.pipeline_model_parallel_layout == "Et|(tt|)*30mL"
+    assert p.sequence_parallel and p.expert_tensor_parallel_size == 1
     layout = pipeline_layout(m.num_layers, 8, layout=p.pipeline_model_parallel_layout,
                              mtp_num_layers=m.mtp_num_layers)
     assert layout.vp_size == 4 and layout.stages[0] == "Et" and layout.stages[-1] == "mL"
