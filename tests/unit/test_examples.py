@@ -19,7 +19,7 @@ SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B
            "pretrain_qwen2.5_7b.sh", "pretrain_qwen3_8b.sh",
            "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh",
            "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh", "pretrain_gemma3_12b.sh",
-           "pretrain_gpt_oss_20b.sh"]
+           "pretrain_gpt_oss_20b.sh", "pretrain_deepseek_v3.sh", "pretrain_deepseek_v2_lite.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
@@ -129,6 +129,21 @@ MOE_PRESETS = {
                                        moe_aux_loss_coeff=1e-3, moe_router_dtype="fp32"), (1, 2, 8)),
     "pretrain_gpt_oss_20b.sh": (8, dict(num_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880,
                                         moe_router_pre_softmax=False), (1, 1, 8)),
+    "pretrain_deepseek_v3.sh": (1024, dict(num_experts=256, moe_router_topk=8,
+                                          moe_ffn_hidden_size=2048, moe_router_num_groups=8,
+                                          moe_router_group_topk=4,
+                                          moe_router_score_function="sigmoid",
+                                          moe_router_enable_expert_bias=True,
+                                          moe_router_topk_scaling_factor=2.5,
+                                          moe_shared_expert_intermediate_size=2048,
+                                          moe_router_load_balancing_type="seq_aux_loss",
+                                          moe_aux_loss_coeff=1e-4), (2, 8, 64)),
+    "pretrain_deepseek_v2_lite.sh": (16, dict(num_experts=64, moe_router_topk=6,
+                                              moe_ffn_hidden_size=1408,
+                                              moe_router_score_function="softmax",
+                                              moe_router_topk_scaling_factor=None,
+                                              moe_shared_expert_intermediate_size=2816,
+                                              moe_aux_loss_coeff=1e-3), (1, 1, 16)),
 }
 
 
@@ -143,7 +158,10 @@ def test_moe_presets(tmp_path, script):
     p = config.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             p.expert_model_parallel_size) == (tp, pp, ep)
-    assert config.model.is_moe_layer(1) and config.model.is_moe_layer(config.model.num_layers)
+    dense = DEEPSEEK_MODEL.get(script, {}).get("first_dense", 0)  # Megatron-LM counts from 1
+    assert not any(config.model.is_moe_layer(n) for n in range(1, dense + 1))
+    assert config.model.is_moe_layer(dense + 1)
+    assert config.model.is_moe_layer(config.model.num_layers)
 
 
 @pytest.mark.parametrize("script", sorted(PRESETS))
@@ -159,7 +177,8 @@ def test_every_example_script_is_checked():
                  if "pretrain_gpt.py" in p.read_text() or "source examples/" in p.read_text()}
     compat = {"megatron_deepspeed_gpt2.sh", "deepspeed_zero1_gpt.sh",  # test_compat_examples.py
               "megatron_lm_gpt_recompute.sh"}
-    sourced = {"qwen_dense.sh"}  # the dense Qwen presets' shared launch, checked through them
+    sourced = {"qwen_dense.sh",  # the dense Qwen presets' shared launch, checked through them
+               "deepseek_moe.sh"}  # the DeepSeek presets' shared launch
     assert launchers - {"quickstart.sh"} - compat - sourced == set(SCRIPTS)  # quickstart: README command 1
 
 
@@ -178,3 +197,43 @@ def test_gpt_oss_preset_alternates_sliding_and_full_layers(tmp_path):
     config, _ = parsed_launch(tmp_path, "pretrain_gpt_oss_20b.sh")
     model = config.model
     assert [model.window_for_layer(n) for n in (1, 2, 3, 24)] == [128, None, 128, None]
+
+
+# DeepSeek-V3's and DeepSeek-V2-Lite's config.json (transformers' DeepseekV3Config defaults
+# are V3's): the MLA ranks and head sizes, the first dense layers, YaRN and MTP
+DEEPSEEK_MODEL = {
+    "pretrain_deepseek_v3.sh": dict(
+        first_dense=3, num_layers=61, hidden_size=7168, num_attention_heads=128,
+        ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, rope_scaling_type="yarn",
+        rope_scaling_factor=40.0, rope_scaling_original_max_position_embeddings=4096,
+        mscale=1.0, mscale_all_dim=1.0, mtp_num_layers=1, mtp_loss_scaling_factor=0.1),
+    "pretrain_deepseek_v2_lite.sh": dict(
+        first_dense=1, num_layers=27, hidden_size=2048, num_attention_heads=16,
+        ffn_hidden_size=10944, q_lora_rank=None, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, rope_scaling_type="yarn",
+        rope_scaling_factor=40.0, rope_scaling_original_max_position_embeddings=4096,
+        mscale=0.707, mscale_all_dim=0.707, mtp_num_layers=None)}
+
+
+@pytest.mark.parametrize("script", sorted(DEEPSEEK_MODEL))
+def test_deepseek_presets_have_their_published_shape(tmp_path, script):
+    config, _ = parsed_launch(tmp_path, script)
+    for name, value in DEEPSEEK_MODEL[script].items():
+        if name != "first_dense":
+            assert getattr(config.model, name) == value, name
+    assert config.training.bf16 and config.model.multi_latent_attention
+
+
+def test_deepseek_v3_preset_uses_megatron_lms_pipeline_layout(tmp_path):
+    """"Et|(tt|)*30mL" over PP 8: 4 virtual stages; the embedding and layer 0 first, two
+    layers a chunk, the MTP layer and the loss alone in the last chunk."""
+    from megatron.pipeline.layout import pipeline_layout
+    config, _ = parsed_launch(tmp_path, "pretrain_deepseek_v3.sh")
+    p, m = config.parallel, config.model
+    assert p.pipeline_model_parallel_layout == "Et|(tt|)*30mL"
+    assert p.sequence_parallel and p.expert_tensor_parallel_size == 1
+    layout = pipeline_layout(m.num_layers, 8, layout=p.pipeline_model_parallel_layout,
+                             mtp_num_layers=m.mtp_num_layers)
+    assert layout.vp_size == 4 and layout.stages[0] == "Et" and layout.stages[-1] == "mL"
+    assert layout.place(60) == (6, 3, 1)
