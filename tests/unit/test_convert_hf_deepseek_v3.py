@@ -321,3 +321,32 @@ def test_model_trained_here_is_exported_as_deepseek_v3(family, ours, tmp_path):
     tokens = prompts(vocab)
     with torch.no_grad(), one_thread():
         assert rel_err(exported(tokens).logits, hf_model(tokens).logits) < 1e-5
+
+
+def test_a_dense_mla_model_converts_both_ways(tmp_path):
+    """A DeepseekV3ForCausalLM whose layers are all dense (first_k_dense_replace =
+    num_hidden_layers) imports as a dense --multi-latent-attention model with transformers'
+    logits, and a dense MLA model of ours exports as DeepseekV3ForCausalLM (not refused
+    as a LlamaForCausalLM that cannot express MLA) whose tensors are the original's."""
+    from tools import convert_checkpoint
+    from megatron.checkpointing.hf.families import hf_config_for
+    hf_dir = tmp_path / "hf"
+    model = build_hf_model("deepseek_v3", first_k_dense_replace=3, num_nextn_predict_layers=0)
+    model.save_pretrained(str(hf_dir), safe_serialization=True)
+    ckpt = converted(str(tmp_path), "deepseek_v3")
+    vocab = model.config.vocab_size
+    with one_thread():
+        models, _, _, config = load_ours(ckpt, vocab)
+        tokens = prompts(vocab)
+        with torch.no_grad():
+            logits = models[0](tokens, position_ids(tokens))[..., :vocab]
+            assert rel_err(logits, model(tokens).logits) < 1e-5
+    assert config.model.multi_latent_attention and config.model.moe is None
+    assert hf_config_for(config.model, vocab)[0] == "DeepseekV3ForCausalLM"
+    back = str(tmp_path / "back")
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", back]) == 0
+    before = load_safetensors(str(hf_dir / "model.safetensors"))
+    after = load_safetensors(os.path.join(back, "model.safetensors"))
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)

@@ -105,7 +105,8 @@ def model_fields(hf: dict, seq_length=None) -> dict:
                   kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
                   qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
                   mtp_num_layers=_mtp_depths(hf) or None, **_rope_fields(hf))
-    if c.setting(hf, "n_routed_experts", "num_local_experts"):
+    dense = hf.get("first_k_dense_replace") or 0
+    if c.setting(hf, "n_routed_experts", "num_local_experts") and dense < hf["num_hidden_layers"]:
         fields["moe"] = _moe(hf)
     return fields
 
@@ -274,8 +275,7 @@ def hf_config(cfg, vocab: int) -> dict:
               q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
               qk_nope_head_dim=cfg.qk_head_dim, qk_rope_head_dim=cfg.qk_pos_emb_head_dim,
               v_head_dim=cfg.v_head_dim, rope_interleave=True, attention_bias=False,
-              num_nextn_predict_layers=cfg.mtp_depths, first_k_dense_replace=cfg.num_layers,
-              n_routed_experts=None)
+              num_nextn_predict_layers=cfg.mtp_depths, first_k_dense_replace=cfg.num_layers)
     if "rope_scaling" in hf:
         hf["rope_scaling"].update(mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim)
     moe = cfg.moe

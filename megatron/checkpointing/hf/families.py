@@ -36,6 +36,8 @@ def hf_config_for(cfg: ModelConfig, vocab: int):
     with_experts = cfg.moe is not None and cfg.moe.enabled
     families = [family for family in families if (family in WITH_EXPERTS) == with_experts] \
         or families
+    if cfg.multi_latent_attention:  # dense too: its first_k_dense_replace covers every layer
+        families = [deepseek_v3]
     errors = []
     for family in families:
         try:
