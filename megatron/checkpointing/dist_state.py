@@ -46,7 +46,8 @@ def model_entries(models, pstate, num_layers: int) -> List[Entry]:
         meta = model.sharding_metadata()
         stacked = stacks_layers(model.cfg)
         for name, tensor in model.checkpoint_tensors().items():
-            key, layer = mcore_key(model.global_name(name), stacked)
+            key, layer = mcore_key(model.global_name(name), stacked,
+                                   model.cfg.multi_latent_attention)
             place = placement(key, layer, num_layers, tuple(tensor.shape), meta[name],
                               *split_of(meta[name], pstate))
             entries.append(Entry(tensor, place, bool(getattr(tensor, "shared_embedding", False)),

@@ -27,6 +27,18 @@ stacked experts `mlp.experts.linear_fc1.X` are Megatron-Core's
 that its SequentialMLP, GroupedMLP and TEGroupedMLP share, the global expert index being
 the offset along the axis after the layer axis; `shared_experts` keep their names.
 
+Multi-latent attention (megatron/model/mla.py; --multi-latent-attention) keeps its
+projection and norm names, which are Megatron-Core's: `self_attention.{linear_q_down_proj,
+q_layernorm, linear_q_up_proj}` (`linear_q_proj` without --q-lora-rank), `self_attention.
+{linear_kv_down_proj, kv_layernorm, linear_kv_up_proj}`, `dense` -> `linear_proj`. Its local
+spec (get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)) has no
+key map, so the layer norms are `input_layernorm.X` and `pre_mlp_layernorm.X` (`mla`; with
+Transformer Engine Megatron-LM fuses the q / kv norms into `linear_q_up_proj.layer_norm_
+weight` / `linear_kv_up_proj.layer_norm_weight` instead, which we do not read). Global
+shapes are the same in both; Megatron-Core's local spec splits the down-projections over
+TP on dim 0 (ColumnParallelLinear, gather_output=False) where ours replicates them, which
+the torch_dist regions re-slice like any other re-sharding.
+
 MTP depths (megatron/model/mtp.py) keep their names, `mtp.layers.K.{enorm,hnorm,eh_proj,
 final_layernorm}.X`, each unstacked, and their transformer layer is renamed as a decoder
 layer is: `mtp.layers.K.transformer_layer.self_attention.linear_qkv.X`, as Megatron-Core's
@@ -53,6 +65,8 @@ _TOP = (("language_model.embedding.", "embedding."),
         ("language_model.encoder.final_layernorm.", "decoder.final_layernorm."),
         ("language_model.output_layer.", "output_layer."),
         ("language_model.encoder.", "decoder."))
+_MLA_NORMS = (("input_layernorm.", "input_layernorm."),
+              ("post_attention_layernorm.", "pre_mlp_layernorm."))
 OPTIMIZER_PREFIX = "optimizer.state"
 
 
@@ -72,18 +86,21 @@ def stacks_layers(cfg) -> bool:
     return isinstance(freq, int) and freq <= 1
 
 
-def mcore_key(global_name: str, stacked: bool = True) -> Tuple[str, Optional[int]]:
+def mcore_key(global_name: str, stacked: bool = True,
+              mla: bool = False) -> Tuple[str, Optional[int]]:
     """(Megatron-Core key, global layer index along the stacked axis or None) of a parameter
     named with global layer numbers (GPTModel.global_parameter_names); `stacked` False
-    (stacks_layers) puts the layer index in the key instead."""
+    (stacks_layers) puts the layer index in the key instead; `mla` (cfg.multi_latent_attention)
+    keeps the layer norms unfused, as Megatron-Core's MLA local spec names them."""
+    table = _MLA_NORMS + _IN_LAYER if mla else _IN_LAYER
     match = _MTP_LAYER.match(global_name)
     if match:  # Megatron-Core keys each MTP layer on its own, never stacked
-        return match.group(1) + (_rename(match.group(2), _IN_LAYER) or match.group(2)), None
+        return match.group(1) + (_rename(match.group(2), table) or match.group(2)), None
     if global_name.startswith("mtp.layers."):
         return global_name, None
     match = _LAYER.match(global_name)
     if match:
-        inner = _rename(match.group(2), _IN_LAYER) or match.group(2)
+        inner = _rename(match.group(2), table) or match.group(2)
         if not stacked:
             return f"decoder.layers.{match.group(1)}.{inner}", None
         return "decoder.layers." + inner, int(match.group(1))

@@ -325,7 +325,7 @@ def _full_entries(cfg: ModelConfig, full: Flat):
     for name, tensor in model.checkpoint_tensors().items():
         if name not in full:
             full[name] = torch.zeros(tensor.shape, dtype=torch.float32)
-        key, layer = mcore_key(name, stacks_layers(cfg))
+        key, layer = mcore_key(name, stacks_layers(cfg), cfg.multi_latent_attention)
         entries.append(dist_state.Entry(full[name], placement(
             key, layer, cfg.num_layers, tuple(tensor.shape), meta[name], 0, 1), False,
             not isinstance(tensor, torch.nn.Parameter)))
