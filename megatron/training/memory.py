@@ -59,16 +59,36 @@ def _kv_per_rank(m, tp: int) -> int:
     return max(m.num_query_groups // tp, 1) * m.kv_channels
 
 
+def _norm_params(m, width: int) -> int:
+    return width if m.normalization == "RMSNorm" else 2 * width
+
+
+def _mla_projection_params(m, tp: int) -> int:
+    """The q / kv projections and latent norms of a multi-latent attention layer on one TP
+    rank (megatron/model/mla.py): the down-projections replicated, the up-projections split
+    by heads."""
+    h, heads = m.hidden_size, m.num_attention_heads // tp
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.q_lora_rank is None:
+        q = h * heads * q_head
+    else:
+        q = h * m.q_lora_rank + _norm_params(m, m.q_lora_rank) + m.q_lora_rank * heads * q_head
+    kv = (h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + _norm_params(m, m.kv_lora_rank)
+          + m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim))
+    return q + kv
+
+
 def layer_params(m, tp: int) -> int:
     """Parameters of one transformer layer on one TP rank."""
     h, q, f = m.hidden_size, m.query_projection_size, m.ffn_hidden_size
-    norm = h if m.normalization == "RMSNorm" else 2 * h
+    norm = _norm_params(m, h)
     qkv_rows = q // tp + 2 * _kv_per_rank(m, tp)
     up_rows = (2 if m.gated_mlp else 1) * f // tp
     bias = m.add_bias_linear
     norms = 4 if m.sandwich_norm else 2  # --sandwich-norm: one more per branch output
-    params = norms * norm + qkv_rows * h + q // tp * h + up_rows * h + f // tp * h
-    params += qkv_rows if (bias or m.add_qkv_bias) else 0
+    qkv = _mla_projection_params(m, tp) if m.multi_latent_attention else qkv_rows * h
+    params = norms * norm + qkv + q // tp * h + up_rows * h + f // tp * h
+    params += qkv_rows if (bias or m.add_qkv_bias) and not m.multi_latent_attention else 0
     params += (h + up_rows + h) if bias else 0
     if m.qk_layernorm:
         params += 2 * (m.kv_channels if m.normalization == "RMSNorm" else 2 * m.kv_channels)
@@ -145,7 +165,7 @@ def stage_params(config, pp_rank: int) -> int:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     h, vocab = m.hidden_size, m.padded_vocab_size // tp
     first, last = pp_rank == 0, pp_rank == pp - 1
-    norm = h if m.normalization == "RMSNorm" else 2 * h
+    norm = _norm_params(m, h)
     params = stage_layers(config, pp_rank) * layer_params(m, tp) + _moe_layers_correction(config, pp_rank)
     if first:
         params += _embedding_params(m, tp)
@@ -162,7 +182,7 @@ def _mtp_params(m, tp: int, first: bool) -> int:
     eh_proj each, and an untied model's embedding copy on a last stage that is not first."""
     if not m.mtp_depths:
         return 0
-    norm = m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size
+    norm = _norm_params(m, m.hidden_size)
     params = m.mtp_depths * (3 * norm + 2 * m.hidden_size * m.hidden_size // tp)
     if m.untie_embeddings_and_output_weights and not first:
         params += _embedding_params(m, tp)

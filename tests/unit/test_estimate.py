@@ -311,3 +311,41 @@ def test_stage_params_count_the_sink_logits(pp_rank):
     with one_thread():
         params, _ = measured_stage(config, pp_rank, 2)
     assert stage_params(config, pp_rank) == params
+
+
+MLA = ("--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--position-embedding-type", "rope",
+       "--normalization", "RMSNorm", "--swiglu")
+MLA_AND_MTP = [MLA + ("--q-lora-rank", "24"), MLA, MLA + ("--q-lora-rank", "24",
+                                                         "--mtp-num-layers", "1")]
+
+
+@pytest.mark.parametrize("flags", MLA_AND_MTP, ids=["q-lora", "no-q-lora", "q-lora+mtp"])
+def test_mla_and_mtp_parameters_are_counted_exactly(flags):
+    """The planner's parameters of multi-latent attention (the q / kv down- and
+    up-projections and latent norms, not --kv-channels' QKV) and of an MTP depth equal the
+    built model's."""
+    config = config_for(*flags)
+    with one_thread():
+        params, _ = measured_stage(config, 0, 1)
+    assert stage_params(config, 0) == params
+
+
+def test_deepseek_v3_has_its_published_parameter_count():
+    """DeepSeek-V3's shape (examples/pretrain_deepseek_v3.sh) plans 671B parameters as its
+    report states (within 1 %); its MTP layer adds 11.6B more (DeepSeek's 685B also counts
+    the MTP module's own copies of the embedding and head, which ours shares)."""
+    flags = ("--num-layers 61 --hidden-size 7168 --num-attention-heads 128 "
+             "--ffn-hidden-size 18432 --multi-latent-attention --q-lora-rank 1536 "
+             "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
+             "--num-experts 256 --moe-ffn-hidden-size 2048 --moe-layer-freq ([0]*3+[1]*58) "
+             "--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 "
+             "--position-embedding-type rope --normalization RMSNorm --swiglu "
+             "--untie-embeddings-and-output-weights --disable-bias-linear "
+             "--max-position-embeddings 4096").split()
+    config = config_for(*flags)
+    config.model.padded_vocab_size = 129280
+    assert stage_params(config, 0) == pytest.approx(671e9, rel=0.01)
+    with_mtp = config_for(*flags, "--mtp-num-layers", "1")
+    with_mtp.model.padded_vocab_size = 129280
+    assert stage_params(with_mtp, 0) - stage_params(config, 0) == pytest.approx(11.6e9, rel=0.01)
