@@ -3,6 +3,7 @@ MoE (a loop over experts), interleaved in one run, at the same size.
 
     python benchmarks/bench_moe.py [--reps 5] [--steps 2] [--threads 2] [--loop] [--profile ROWS]
     python benchmarks/bench_moe.py --gemm   # one layer's expert matmuls by each grouped-GEMM path
+    python benchmarks/bench_moe.py --deepseek [--mtp]   # DeepSeek-style, against DeepseekV3
 
 Size: 8 experts, top 2 (a softmax over the two best logits), 4 layers, hidden 256 (8 heads,
 4 key/value groups, RoPE, RMSNorm), SwiGLU experts of width 512, seq 256, micro batch 2,
@@ -24,6 +25,13 @@ our `GroupedLinear` around the activation (what `--moe-grouped-gemm` runs with b
 other activations) and our SwiGLU experts kernel (csrc/fused/moe_cpu.cpp: each expert's
 whole chain on one thread, experts over threads), which is what `--moe-grouped-gemm` runs
 here.
+
+`--deepseek` times a DeepSeek-V3-style model of the same size instead, against transformers'
+`DeepseekV3ForCausalLM` with the same shape (SDPA attention, its default): multi-latent attention (query rank 128, KV rank 64, qk
+head 32 + 16 RoPE channels, value head 32), the first layer dense (SwiGLU 512), then 8
+experts of width 256 + 1 shared, sigmoid top 2 over 4 groups keeping 1 with an expert bias
+and routed scaling 2.5, no auxiliary loss (DeepSeek-V3 balances with the bias). transformers
+has no MTP in its training forward; `--mtp` adds ours as well (one depth), timed beside.
 """
 import argparse
 import os
@@ -50,6 +58,24 @@ OUR_FLAGS = (f"--num-experts {E} --moe-router-topk {K} --moe-ffn-hidden-size {FF
              f"--untie-embeddings-and-output-weights")
 
 
+DEEPSEEK = dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                v_head_dim=32, n_group=4, topk_group=1, scaling=2.5, shared=1)
+DEEPSEEK_FLAGS = (
+    f"--multi-latent-attention --q-lora-rank {DEEPSEEK['q_lora_rank']} "
+    f"--kv-lora-rank {DEEPSEEK['kv_lora_rank']} --qk-head-dim {DEEPSEEK['qk_nope_head_dim']} "
+    f"--qk-pos-emb-head-dim {DEEPSEEK['qk_rope_head_dim']} --v-head-dim {DEEPSEEK['v_head_dim']} "
+    f"--num-experts {E} --moe-router-topk {K} --moe-ffn-hidden-size {FFN // 2} "
+    f"--ffn-hidden-size {FFN} --moe-layer-freq [0]+[1]*{LAYERS - 1} "
+    f"--moe-shared-expert-intermediate-size {DEEPSEEK['shared'] * FFN // 2} "
+    f"--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+    f"--moe-router-num-groups {DEEPSEEK['n_group']} "
+    f"--moe-router-group-topk {DEEPSEEK['topk_group']} "
+    f"--moe-router-topk-scaling-factor {DEEPSEEK['scaling']} "
+    f"--moe-router-load-balancing-type none --moe-grouped-gemm --swiglu "
+    f"--normalization RMSNorm --position-embedding-type rope --no-position-embedding "
+    f"--rotary-base {int(ROPE_BASE)} --disable-bias-linear --untie-embeddings-and-output-weights")
+
+
 def bench_args(extra: str = "") -> SimpleNamespace:
     """The arguments bench_train_step's builders take, at this benchmark's size."""
     return SimpleNamespace(layers=LAYERS, hidden=H, heads=HEADS, seq=SEQ, batch=BATCH,
@@ -68,6 +94,24 @@ def mixtral(args):
                         router_aux_loss_coef=AUX)
     model = MixtralForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
     # Mixtral shifts the labels itself: its labels are the input tokens.
+    return lambda tokens, labels: model(input_ids=tokens, labels=tokens).loss, model
+
+
+def deepseek_v3(args):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    d = DEEPSEEK
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, moe_intermediate_size=FFN // 2,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        n_shared_experts=d["shared"], n_routed_experts=E, num_experts_per_tok=K,
+        n_group=d["n_group"], topk_group=d["topk_group"], routed_scaling_factor=d["scaling"],
+        first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=d["q_lora_rank"],
+        kv_lora_rank=d["kv_lora_rank"], qk_nope_head_dim=d["qk_nope_head_dim"],
+        qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+        max_position_embeddings=SEQ, rope_theta=ROPE_BASE, tie_word_embeddings=False,
+        attention_dropout=0.0)
+    model = DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="sdpa",
+                                               dtype=torch.float32)
     return lambda tokens, labels: model(input_ids=tokens, labels=tokens).loss, model
 
 
@@ -219,6 +263,30 @@ def time_gemm(args) -> None:
         print(f"{name:>22}: {1000 * statistics.median(t):7.2f} ms")
 
 
+def time_deepseek(args, text) -> None:
+    """--deepseek: ours (and with --mtp one MTP depth) against DeepseekV3ForCausalLM."""
+    print(f"DeepSeek-V3-style: {LAYERS} layers (the first dense), hidden {H}, {HEADS} MLA heads, "
+          f"{E} experts top {K} + 1 shared, seq {SEQ}, micro batch {BATCH}, fp32, threads "
+          f"{torch.get_num_threads()}, median of {args.reps} x {args.steps} steps; "
+          f"{bench_json.machine()}")
+    base = SimpleNamespace(**{**vars(bench_args()), "our_flags": DEEPSEEK_FLAGS})
+    print("ours: pretrain_gpt.py " + " ".join(bts.our_flags(base)))
+    steps = {"ours": bts.build_ours(base, text)[1]}
+    if args.mtp:
+        steps["ours + MTP"] = bts.build_ours(base, text, ("--mtp-num-layers", "1"))[1]
+    steps["transformers"] = bts.build_peer(base, text, deepseek_v3)
+    if args.profile:
+        return bts.profile(steps, args.profile)
+    medians = bts.interleaved(steps, SimpleNamespace(reps=args.reps, steps=args.steps,
+                                                     warmup=args.warmup, device="cpu"))
+    for name, sec in medians.items():
+        print(f"{name:>20}: {1000 * sec:8.1f} ms/step")
+    ratio = medians["transformers"] / medians["ours"]
+    print(f"ours / transformers DeepseekV3: {ratio:.2f}x faster (target >= 1.3x: "
+          f"{'met' if ratio >= 1.3 else 'NOT met'})")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
 def report(args, medians) -> None:
     """Print ms per step and the ratios peer / ours; with --json, write them too."""
     for name, sec in medians.items():
@@ -245,6 +313,9 @@ def main(argv=None):
     p.add_argument("--loop", action="store_true", help="also time ours without --moe-grouped-gemm")
     p.add_argument("--gemm", action="store_true",
                    help="time only the experts' matmuls of one layer, by each grouped-GEMM path")
+    p.add_argument("--deepseek", action="store_true",
+                   help="a DeepSeek-V3-style model against transformers' DeepseekV3ForCausalLM")
+    p.add_argument("--mtp", action="store_true", help="with --deepseek: ours with one MTP depth too")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print torch.profiler's top ROWS operators of one step of each contender")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON (bench_json.py)")
@@ -254,6 +325,8 @@ def main(argv=None):
         return time_gemm(args)
     torch.manual_seed(1234)
     text = torch.randint(0, VOCAB - 1, (BATCH, SEQ + 1))
+    if args.deepseek:
+        return time_deepseek(args, text)
     print(f"{E} experts, top {K}, {LAYERS} layers, hidden {H}, expert width {FFN}, seq {SEQ}, "
           f"micro batch {BATCH}, vocab {VOCAB}, fp32, threads {torch.get_num_threads()}, "
           f"median of {args.reps} x {args.steps} steps; load {os.getloadavg()[0]:.2f}")
