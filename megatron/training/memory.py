@@ -91,7 +91,7 @@ def layer_params(m, tp: int) -> int:
     params += qkv_rows if (bias or m.add_qkv_bias) and not m.multi_latent_attention else 0
     params += (h + up_rows + h) if bias else 0
     if m.qk_layernorm:
-        params += 2 * (m.kv_channels if m.normalization == "RMSNorm" else 2 * m.kv_channels)
+        params += 2 * _norm_params(m, m.kv_channels)
     if m.softmax_type == "learnable":  # a sink logit per head (megatron/model/sinks.py)
         params += m.num_attention_heads // tp
     return params
@@ -155,8 +155,7 @@ def _embedding_params(m, tp: int) -> int:
     h = m.hidden_size
     params = m.padded_vocab_size // tp * h
     params += m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
-    norm = h if m.normalization == "RMSNorm" else 2 * h
-    return params + (norm if m.embed_layernorm else 0)
+    return params + (_norm_params(m, h) if m.embed_layernorm else 0)
 
 
 def stage_params(config, pp_rank: int) -> int:
