@@ -19,7 +19,8 @@ this order:
 8. `--torch-compile`: each transformer layer compiled in place;
 9. `--use-torch-fsdp2`: last, as torchtitan does: each transformer layer (and an untied
    model's embedding) an FSDP unit, the chunk the root unit, sharded over the DP x CP group,
-   each layer's MoE experts a unit over the expert-DP group (megatron/distributed/fsdp.py). The parameters stay fp32 (the optimizer's main
+   each layer's MoE experts a unit over the expert-DP group (megatron/distributed/fsdp.py).
+   The parameters are fp32 copies of the compute-dtype ones (the optimizer's main
    parameters); with --bf16 FSDP gathers them in bf16 and reduces gradients in fp32.
 
 Then every rank agrees on the fused kernels' choices for the run's shapes
@@ -70,16 +71,27 @@ def parallelize(model: torch.nn.Module, config, pstate, device) -> torch.nn.Modu
     """Steps 4 to 9 of the module docstring, on one chunk built with `pstate`'s groups."""
     model.init_weights(config.training.seed)
     enable_context_parallel(model, pstate.cp_group, config.parallel.cp_comm_type)
-    fsdp = config.parallel.use_torch_fsdp2
-    model = model.to(device=device, dtype=torch.float32 if fsdp else params_dtype(config))
+    compute = params_dtype(config)
+    model = model.to(device=device, dtype=compute)
     if config.training.torch_compile:
         compile_layers(model)
-    if fsdp:
-        compute = params_dtype(config)
+    if config.parallel.use_torch_fsdp2:
+        fp32_main_params(model)
         groups = FSDPGroups(pstate.dp_cp_group, pstate.edp_group, pstate.dp_size)
         apply_fsdp(model, groups, device, config.parallel.fsdp_reshard_after_forward,
                    param_dtype=None if compute == torch.float32 else compute)
     return model
+
+
+@torch.no_grad()
+def fp32_main_params(model: torch.nn.Module) -> None:
+    """FSDP's parameters in fp32 (its sharded parameters are the optimizer's main
+    parameters), made from the model's 16-bit ones as MegatronOptimizer makes its fp32 main
+    parameters: so a bf16 run starts from the same rounded weights with FSDP as without (the
+    unrounded fp32 initialisation made bf16 FSDP's losses drift 2e-5 from the same run
+    without FSDP). Buffers keep the compute dtype, as without FSDP."""
+    for param in model.parameters():
+        param.data = param.data.float()
 
 
 def compile_layers(model: torch.nn.Module) -> None:
