@@ -244,7 +244,9 @@ HELP = {
                                         "(default 10; 0: never)",
     "--distributed-timeout-minutes": "collective timeout; a silent peer ends the run (default 10)",
     "--ckpt-format": "torch: one file per model-parallel rank; torch_dist: Megatron-Core's "
-                     "torch.distributed.checkpoint shards, re-sharded to any layout at load",
+                     "torch.distributed.checkpoint shards, re-sharded to any layout at load; "
+                     "torch_dcp: Megatron-LM's plain torch.distributed.checkpoint of the "
+                     "model's state dict, re-sharded alike",
     "--auto-detect-ckpt-format": "at --load, read the format found on disk instead of --ckpt-format",
     "--async-save": "write checkpoints in the background from a CPU copy (any --ckpt-format)",
     "--no-verify-checkpoint": "do not check the checksums of a checkpoint at --load",

@@ -1,5 +1,5 @@
 """Re-shard a GPT checkpoint to another tensor / pipeline parallel layout, or convert it
-between the torch and torch_dist formats (the input's format is detected).
+between the torch, torch_dist and torch_dcp formats (the input's format is detected).
 
     python tools/merge_mp_partitions.py --load CKPT --save OUT \\
         --target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 1
@@ -40,8 +40,8 @@ def get_args(argv=None):
     parser.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--ckpt-format", choices=api.saved_formats(), default="torch",
-                        help="format of the output (torch_dist has no layout: the target "
-                             "sizes apply to torch)")
+                        help="format of the output (torch_dist and torch_dcp have no "
+                             "layout: the target sizes apply to torch)")
     parser.add_argument("--target-expert-model-parallel-size", type=int, default=1,
                         help="split MoE experts over this many EP ranks (mp_rank_TT[_PPP]_EEE)")
     parser.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     except (ReshardError, CheckpointError, OSError, RuntimeError) as err:
         print(f"merge_mp_partitions.py: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    layout = ("torch_dist" if args.ckpt_format == "torch_dist"
+    layout = (args.ckpt_format if api.format_named(args.ckpt_format).reshards_on_load
               else f"TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''}"
                    f"{f' ETP={etp}' if etp not in (None, tp) else ''}")
     print(f" re-sharded {args.load} to {layout}: {path}", flush=True)

@@ -8,6 +8,8 @@
     torch_format.py     --ckpt-format torch: iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt
     megatron_lm.py      Megatron-LM's / Megatron-DeepSpeed's own files of that layout (read)
     torch_dist.py       --ckpt-format torch_dist, Megatron-Core's (torch.distributed.checkpoint)
+    torch_dcp.py        --ckpt-format torch_dcp, Megatron-LM's plain DCP checkpoint of the
+                        model's state dict (torch_dist's machinery, other keys)
   wrappers any format takes:
     universal.py        --universal-checkpoint: re-shard at load from the whole model
     async_save.py       --async-save: the format's write in a background writer process

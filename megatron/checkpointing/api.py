@@ -17,8 +17,8 @@ import dataclasses
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron.checkpointing import (collectives, megatron_lm, portable, torch_dist, torch_format,
-                                   universal)
+from megatron.checkpointing import (collectives, megatron_lm, portable, torch_dcp, torch_dist,
+                                   torch_format, universal)
 from megatron.checkpointing.formats import (CheckpointFormat, Counters, Flat, Found, RunState,
                                             Target)
 from megatron.checkpointing.io import CheckpointError
@@ -26,6 +26,7 @@ from megatron.checkpointing.tracker import TRACKER, iteration_dir, named_iterati
 
 FORMATS: List[CheckpointFormat] = [
     torch_dist.FORMAT,
+    torch_dcp.FORMAT,
     megatron_lm.FORMAT,
     torch_format.FORMAT,
 ]

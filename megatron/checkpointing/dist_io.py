@@ -169,10 +169,11 @@ def prepare_iteration(root: str) -> None:
         remove_stale_staging(root)
 
 
-def write_iteration(root: str, iteration: Optional[int], state: dict, common: dict,
+def write_iteration(root: str, iteration: Optional[int], state: dict, common: Optional[dict],
                     final: Optional[str] = None, group=None) -> None:
     """Collective over `group` (default: all ranks): the DCP files of `state`, rank 0's
-    `common`, the rename, the tracker (without an `iteration`: to `root/final`, no tracker).
+    `common` (common.pt and metadata.json; None: neither, a bare DCP checkpoint), the rename,
+    the tracker (without an `iteration`: to `root/final`, no tracker).
     Call `prepare_iteration` first, while no other save runs. A failure on any rank (a full
     disk: ENOSPC named) is raised on every rank alike (collectives.agreed), after the staging
     directory is removed: the previous checkpoint stays the tracked one."""
@@ -196,13 +197,15 @@ def write_iteration(root: str, iteration: Optional[int], state: dict, common: di
         raise
 
 
-def _finish(root: str, staging: str, final: str, iteration: Optional[int], common: dict,
-            checksums: list) -> None:
-    """Rank 0: the manifest, common.pt and metadata.json, then the rename and the tracker."""
+def _finish(root: str, staging: str, final: str, iteration: Optional[int],
+            common: Optional[dict], checksums: list) -> None:
+    """Rank 0: the manifest, common.pt and metadata.json (unless `common` is None), then the
+    rename and the tracker."""
     io.write_text(os.path.join(staging, CHECKSUMS), "".join(line for part in checksums
                                                             for line in part))
-    io.save_file(common, os.path.join(staging, COMMON))
-    io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
+    if common is not None:
+        io.save_file(common, os.path.join(staging, COMMON))
+        io.write_text(os.path.join(staging, METADATA_JSON), json.dumps(BACKEND))
     fsync_dir(staging)
     _publish(root, staging, os.path.join(root, final))
     if iteration is not None:

@@ -16,7 +16,7 @@ fresh buffers (`OptimizerBuffers`) that are then handed to the optimizer's
 it is saved once (by the first stage) and loaded from the same key.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,16 +38,25 @@ class Entry:
     """A persistent buffer: checkpoints saved before buffers were may lack it."""
 
 
-def model_entries(models, pstate, num_layers: int) -> List[Entry]:
+Naming = Callable[[str, object], Tuple[str, Optional[int]]]
+"""(global parameter name, ModelConfig) -> (checkpoint key, index along a stacked layer axis
+or None): how a DCP format names the model's tensors."""
+
+
+def sharded_key(global_name: str, cfg) -> Tuple[str, Optional[int]]:
+    """torch_dist's naming: Megatron-Core's sharded_state_dict keys, layers stacked where
+    it stacks them (mcore_keys.py)."""
+    return mcore_key(global_name, stacks_layers(cfg), cfg.multi_latent_attention)
+
+
+def model_entries(models, pstate, num_layers: int, naming: Naming = sharded_key) -> List[Entry]:
     """Every checkpoint tensor of this rank's chunks (GPTModel.checkpoint_tensors), in the
-    chunks' order."""
+    chunks' order, keyed by `naming`."""
     entries = []
     for model in models:
         meta = model.sharding_metadata()
-        stacked = stacks_layers(model.cfg)
         for name, tensor in model.checkpoint_tensors().items():
-            key, layer = mcore_key(model.global_name(name), stacked,
-                                   model.cfg.multi_latent_attention)
+            key, layer = naming(model.global_name(name), model.cfg)
             place = placement(key, layer, num_layers, tuple(tensor.shape), meta[name],
                               *split_of(meta[name], pstate))
             entries.append(Entry(tensor, place, bool(getattr(tensor, "shared_embedding", False)),
@@ -55,9 +64,9 @@ def model_entries(models, pstate, num_layers: int) -> List[Entry]:
     return entries
 
 
-def buffer_keys(entries: List[Entry]) -> List[str]:
-    """The keys of the persistent buffers among `entries`."""
-    return sorted({e.place.key for e in entries if e.buffer})
+def buffer_keys(entries: List[Entry], prefix: str = "") -> List[str]:
+    """The keys of the persistent buffers among `entries` (as model_state names them)."""
+    return sorted({prefix + e.place.key for e in entries if e.buffer})
 
 
 def split_of(meta: dict, pstate) -> Tuple[int, int, int]:
@@ -76,13 +85,16 @@ def _add(regions: dict, shapes: dict, key: str, shape, pieces) -> None:
         shapes[key] = shape
 
 
-def model_state(entries: List[Entry], rank: int, world: int, saving: bool) -> dict:
-    """{key: ShardedTensor} of the weights (views of the parameters and buffers)."""
+def model_state(entries: List[Entry], rank: int, world: int, saving: bool,
+                prefix: str = "") -> dict:
+    """{`prefix` + key: ShardedTensor} of the weights (views of the parameters and
+    buffers)."""
     regions, shapes = {}, {}
     for e in entries:
         if saving and e.head_copy:
             continue
-        _add(regions, shapes, e.place.key, e.place.global_shape, _shard_regions(e, e.tensor))
+        _add(regions, shapes, prefix + e.place.key, e.place.global_shape,
+             _shard_regions(e, e.tensor))
     return sharded_tensors(regions, shapes, rank, world)
 
 

@@ -28,7 +28,7 @@ from megatron.checkpointing.dist_io import SafeReader, check_keys, load_sharded,
 from megatron.checkpointing.dist_regions import placement
 from megatron.checkpointing.formats import Counters, Flat, Found, RunState, Target
 from megatron.checkpointing.io import CheckpointError
-from megatron.checkpointing.mcore_keys import mcore_key, stacks_layers
+from megatron.checkpointing.mcore_keys import mcore_key
 from megatron.checkpointing.megatron_legacy import stored_config_from_args
 from megatron.checkpointing.finite import check_finite_optimizer, finite_model_state
 from megatron.checkpointing.reshard import EVEN_SPLIT, WORD
@@ -44,6 +44,10 @@ class TorchDistFormat:
     name = "torch_dist"
     ckpt_format = "torch_dist"
     reshards_on_load = True
+    naming: dist_state.Naming = staticmethod(dist_state.sharded_key)
+    """How the model's tensors are keyed (and, through them, the optimizer's)."""
+    prefix = ""
+    """Put before every model tensor's key (not the optimizer's)."""
 
     def detect(self, directory: str) -> bool:
         return dist_io.is_torch_dist(directory)
@@ -53,29 +57,38 @@ class TorchDistFormat:
         common = read_common(found.directory, verify=False) if os.path.isfile(path) else {}
         return dict(common, config=stored_config(common))
 
+    def read_common(self, found: Found, verify: bool) -> dict:
+        """The state that is not sharded, checked as every load checks it (verified_common)."""
+        return verified_common(found, verify)
+
+    def write_files(self, root: str, iteration: Optional[int], state: dict, common: dict,
+                    final: Optional[str] = None) -> None:
+        """Collective: the iteration's files (dist_io.write_iteration)."""
+        dist_io.write_iteration(root, iteration, state, common, final=final)
+
     def snapshot(self, root: str, iteration: int, run: RunState) -> dict:
         """(sharded state: views of the live tensors, common state) of this rank. Collective
         (the RNG states go to rank 0)."""
         dist_io.prepare_iteration(root)
         collectives.barrier()
         with_optimizer = not run.config.checkpoint.no_save_optim and run.optimizer is not None
-        state, _ = sharded_state(run, saving=True, with_optimizer=with_optimizer)
+        state, _ = sharded_state(run, saving=True, with_optimizer=with_optimizer, fmt=self)
         rng = None if run.config.checkpoint.no_save_rng else _rng_states(run.pstate)
         return {"state": state, "common": common_state(iteration, run, with_optimizer, rng)}
 
     def write(self, root: str, iteration: int, snapshot: dict) -> None:
-        dist_io.write_iteration(root, iteration, snapshot["state"], snapshot["common"])
+        self.write_files(root, iteration, snapshot["state"], snapshot["common"])
 
     def load(self, found: Found, run: RunState) -> Counters:
-        return _load(found, run)
+        return _load(found, run, self)
 
     def read_model(self, found: Found):
-        common = verified_common(found, verify=True)
+        common = self.read_common(found, verify=True)
         metadata = SafeReader(found.directory).read_metadata()
-        config = stored_config(common) or _given_config(found, metadata)
+        config = stored_config(common) or _given_config(found, metadata, self)
         full: Flat = {}
-        entries, model = _full_entries(_model_config(config), full)
-        state = weights_to_read(entries, found.directory, metadata, 0, 1)
+        entries, model = _full_entries(_model_config(config), full, self.naming)
+        state = weights_to_read(entries, found.directory, metadata, 0, 1, self)
         load_sharded(found.directory, state)
         finite_model_state(full, found.root)
         stored = dict(common, config=config, release=found.release,
@@ -94,7 +107,7 @@ class TorchDistFormat:
             raise CheckpointError(f"{iteration_dir(save, iteration)} already exists; choose "
                                   f"another --save directory or remove it")
         config = dict(stored.get("config") or {})
-        entries, model = _full_entries(_model_config(config), dict(full))
+        entries, model = _full_entries(_model_config(config), dict(full), self.naming)
         missing = sorted(set(model.checkpoint_tensors()) - set(full))
         if missing:
             raise CheckpointError(f"the checkpoint lacks {missing[0]} of the model of its config")
@@ -104,9 +117,9 @@ class TorchDistFormat:
                   "config": dict(config, parallel=parallel),
                   "consumed_train_samples": stored.get("consumed_train_samples", 0),
                   "consumed_valid_samples": stored.get("consumed_valid_samples", 0)}
-        state = dist_state.model_state(entries, 0, 1, saving=True)
+        state = dist_state.model_state(entries, 0, 1, saving=True, prefix=self.prefix)
         dist_io.prepare_iteration(save)
-        dist_io.write_iteration(save, iteration, state, common)
+        self.write_files(save, iteration, state, common)
         return iteration_dir(save, iteration)
 
 
@@ -135,11 +148,13 @@ def _layout(pstate, num_chunks: int) -> dict:
             "virtual_pipeline_model_parallel_size": num_chunks}
 
 
-def sharded_state(run: RunState, saving: bool, with_optimizer: bool):
-    """({key: ShardedTensor}, the optimizer tensors or None) of this rank."""
-    entries = dist_state.model_entries(run.models, run.pstate, run.config.model.num_layers)
+def sharded_state(run: RunState, saving: bool, with_optimizer: bool, fmt=FORMAT):
+    """({key: ShardedTensor}, the optimizer tensors or None) of this rank, keyed as `fmt`
+    (a TorchDistFormat) keys them."""
+    entries = dist_state.model_entries(run.models, run.pstate, run.config.model.num_layers,
+                                       fmt.naming)
     rank, world = collectives.rank(), collectives.world()
-    state = dist_state.model_state(entries, rank, world, saving)
+    state = dist_state.model_state(entries, rank, world, saving, fmt.prefix)
     tensors = None
     if with_optimizer:
         moments = dist_state.moment_names(run.optimizer)
@@ -164,9 +179,9 @@ def common_state(iteration: int, run: RunState, with_optimizer: bool,
 
 
 # -- load ---------------------------------------------------------------------------
-def _load(found: Found, run: RunState) -> Counters:
+def _load(found: Found, run: RunState, fmt) -> Counters:
     ckpt, directory = run.config.checkpoint, found.directory
-    common = verified_common(found, ckpt.verify_checkpoint)
+    common = fmt.read_common(found, ckpt.verify_checkpoint)
     ours = "consumed_train_samples" in common
     saved_optim = common.get("optimizer")
     with_optimizer = (ours and not ckpt.no_load_optim and not ckpt.finetune and not found.release
@@ -174,13 +189,13 @@ def _load(found: Found, run: RunState) -> Counters:
     if with_optimizer and saved_optim is None:
         raise CheckpointError(f"{found.root} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")
-    tensors, have_fp32 = _fill(found, run, saved_optim if with_optimizer else None)
+    tensors, have_fp32 = _fill(found, run, saved_optim if with_optimizer else None, fmt)
     if run.optimizer is not None:
         run.optimizer.reload_model_params()
     if not ours:
         if run.pstate.rank == 0:
-            print(f" > loaded the weights of the torch_dist checkpoint {directory} (no state of "
-                  f"this framework: optimizer, schedule and counters start fresh)", flush=True)
+            print(f" > loaded the weights of the {fmt.name} checkpoint {directory} (no state "
+                  f"of this framework: optimizer, schedule and counters start fresh)", flush=True)
         return 0, 0, 0
     if run.optimizer is None:  # inference: the weights only
         return int(common["iteration"]), 0, 0
@@ -209,14 +224,16 @@ def verified_common(found: Found, verify: bool) -> dict:
     return common
 
 
-def _fill(found: Found, run: RunState, saved_optim: Optional[dict]):
+def _fill(found: Found, run: RunState, saved_optim: Optional[dict], fmt):
     """Read this rank's weights into the models, and with `saved_optim` the saved optimizer
     tensors: (those tensors, not yet given to the optimizer, whether they include the fp32
     main parameters); (None, False) without."""
     directory, tensors, have_fp32 = found.directory, None, False
-    entries = dist_state.model_entries(run.models, run.pstate, run.config.model.num_layers)
+    entries = dist_state.model_entries(run.models, run.pstate, run.config.model.num_layers,
+                                       fmt.naming)
     metadata = SafeReader(directory).read_metadata()
-    state = weights_to_read(entries, directory, metadata, collectives.rank(), collectives.world())
+    state = weights_to_read(entries, directory, metadata, collectives.rank(), collectives.world(),
+                            fmt)
     if saved_optim is not None:  # the moments saved, not those of this fresh optimizer
         tensors = dist_state.OptimizerTensors(run.optimizer, entries, saved_optim["moments"],
                                               fresh=True)
@@ -243,14 +260,16 @@ def _restore_rng(common: dict, run: RunState) -> None:
               "starts from the seed", flush=True)
 
 
-def weights_to_read(entries, directory: str, saved, rank: int, world: int) -> dict:
+def weights_to_read(entries, directory: str, saved, rank: int, world: int,
+                    fmt=FORMAT) -> dict:
     """{key: ShardedTensor} of the weights and buffers of `entries` to read from `directory`,
     checked against its DCP metadata `saved`. A persistent buffer it lacks (saved before
     buffers were saved, or by a model without them) keeps the value it has, with a notice."""
-    state = dist_state.model_state(entries, rank, world, saving=False)
-    absent = [k for k in dist_state.buffer_keys(entries) if k not in saved.state_dict_metadata]
+    state = dist_state.model_state(entries, rank, world, saving=False, prefix=fmt.prefix)
+    absent = [k for k in dist_state.buffer_keys(entries, fmt.prefix)
+              if k not in saved.state_dict_metadata]
     if absent and rank == 0:
-        print(f" > torch_dist: {directory} holds no {', '.join(absent)} (a buffer, such as the "
+        print(f" > {fmt.name}: {directory} holds no {', '.join(absent)} (a buffer, such as the "
               f"expert bias, that older checkpoints lack): it keeps its initial value",
               flush=True)
     state = {k: v for k, v in state.items() if k not in absent}
@@ -259,28 +278,28 @@ def weights_to_read(entries, directory: str, saved, rank: int, world: int) -> di
 
 
 # -- the weights alone, and whole models ---------------------------------------------
-def load_model_weights(directory: str, models, num_layers: int, pstate) -> None:
-    """Only the weights of a torch_dist iteration directory (ours or Megatron-Core's), at this
-    run's layout: collective over all ranks."""
+def load_model_weights(directory: str, models, num_layers: int, pstate, fmt=FORMAT) -> None:
+    """Only the weights of a torch_dist iteration directory (ours or Megatron-Core's; of
+    `fmt`'s keys), at this run's layout: collective over all ranks."""
     with collectives.process_group():
-        entries = dist_state.model_entries(models, pstate, num_layers)
+        entries = dist_state.model_entries(models, pstate, num_layers, fmt.naming)
         state = weights_to_read(entries, directory, SafeReader(directory).read_metadata(),
-                                collectives.rank(), collectives.world())
+                                collectives.rank(), collectives.world(), fmt)
         with torch.no_grad():
             load_sharded(directory, state)
 
 
-def save_model_weights(directory: str, models, num_layers: int, pstate) -> None:
-    """Only the weights, as a torch_dist iteration directory (no tracker, no common state
-    beyond the format's metadata): collective over all ranks."""
+def save_model_weights(directory: str, models, num_layers: int, pstate, fmt=FORMAT) -> None:
+    """Only the weights, as a torch_dist (or `fmt`) iteration directory (no tracker, no
+    common state beyond the format's metadata): collective over all ranks."""
     with collectives.process_group():
-        entries = dist_state.model_entries(models, pstate, num_layers)
+        entries = dist_state.model_entries(models, pstate, num_layers, fmt.naming)
         state = dist_state.model_state(entries, collectives.rank(), collectives.world(),
-                                       saving=True)
+                                       saving=True, prefix=fmt.prefix)
         root, name = os.path.split(os.path.abspath(directory))
         dist_io.prepare_iteration(root)
         collectives.barrier()
-        dist_io.write_iteration(root, None, state, {}, final=name)
+        fmt.write_files(root, None, state, {}, final=name)
 
 
 def stored_config(common: dict) -> dict:
@@ -293,7 +312,7 @@ def stored_config(common: dict) -> dict:
     return {}
 
 
-def _given_config(found: Found, metadata) -> dict:
+def _given_config(found: Found, metadata, fmt) -> dict:
     """The configuration of a checkpoint that stores none: the caller's model flags
     (Found.model), the vocabulary's rows read from the embedding's shape."""
     if not found.model:
@@ -302,7 +321,7 @@ def _given_config(found: Found, metadata) -> dict:
                               f"--hidden-size, --num-attention-heads, --max-position-embeddings, "
                               f"...) as to Megatron-LM's tools")
     model = dict(found.model)
-    embedding = metadata.state_dict_metadata.get(mcore_key(WORD)[0])
+    embedding = metadata.state_dict_metadata.get(fmt.prefix + mcore_key(WORD)[0])
     if not model.get("padded_vocab_size") and embedding is not None:
         model["padded_vocab_size"] = int(embedding.size[0])
     return {"model": model}
@@ -316,16 +335,16 @@ def _model_config(config: dict) -> ModelConfig:
     return ModelConfig(**model)
 
 
-def _full_entries(cfg: ModelConfig, full: Flat):
-    """Entries over the full tensors `full` of every checkpoint tensor (those it lacks added
-    as zeros: the initial value of the buffers)."""
+def _full_entries(cfg: ModelConfig, full: Flat, naming: dist_state.Naming):
+    """Entries over the full tensors `full` of every checkpoint tensor, keyed by `naming`
+    (those it lacks added as zeros: the initial value of the buffers)."""
     model = GPTModel(cfg, device="meta")
     meta = model.sharding_metadata()
     entries = []
     for name, tensor in model.checkpoint_tensors().items():
         if name not in full:
             full[name] = torch.zeros(tensor.shape, dtype=torch.float32)
-        key, layer = mcore_key(name, stacks_layers(cfg), cfg.multi_latent_attention)
+        key, layer = naming(name, cfg)
         entries.append(dist_state.Entry(full[name], placement(
             key, layer, cfg.num_layers, tuple(tensor.shape), meta[name], 0, 1), False,
             not isinstance(tensor, torch.nn.Parameter)))

@@ -72,8 +72,9 @@ class CheckpointConfig:
     """Load a checkpoint saved at another TP / PP layout by re-sharding it on load."""
     ckpt_format: str = "torch"
     """The format saves write (megatron.checkpointing.api.FORMATS): torch (one file per
-    model-parallel rank) or torch_dist (torch.distributed.checkpoint shards in Megatron-Core's
-    layout, re-sharded to any layout at load)."""
+    model-parallel rank), torch_dist (torch.distributed.checkpoint shards in Megatron-Core's
+    layout, re-sharded to any layout at load) or torch_dcp (Megatron-LM's: one
+    torch.distributed.checkpoint of the model's state dict, re-sharded alike)."""
     auto_detect_ckpt_format: bool = False
     """At --load, read the format found on disk instead of --ckpt-format."""
     async_save: bool = False

@@ -20,7 +20,9 @@ Checkpoints across layouts: the LLaMA-style one-process checkpoint resumes under
 DP 2; the DP 2 FSDP checkpoint resumes at TP 2 x PP 2 with the distributed optimizer (in the
 spawn of 4), and a TP 2 x PP 2 distributed-optimizer checkpoint under FSDP at DP 2 (a third,
 short spawn of 2), each continuing as the uninterrupted run within 1e-5 (losses and gradient
-norms). bf16 (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
+norms). Megatron-LM's --ckpt-format torch_dcp at DP 2 under FSDP resumes under FSDP bit for
+bit, in one process without FSDP and at TP 2 x PP 2 with the distributed optimizer within
+1e-5. bf16 (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
 main params, made from the bf16 weights as the optimizer without FSDP makes its main params)
 with --no-fsdp-reshard-after-forward at DP 2 equals the same bf16 run (micro batches of 1) in
 one process without FSDP within 1e-5, losses and gradient norms, resumes exactly, and its
@@ -60,6 +62,8 @@ MOE = [*llama_style(32), "--num-experts", "4", "--moe-router-topk", "2", "--moe-
 """A LLaMA-style MoE model: layer 0 of 2 has 4 experts (top-2), layer 1 is dense."""
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TP2_PP2_DIST_OPT = [*LLAMA, *TP2, *PP2, "--use-distributed-optimizer"]
+DCP = ["--ckpt-format", "torch_dcp"]
+"""Megatron-LM's torch_dcp in place of torch_dist (the later flag wins)."""
 """The layout a DP 2 FSDP checkpoint resumes at, and saves one FSDP at DP 2 resumes from."""
 LAYOUTS2 = {  # name: (flags, micro batch size, the reference's name); FSDP at DP 2
     "dp2": (LLAMA, 1, "llama"),
@@ -158,7 +162,7 @@ def _saved_at(out, name):
 def _rank2(rank, world, prefix, out):
     cache = os.path.join(out, "cache")
     bf16_save = os.path.join(out, "ckpt-bf16-fsdp")
-    return {**_train_layouts(LAYOUTS2, prefix, out),
+    return {**_train_layouts(LAYOUTS2, prefix, out), **_dcp_runs(prefix, out),
         "dp2/from-one-process": _train(prefix, cache, *FSDP, *LLAMA, "--load",
                                        _saved_at(out, "llama-one"), mbs=1),
         "bf16": _train(prefix, cache, *FSDP, *LLAMA_BF16, "--no-fsdp-reshard-after-forward",
@@ -173,6 +177,16 @@ def _rank2(rank, world, prefix, out):
     }
 
 
+def _dcp_runs(prefix, out):
+    """The LLaMA-style model at DP 2 under FSDP saved in torch_dcp at SAVE_AT, and resumed
+    from it under FSDP."""
+    cache, save = os.path.join(out, "cache"), os.path.join(out, "ckpt-dcp")
+    return {"dcp/first": _train(prefix, cache, *FSDP, *LLAMA, *DCP, "--save", save,
+                                "--save-interval", str(SAVE_AT), "--exit-interval", str(SAVE_AT),
+                                mbs=1),
+            "dcp/resumed": _train(prefix, cache, *FSDP, *LLAMA, *DCP, "--load", save, mbs=1)}
+
+
 def _rank4(rank, world, prefix, out):
     """LAYOUTS4; the DP 2 FSDP checkpoint resumed at TP 2 x PP 2 with the distributed
     optimizer; that layout's own run to SAVE_AT, saved for _rank2_from_tp2_pp2."""
@@ -180,6 +194,8 @@ def _rank4(rank, world, prefix, out):
     return {**_train_layouts(LAYOUTS4, prefix, out), "offsets": _uneven_shards(world),
             "tp2-pp2/from-fsdp": _train(prefix, cache, *TP2_PP2_DIST_OPT, "--load",
                                         _saved_at(out, "dp2"), mbs=1),
+            "tp2-pp2/from-dcp": _train(prefix, cache, *TP2_PP2_DIST_OPT, *DCP, "--load",
+                                       os.path.join(out, "ckpt-dcp"), mbs=1),
             "tp2-pp2/first": _train(prefix, cache, *TP2_PP2_DIST_OPT, "--save",
                                     os.path.join(out, "ckpt-tp2-pp2"), "--save-interval",
                                     str(SAVE_AT), "--exit-interval", str(SAVE_AT), mbs=1)}
@@ -243,6 +259,7 @@ def runs(workdir):
     with one_thread():
         in_one = {name: _train(prefix, cache, *flags, "--load", _saved_at(str(out), name))
                   for name, flags in IN_ONE.items()}
+        in_one["dcp"] = _train(prefix, cache, *LLAMA, *DCP, "--load", str(out / "ckpt-dcp"))
     return {"one": one, "bf16": bf16, "llama": llama, "moe": moe, "ranks2": ranks2,
             "bf16 one": bf16_one, "ranks4": ranks4, "from tp2 pp2": from_tp2_pp2,
             "in one process": in_one,
@@ -270,7 +287,8 @@ def _zeros_close(got, want, what):
 
 def test_tools_read_fsdp_checkpoints(runs, workdir):
     """tools/merge_mp_partitions.py and tools/convert_checkpoint.py --to hf read the torch_dist
-    checkpoint FSDP saved at DP 2 (the LLaMA-style model, at ITERS): the merged torch checkpoint holds its tensors exactly, both
+    checkpoint FSDP saved at DP 2 (the LLaMA-style model, at ITERS): the merged torch
+    checkpoint holds its tensors exactly, and so does that one converted to torch_dcp; all
     export the same Hugging Face weights, and the names are the one-process checkpoint's."""
     from safetensors.torch import load_file
 
@@ -288,10 +306,21 @@ def test_tools_read_fsdp_checkpoints(runs, workdir):
     assert sorted(sharded) == sorted(whole) == sorted(one)
     assert all(torch.equal(sharded[name], whole[name]) for name in sharded)
     assert all(torch.allclose(sharded[name], one[name], rtol=1e-3, atol=1e-5) for name in one)
+    as_dcp = str(out / "ckpt-dp2-as-dcp")  # and through Megatron-LM's torch_dcp
+    with one_thread():
+        assert merge_mp_partitions.main(["--load", merged, "--save", as_dcp, "--ckpt-format",
+                                         "torch_dcp"]) == 0
+        assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", as_dcp,
+                                        "--save", as_dcp + "-hf"]) == 0
+    assert api.detect(as_dcp).format.name == "torch_dcp"
+    again = api.read_model(as_dcp)[0]
+    assert sorted(again) == sorted(whole)
+    assert all(torch.equal(again[name], whole[name]) for name in whole)
     exported = [load_file(os.path.join(load + "-hf", "model.safetensors"))
-                for load in (fsdp, merged)]
-    assert sorted(exported[0]) == sorted(exported[1])
-    assert all(torch.equal(exported[0][name], exported[1][name]) for name in exported[0])
+                for load in (fsdp, merged, as_dcp)]
+    for other in exported[1:]:
+        assert sorted(exported[0]) == sorted(other)
+        assert all(torch.equal(exported[0][name], other[name]) for name in exported[0])
 
 
 def _continues(got, ref, what):
@@ -349,6 +378,28 @@ def test_fsdp_bf16_checkpoints_resume_both_ways(runs):
         _continues(result["bf16/from-one-process"], runs["bf16"],
                    f"rank {rank}: one-process bf16 checkpoint under FSDP")
     _continues(runs["bf16 one"], runs["ranks2"][0]["bf16"], "FSDP bf16 checkpoint in one process")
+
+
+def test_torch_dcp_checkpoints_resume_across_layouts(runs, workdir):
+    """--ckpt-format torch_dcp under FSDP at DP 2: the run to SAVE_AT is the torch_dist run's
+    and resumes it bit for bit under FSDP; it resumes in one process without FSDP and at
+    TP 2 x PP 2 with the distributed optimizer within 1e-5; it holds the torch_dist
+    checkpoint's tensors exactly (read_model, what the tools read)."""
+    from megatron.checkpointing import api
+    for rank, result in enumerate(runs["ranks2"]):
+        full = result["dp2"]
+        assert result["dcp/first"]["losses"] == full["losses"][:SAVE_AT], rank
+        assert result["dcp/resumed"]["losses"] == full["losses"][SAVE_AT:], rank
+    _continues(runs["in one process"]["dcp"], runs["llama"], "torch_dcp in one process")
+    reporting = [r["tp2-pp2/from-dcp"] for r in runs["ranks4"] if r["tp2-pp2/from-dcp"]["losses"]]
+    assert len(reporting) == 2
+    for rank, got in enumerate(reporting):
+        _continues(got, runs["llama"], f"torch_dcp at TP 2 x PP 2, TP rank {rank}")
+    _, out = workdir
+    dcp, dist = (api.read_model(path)[0] for path in (str(out / "ckpt-dcp"),
+                                                      _saved_at(str(out), "dp2")))
+    assert sorted(dcp) == sorted(dist)
+    assert all(torch.equal(dcp[name], dist[name]) for name in dist)
 
 
 def test_shard_offsets_follow_fsdp_on_uneven_rows(runs):

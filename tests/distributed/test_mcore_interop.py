@@ -11,7 +11,11 @@ one whose first layer is dense (--moe-layer-freq [0, 1]: every layer keyed on it
 `decoder.layers.1.mlp.experts.experts.*` of shape [experts, ...]), and for one with an expert
 bias (sigmoid scores, aux-loss-free balancing: the router's persistent buffer
 `decoder.layers.mlp.router.expert_bias` [layers, experts], given seeded non-zero values so
-that a bias left at zero changes the routing and the logits).
+that a bias left at zero changes the routing and the logits). At TP 1, Megatron-LM's
+--ckpt-format torch_dcp both ways: Megatron-Core's GPTModel.state_dict() saved as Megatron-LM's
+save does (dcp.save of {"model", "iteration", "checkpoint_version", "args"}) loads into a fresh
+model of ours, and ours saved in torch_dcp loads into a fresh Megatron-Core model as
+Megatron-LM's load reads it (dcp.load of {"model": state_dict()}, then load_state_dict).
 """
 import os
 
@@ -169,6 +173,40 @@ def _mcore_load(model, directory):
     model.load_state_dict(dist_checkpointing.load(wanted, directory), strict=False)
 
 
+def _dcp_both_ways(workdir, theirs, their_logits, tokens, positions) -> dict:
+    """Megatron-LM's --ckpt-format torch_dcp (at TP 1, all it allows): its save, dcp.save of
+    {"model": GPTModel.state_dict(), "iteration", "checkpoint_version", "args"}, read by a
+    fresh model of ours; ours (torch_dcp) read as its load reads it, dcp.load of
+    {"model": state_dict()} then load_state_dict, by a fresh Megatron-Core model."""
+    import argparse
+    import torch.distributed.checkpoint as dcp
+    from megatron.checkpointing import api, torch_dcp, torch_dist
+    theirs_dir = os.path.join(workdir, "mcore-dcp", "iter_0000001")
+    ours_dir = os.path.join(workdir, "ours-dcp", "iter_0000001")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(theirs_dir)
+    torch.distributed.barrier()
+    dcp.save({"model": theirs.state_dict(), "iteration": 1, "checkpoint_version": 3.0,
+              "args": argparse.Namespace(num_layers=LAYERS)}, checkpoint_id=theirs_dir)
+    ours, pstate = _our_model(1)
+    out = {"detected dcp": [api.detect_directory(d).name for d in (theirs_dir,)]}
+    torch_dist.load_model_weights(theirs_dir, [ours], LAYERS, pstate, fmt=torch_dcp.FORMAT)
+    with torch.no_grad():
+        our_logits = ours(tokens, positions)
+    out["mcore->ours dcp"] = (our_logits - their_logits).abs().max().item()
+    torch_dist.save_model_weights(ours_dir, [ours], LAYERS, pstate, fmt=torch_dcp.FORMAT)
+    out["detected dcp"].append(api.detect_directory(ours_dir).name)
+    fresh = _mcore_model(1, seed=2).eval()
+    with torch.no_grad():
+        out["fresh differs dcp"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=ours_dir)
+    fresh.load_state_dict(state["model"])
+    with torch.no_grad():
+        out["ours->mcore dcp"] = (fresh(tokens, positions, None) - our_logits).abs().max().item()
+    return out
+
+
 def _rank(rank, world_size, workdir):
     from tests.mcore_setup import import_mcore
     import_mcore()
@@ -190,6 +228,8 @@ def _rank(rank, world_size, workdir):
         with torch.no_grad():
             our_logits = ours(tokens, positions)
         out[f"mcore->ours tp{tp}"] = (our_logits - their_logits).abs().max().item()
+        if tp == 1:
+            out.update(_dcp_both_ways(workdir, theirs, their_logits, tokens, positions))
         ours_dir = os.path.join(workdir, f"ours-tp{tp}", "iter_0000001")
         torch_dist.save_model_weights(ours_dir, [ours], LAYERS, pstate)
         fresh = _mcore_model(tp, seed=2).eval()
@@ -209,7 +249,11 @@ def spawn2(tmp_path_factory):
     return run_ranks(_rank, 2, str(tmp_path_factory.mktemp("mcore")), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["tp1", "tp2", *MOE_CASES])
+def test_torch_dcp_directories_are_detected(spawn2):
+    assert [r["detected dcp"] for r in spawn2] == [["torch_dcp", "torch_dcp"]] * 2
+
+
+@pytest.mark.parametrize("case", ["tp1", "tp2", "dcp", *MOE_CASES])
 @pytest.mark.parametrize("direction", ["mcore->ours", "ours->mcore"])
 def test_logits_equal_after_loading(direction, case, spawn2):
     for rank, result in enumerate(spawn2):
