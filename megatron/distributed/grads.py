@@ -74,19 +74,19 @@ def counts_for_norm(param, tp_rank: int) -> bool:
 
 
 def counted_parts(param, grad: torch.Tensor, tp_rank: int, tp: int,
-                  start: int = 0) -> List[Tuple[torch.Tensor, bool]]:
+                  start: int = 0) -> List[Tuple[torch.Tensor, bool, int]]:
     """`grad` (elements [start, start + numel) of the flattened `param`) as parts that
-    the norm counts on this rank or not: (grad, counts_for_norm) for every parameter
+    the norm counts on this rank or not: (grad, counts_for_norm, start) for every parameter
     but the fused QKV of a rank that shares its k / v rows with an earlier rank, whose
     shared tail is cut off and not counted."""
     counted = counts_for_norm(param, tp_rank)
     tail = duplicated_tail(parameter_meta(param), param.shape, tp_rank, tp) if counted else 0
     if not tail:
-        return [(grad, counted)]
+        return [(grad, counted, start)]
     flat = grad.reshape(-1)
     cut = min(max(param.numel() - tail - start, 0), flat.numel())
-    return [(part, keep) for part, keep in ((flat[:cut], True), (flat[cut:], False))
-            if part.numel()]
+    return [part for part in ((flat[:cut], True, start), (flat[cut:], False, start + cut))
+            if part[0].numel()]
 
 
 def expert_norm_groups(pstate) -> dict:
@@ -97,8 +97,9 @@ def expert_norm_groups(pstate) -> dict:
 def norm_parts(params: List[torch.nn.Parameter], grads: List[torch.Tensor], tp_group,
                expert_mp_group=None, etp_rank: int = 0,
                starts: Optional[List[int]] = None) -> List[Tuple[torch.nn.Parameter,
-                                                                torch.Tensor, bool]]:
-    """(parameter, gradient part, counted) of every gradient given (None skipped), so that
+                                                                torch.Tensor, bool, int]]:
+    """(parameter, gradient part, counted, where the part begins in the flattened parameter)
+    of every gradient given (None skipped), so that
     each distinct shard counts once over the model-parallel ranks (counted_parts). With
     `expert_mp_group` (ParallelState.expert_mp_group: ETP x EP x PP, set when EP > 1 or
     expert TP < TP) an expert parameter is split over expert TP only (no k / v replicas)
@@ -111,9 +112,9 @@ def norm_parts(params: List[torch.nn.Parameter], grads: List[torch.Tensor], tp_g
         if g is None:
             continue
         if expert_mp_group is not None and getattr(p, "expert_parallel", False):
-            out.append((p, g, counts_for_norm(p, etp_rank)))
+            out.append((p, g, counts_for_norm(p, etp_rank), start))
         else:
-            out.extend((p, part, keep) for part, keep in counted_parts(p, g, tp_rank, tp, start))
+            out.extend((p, *part) for part in counted_parts(p, g, tp_rank, tp, start))
     return out
 
 
@@ -136,13 +137,13 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
     # Expert sums take their own groups; whether they do is the same on every rank.
     own_group = expert_mp_group is not None
     split = own_group or (dp_group is not None and edp_group is not None)
-    expert = [split and getattr(p, "expert_parallel", False) for p, _, _ in parts]
-    stats = _norm_stats([pq[1:] for pq, e in zip(parts, expert) if not e], device)
+    expert = [split and getattr(p, "expert_parallel", False) for p, *_ in parts]
+    stats = _norm_stats([pq for pq, e in zip(parts, expert) if not e], device)
     if dp_group is not None:
         all_reduce(stats, dp_group)
     expert_stats = None
     if split:
-        expert_stats = _norm_stats([pq[1:] for pq, e in zip(parts, expert) if e], device)
+        expert_stats = _norm_stats([pq for pq, e in zip(parts, expert) if e], device)
         if dp_group is not None:
             all_reduce(expert_stats, edp_group)
         if own_group:
@@ -157,12 +158,13 @@ def norm_and_nonfinite(params: List[torch.nn.Parameter], grads: List[torch.Tenso
 
 
 def _norm_stats(parts, device) -> torch.Tensor:
-    """[sum of counted squares, number of non-finite gradients] (float64) of
-    (gradient, counted) parts."""
+    """[sum of counted squares, number of non-finite gradients] (float64) of norm_parts'
+    (parameter, gradient, counted, start) parts."""
     if not parts:
         return torch.zeros(2, dtype=torch.float64, device=device)
-    norms = _float64_norms([g for g, _ in parts])
-    counted = torch.tensor([keep for _, keep in parts], device=device)
+    norms = _float64_norms([g for _, g, _, _ in parts], [start for *_, start in parts],
+                           [_row_numel(p) for p, *_ in parts])
+    counted = torch.tensor([keep for _, _, keep, _ in parts], device=device)
     return torch.stack([norms.masked_fill(~counted, 0.0).square().sum(),
                         (~torch.isfinite(norms)).sum().to(norms.dtype)])
 
@@ -171,9 +173,31 @@ _NORM_ROW = 2048
 """Elements per float32 partial norm on CPUs (short enough to be accurate to ~1e-7)."""
 
 
-def _square_sum(grad: torch.Tensor) -> torch.Tensor:
-    """sum(grad ** 2) in float64, from float32 norms of rows of _NORM_ROW elements."""
+def _row_numel(param) -> int:
+    """Elements of one dim-0 row of `param` (1 for a vector or a scalar)."""
+    return math.prod(param.shape[1:]) if param.dim() > 1 else 1
+
+
+def _square_sum(grad: torch.Tensor, start: int = 0, row: int = 0) -> torch.Tensor:
+    """sum(grad ** 2) in float64, from float32 norms of segments of at most _NORM_ROW
+    elements. When `grad` is whole dim-0 rows of its parameter (`row` elements each, from
+    element `start` of the flattened parameter), the segments lie within those rows, where
+    they lie in the whole parameter and in any dim-0 shard of it (FSDP's), so that a norm
+    summed over shards equals the whole one to float64 rounding, and the clipping and the
+    update they drive are the same bits (a vector's elements are squared in float64).
+    Other pieces (the distributed optimizer's) are cut in _NORM_ROW rows from their start."""
     flat = grad.reshape(-1)
+    if row and flat.numel() and start % row == 0 and flat.numel() % row == 0:
+        if row == 1:
+            return flat.double().square().sum()
+        rows = flat.view(-1, row)
+        width = min(row, _NORM_ROW)
+        full = row - row % width
+        total = torch.linalg.vector_norm(rows[:, :full].unflatten(1, (-1, width)),
+                                         dim=2).double().square().sum()
+        if full < row:
+            total = total + torch.linalg.vector_norm(rows[:, full:], dim=1).double().square().sum()
+        return total
     rows = flat.numel() // _NORM_ROW
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     if rows:
@@ -184,14 +208,19 @@ def _square_sum(grad: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _float64_norms(grads: List[torch.Tensor]) -> torch.Tensor:
+def _float64_norms(grads: List[torch.Tensor], starts: Optional[List[int]] = None,
+                   rows: Optional[List[int]] = None) -> torch.Tensor:
     """The L2 norm of each gradient, float64 [len(grads)]. On CPUs from float32 norms of
     short rows added in float64 (`_square_sum`): converting every gradient to float64
     first, as the multi-tensor norm does, costs a float64 copy of all of them, and one
-    float32 sum over a large, mostly-zero gradient (the word embeddings') was off by 1e-4."""
+    float32 sum over a large, mostly-zero gradient (the word embeddings') was off by 1e-4.
+    `starts` / `rows`: where each gradient begins in its flattened parameter, and the
+    parameter's dim-0 row size (_square_sum)."""
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-    norms = torch.stack([_square_sum(g) for g in grads]).sqrt()
+    starts = starts or [0] * len(grads)
+    rows = rows or [0] * len(grads)
+    norms = torch.stack([_square_sum(g, s, r) for g, s, r in zip(grads, starts, rows)]).sqrt()
     for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
         # A float32 overflow (|g| > ~1e19) or a real inf / nan: recount in float64.
         norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)

@@ -162,10 +162,7 @@ class FlatAdamW:
     def step(self, clip_coefficient: Optional[float] = None) -> None:
         """One AdamW update of every group from the gradients, multiplied by
         `clip_coefficient` inside the kernel (as its `grad_scale` divisor) when given."""
-        grad_scale = None
-        if clip_coefficient is not None:
-            grad_scale = torch.tensor(1.0 / clip_coefficient, dtype=torch.float32,
-                                      device=self.flat_params.device)
+        grad_scale = clip_grad_scale(clip_coefficient, self.flat_params.device)
         spans = self.grad_spans()
         for index, (step, group) in enumerate(zip(self.steps, self.optimizer.param_groups)):
             runs = [(start, end, g) for (i, start, end, _), g in zip(self.runs, spans)
@@ -173,14 +170,29 @@ class FlatAdamW:
             if not runs:
                 continue
             step.add_(1)
-            beta1, beta2 = group["betas"]
-            torch._fused_adamw_([self.flat_params[a:b] for a, b, _ in runs],
-                                [g for _, _, g in runs],
-                                [self.exp_avg[a:b] for a, b, _ in runs],
-                                [self.exp_avg_sq[a:b] for a, b, _ in runs], [],
-                                [step] * len(runs), lr=group["lr"], beta1=beta1, beta2=beta2,
-                                weight_decay=group["weight_decay"], eps=group["eps"],
-                                amsgrad=False, maximize=False, grad_scale=grad_scale)
+            fused_adamw([self.flat_params[a:b] for a, b, _ in runs], [g for _, _, g in runs],
+                        [self.exp_avg[a:b] for a, b, _ in runs],
+                        [self.exp_avg_sq[a:b] for a, b, _ in runs], [step] * len(runs), group,
+                        grad_scale)
+
+
+def clip_grad_scale(clip_coefficient: Optional[float], device) -> Optional[torch.Tensor]:
+    """The clipping factor as the fused kernel's `grad_scale` divisor (None: no clipping)."""
+    if clip_coefficient is None:
+        return None
+    return torch.tensor(1.0 / clip_coefficient, dtype=torch.float32, device=device)
+
+
+def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, group: dict,
+                grad_scale: Optional[torch.Tensor]) -> None:
+    """torch's fused AdamW kernel over plain fp32 tensors with the hyper-parameters of one
+    param group (`steps` already advanced). Every update of fp32 main parameters goes
+    through it, flat (FlatAdamW) or FSDP's shards, so that both give the same bits."""
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"],
+                        beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                        eps=group["eps"], amsgrad=False, maximize=False,
+                        grad_scale=grad_scale)
 
 
 def _buffer_views(grads, device) -> bool:

@@ -2,19 +2,23 @@
 
 The parameters are fp32 DTensors, each rank holding its dim-0 shard (over DP) of every
 one, so the main parameters are the model parameters themselves and Adam's moments exist
-once across DP. The torch optimizer steps the shards (DTensor arithmetic is local for
-element-wise updates); the gradient norm (clipping, the nan / inf skip) is taken over the
+once across DP. Adam steps the local shards with the fused kernel the optimizer without
+FSDP uses, the clipping factor inside it as there, so that both give the same bits (torch's
+own AdamW on CPUs computes the moments another way, and one ulp of difference in a main
+parameter flips bf16 roundings of the model that grow over the iterations); other
+optimizers step the DTensors themselves. The gradient norm (clipping, the nan / inf skip) is taken over the
 local gradient shards, summed once over the DP x CP group (the experts' over expert-DP) and then over TP x PP, each element
 counted once (megatron.distributed.fsdp.local_shards gives where each shard begins, for
 the k / v replicas that TP above the query groups leaves).
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from megatron.distributed.fsdp import local_shards, shard_groups
 from megatron.mpu.fsdp_shards import local
 from megatron.distributed.grads import expert_norm_groups, norm_and_nonfinite
+from megatron.optimizer.flat_adam import clip_grad_scale, fused_adamw, fused_adamw_available
 from megatron.optimizer.optimizer import MegatronOptimizer
 
 
@@ -33,6 +37,35 @@ class FSDPOptimizer(MegatronOptimizer):
         return norm_and_nonfinite(params, shards, self.pstate.tp_group, self.pstate.mp_group,
                                   starts=starts, **shard_groups(self.pstate),
                                   **expert_norm_groups(self.pstate))
+
+    def _update(self, grads, coeff: Optional[float]) -> None:
+        shards = [local(p) for p in self.model_params]
+        if self.cfg.optimizer != "adam" or not fused_adamw_available(shards):
+            super()._update(grads, coeff)
+            return
+        grad_scale = clip_grad_scale(coeff, shards[0].device)
+        grad_of = dict(zip(map(id, self.model_params), grads))
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if grad_of.get(id(p)) is not None]
+            if not params:
+                continue
+            states = [self._adam_state(p) for p in params]
+            steps = [state["step"] for state in states]
+            torch._foreach_add_(steps, 1)
+            fused_adamw([local(p) for p in params], [local(grad_of[id(p)]) for p in params],
+                        [local(state["exp_avg"]) for state in states],
+                        [local(state["exp_avg_sq"]) for state in states], steps, group,
+                        grad_scale)
+
+    def _adam_state(self, param) -> dict:
+        """torch AdamW's state of `param` (made as torch makes it at its first step), which
+        checkpoints save and load as they do torch's."""
+        state = self.optimizer.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
 
     def _release_grads(self) -> None:
         """FSDP's own sharded gradients stay to the next step's zero_grad (FSDPReducer), for

@@ -148,18 +148,21 @@ class MegatronOptimizer(OptimizerBase):
                 self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, True
-            coeff = clip_coefficient(norm, self.cfg.clip_grad)
-            if self.flat is not None:  # the clipping factor goes into the update's one pass
-                self.flat.step(clip_coefficient=coeff)
-            else:
-                if coeff is not None:
-                    self._scale_grads(grads, coeff)
-                self.optimizer.step()
+            self._update(grads, clip_coefficient(norm, self.cfg.clip_grad))
         finally:
             self._release_grads()
         if self.mixed:
             torch._foreach_copy_(self.model_params, self.main_params)
         return True, norm, False
+
+    def _update(self, grads, coeff: Optional[float]) -> None:
+        """The optimizer's step from `grads`, clipped by `coeff` (None: no clipping)."""
+        if self.flat is not None:  # the clipping factor goes into the update's one pass
+            self.flat.step(clip_coefficient=coeff)
+            return
+        if coeff is not None:
+            self._scale_grads(grads, coeff)
+        self.optimizer.step()
 
     def _release_grads(self) -> None:
         """The grads are views of the reducer's buffer: never let the next backward

@@ -50,7 +50,7 @@ def num_zeros_in_grad(models, pstate) -> int:
     parts = norm_parts(params, grads, pstate.tp_group, starts=starts, **groups)
     device = parts[0][1].device if parts else torch.device("cpu")
     dense, expert = (torch.zeros(1, dtype=torch.float64, device=device) for _ in range(2))
-    for p, part, counted in parts:
+    for p, part, counted, _ in parts:
         if counted:
             total = expert if own and getattr(p, "expert_parallel", False) else dense
             total += (part == 0).sum()

@@ -2,6 +2,7 @@
 the norm-and-nonfinite check, and --torch-compile's compiled layers."""
 import copy
 
+import pytest
 import torch
 
 from megatron.arguments import parse_args
@@ -92,7 +93,8 @@ def test_norm_and_nonfinite():
     assert norm_and_nonfinite(params, grads, None, None)[1]
     params[0].shared_embedding = True  # not counted in the norm, still checked
     grads = [torch.tensor([float("inf"), 0.0, 0.0]), torch.ones(2, 2)]
-    assert norm_and_nonfinite(params, grads, None, None) == (2.0, True)
+    norm, nonfinite = norm_and_nonfinite(params, grads, None, None)
+    assert nonfinite and norm == pytest.approx(2.0, rel=1e-7)  # float32 partial norms
 
 
 def test_torch_compile_flag_compiles_each_layer():
@@ -119,3 +121,23 @@ def test_cpu_gradient_norms_match_float64_without_float64_copies():
     grads[3].fill_(float("nan"))
     norms = _float64_norms(grads)
     assert norms[2] == float("inf") and norms[3].isnan() and norms[4].isfinite()
+
+
+def test_cpu_gradient_norms_of_dim0_shards_add_up_to_the_whole_one():
+    """A parameter's gradient norm summed over its dim-0 shards (FSDP's) is the whole
+    one's to float64 rounding, so a clipping factor and the update it drives are the same
+    bits with and without FSDP; cut in _NORM_ROW pieces from each shard's start, the
+    float32 partial norms would differ at ~1e-9."""
+    from megatron.distributed.grads import _NORM_ROW, _float64_norms
+    torch.manual_seed(0)
+    for shape in [(1000, 3 * _NORM_ROW // 2 + 7), (64, 37), (2, 5, _NORM_ROW + 3), (1001,)]:
+        whole = torch.randn(shape)
+        row = whole[0].numel() if whole.dim() > 1 else 1
+        squares = _float64_norms([whole], [0], [row]).square().item()
+        for pieces in (2, 3, 4):
+            shards = torch.chunk(whole, pieces)
+            starts = [sum(s.numel() for s in shards[:i]) for i in range(len(shards))]
+            summed = _float64_norms(list(shards), starts, [row] * len(shards)).square().sum()
+            assert abs(summed.item() - squares) <= 1e-13 * squares, (shape, pieces)
+        exact = torch.linalg.vector_norm(whole, dtype=torch.float64).square().item()
+        assert abs(squares - exact) <= 1e-7 * exact, shape
