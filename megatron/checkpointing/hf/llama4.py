@@ -17,7 +17,9 @@ input (--moe-router-score-function sigmoid --moe-apply-probs-on-input), beside a
 shared expert of intermediate_size (--moe-shared-expert-intermediate-size). HF stores the
 experts fused: feed_forward.experts.gate_up_proj [E, h, 2F] ([gate | up] columns) ->
 our linear_fc1.weight [E, 2F, h] ([gate; up] rows), down_proj [E, F, h] -> linear_fc2.weight
-[E, h, F]. Dense layers are gated MLPs of intermediate_size_mlp (--ffn-hidden-size).
+[E, h, F]. Dense layers are gated MLPs of intermediate_size_mlp (--ffn-hidden-size). No
+auxiliary loss is imported (transformers' Llama 4 computes none; give --moe-aux-loss-coeff
+to train with one).
 """
 from megatron.checkpointing.hf import common as c
 from megatron.checkpointing.hf import llama
@@ -127,8 +129,8 @@ def _moe(hf: dict):
                      moe_router_score_function="sigmoid", moe_apply_probs_on_input=True,
                      moe_ffn_hidden_size=int(hf["intermediate_size"]),
                      moe_shared_expert_intermediate_size=int(hf["intermediate_size"]),
-                     moe_layer_freq=_moe_layer_freq(pattern),
-                     moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef") or 0.0))
+                     moe_layer_freq=_moe_layer_freq(pattern))  # no auxiliary loss: HF's
+    # Llama 4 computes none (its router_aux_loss_coef is unused by transformers)
 
 
 def model_fields(hf: dict, seq_length=None) -> dict:
