@@ -411,9 +411,10 @@ class ModelConfig:
         require(self.rope_scaling_original_max_position_embeddings > 0,
                 f"--rope-scaling-original-max-position-embeddings must be positive, got "
                 f"{self.rope_scaling_original_max_position_embeddings}")
-        require(self.rope_scaling_high_freq_factor > self.rope_scaling_low_freq_factor > 0,
+        # equal factors (Llama 4 Scout's published 1.0 and 1.0): a hard cut, no ramp
+        require(self.rope_scaling_high_freq_factor >= self.rope_scaling_low_freq_factor > 0,
                 f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}) must "
-                f"exceed --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
+                f"be >= --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
 
     def _check_layer_kinds(self):
         self.window_attn_skip_freq = self._layer_flag("--window-attn-skip-freq",

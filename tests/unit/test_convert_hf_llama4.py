@@ -251,3 +251,29 @@ def test_bad_settings_are_one_line_exit_2(capsys, flags, words):
         parse_args(BASE + flags, world_size=2 if "--context-parallel-size" in flags else 1)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_scout_config_is_the_preset(tmp_path):
+    """Llama4TextConfig's defaults (Scout's sizes) with the RoPE scaling and positions the
+    preset takes from Scout's config.json, imported as the text of a multimodal config,
+    give examples/pretrain_llama4_scout.sh's architecture, MoE included."""
+    from megatron.config import ModelConfig
+    from megatron.config.model import ARCHITECTURE_FIELDS, SCALING_FIELDS
+    from megatron.config.moe import ARCHITECTURE_FIELDS as MOE_FIELDS
+    from tests.unit.test_examples import parsed_launch
+    published = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+                 "text_config": {"model_type": "llama4_text",
+                                 "max_position_embeddings": 10485760,
+                                 "rope_scaling": {"rope_type": "llama3", "factor": 16.0,
+                                                  "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 1.0,
+                                                  "original_max_position_embeddings": 8192}}}
+    arch, text, _ = llama4.text_part("Llama4ForConditionalGeneration", published)
+    imported = ModelConfig(**llama4.model_fields(text, 8192))
+    preset, _ = parsed_launch(tmp_path, "pretrain_llama4_scout.sh")
+    assert arch == "Llama4ForCausalLM"
+    for name in ARCHITECTURE_FIELDS + SCALING_FIELDS["llama3"] + ("max_position_embeddings",):
+        assert getattr(imported, name) == getattr(preset.model, name), name
+    for name in MOE_FIELDS + ("moe_ffn_hidden_size", "moe_layer_freq"):
+        assert getattr(imported.moe, name) == getattr(preset.model.moe, name), name
+    assert text["vocab_size"] == 202048
