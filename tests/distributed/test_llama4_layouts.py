@@ -3,8 +3,10 @@
 Llama 4's layer: interleaved RoPE with llama3 scaling, q / k L2 norm after RoPE, attention
 chunks of 8 over the 32 positions on RoPE layers 1-3, layer 4 NoPE (full causal) with
 attention temperature tuning (floor scale 4, so it acts within 32 positions); layers 2 and
-4 MoE (4 experts, top-1 sigmoid routing applied to the expert input, a shared expert; no
-aux loss, as an imported Llama 4), 1 and 3 dense SwiGLU; untied head, GQA. With the machinery of
+4 MoE (4 experts, top-1 sigmoid routing applied to the expert input, a shared expert, an
+aux loss of 1e-2), 1 and 3 dense SwiGLU; untied head, GQA. Every layout runs micro batches
+of 2, as the reference: the load-balancing loss is per micro batch, so another micro batch
+size trains a different loss (TP 2 with micro batches of 4 differed by 2e-5). With the machinery of
 tests/distributed/layouts.py: 10 iterations at TP 2 + sequence parallelism, PP 2 (saved at
 iteration 5 and resumed), CP 2 (a2a; p2p refuses chunks in one line), EP 2 (alltoall) and
 DP 2 with the distributed optimizer reproduce the single-process losses and gradient norms
@@ -26,9 +28,10 @@ LLAMA4 = ["--position-embedding-type", "rope", "--rotary-interleaved", "--rotary
           "--attn-temperature-floor-scale", "4", "--ffn-hidden-size", "96", "--num-experts", "4",
           "--moe-router-topk", "1", "--moe-router-score-function", "sigmoid",
           "--moe-apply-probs-on-input", "--moe-ffn-hidden-size", "32",
-          "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]*1+[1]*1)*2"]
+          "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]*1+[1]*1)*2",
+          "--moe-aux-loss-coeff", "1e-2"]
 LAYOUTS = {
-    "tp2-sequence-parallel": Layout(2, 1, 1, mbs=4, extra=LLAMA4 + ["--sequence-parallel"]),
+    "tp2-sequence-parallel": Layout(2, 1, 1, mbs=2, extra=LLAMA4 + ["--sequence-parallel"]),
     "pp2": replace(Layout(1, 2, 1, mbs=2, extra=LLAMA4), resume=True),
     "cp2-a2a": Layout(1, 1, 1, mbs=2, cp=2, extra=LLAMA4 + ["--cp-comm-type", "a2a"]),
     "ep2-alltoall": Layout(1, 1, 2, mbs=2, extra=LLAMA4 + [
