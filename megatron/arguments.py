@@ -140,6 +140,16 @@ def _add_long_context_args(g):
     _flag(g, "--rotary-base-local", "model", type=int, default=None)
     _flag(g, "--no-rope-freq", "model", default=None)
     _flag(g, "--softmax-type", "model", choices=list(SOFTMAX_TYPES), default=None)
+    _add_llama4_attention_args(g)
+
+
+def _add_llama4_attention_args(g):
+    """Llama 4's attention: interleaved RoPE, q / k L2 norm, chunks, temperature tuning."""
+    for name in ("--rotary-interleaved", "--qk-l2-norm", "--attn-temperature-tuning"):
+        _flag(g, name, "model", action="store_true", default=None)
+    for name in ("--attention-chunk-size", "--attn-temperature-floor-scale"):
+        _flag(g, name, "model", type=int, default=None)
+    _flag(g, "--attn-temperature-scale", "model", type=float, default=None)
 
 
 def _add_mla_args(g):
@@ -174,7 +184,7 @@ def _add_moe_args(parser):
         _flag(g, name, "moe", type=float, default=None)
     for name in ("--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
                  "--moe-pad-expert-input-to-capacity", "--moe-shared-expert-gate",
-                 "--moe-grouped-gemm"):
+                 "--moe-grouped-gemm", "--moe-apply-probs-on-input"):
         _flag(g, name, "moe", action="store_true", default=None)
     _flag(g, "--expert-model-parallel-size", "parallel", type=int, default=1)
     _flag(g, "--expert-tensor-parallel-size", "parallel", type=int, default=None)

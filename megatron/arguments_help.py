@@ -100,6 +100,19 @@ HELP = {
                                "global layers only)",
     "--window-size": "sliding-window attention: each query sees itself and the W - 1 "
                      "positions before it (Mistral's sliding_window; default: all)",
+    "--rotary-interleaved": "RoPE on interleaved channel pairs (x[2i], x[2i+1]), as Llama 4's "
+                            "complex rotation, instead of the two halves",
+    "--qk-l2-norm": "L2-normalise queries and keys per head after RoPE, without weight, on the "
+                    "RoPE layers (Llama 4's use_qk_norm; eps: --norm-epsilon)",
+    "--attention-chunk-size": "chunked causal attention on the RoPE layers: query i sees key "
+                              "j <= i only in the same chunk of N positions (Llama 4; NoPE "
+                              "layers attend to all)",
+    "--attn-temperature-tuning": "Llama 4: queries of the NoPE layers at position p times "
+                                 "log(floor((p + 1) / floor-scale) + 1) x scale + 1",
+    "--attn-temperature-floor-scale": "floor_scale of --attn-temperature-tuning (default 8192)",
+    "--attn-temperature-scale": "attn_scale of --attn-temperature-tuning (default 0.1)",
+    "--moe-apply-probs-on-input": "the router's weight scales the expert's input, not its "
+                                  "output (Llama 4; needs --moe-router-topk 1)",
     "--softmax-type": "attention softmax: vanilla, off-by-one (a fixed 0 logit joins the "
                       "denominator) or learnable (a learned sink logit per head, gpt-oss)",
     "--normalization": "LayerNorm (GPT-2, BLOOM) or RMSNorm (LLaMA)",

@@ -161,7 +161,23 @@ def _kimi_k2():  # Kimi-K2's shape: one group, top-8, one shared, first layer de
                          "original_max_position_embeddings": 8, "rope_theta": 50000.0})
 
 
-OTHER_FAMILIES = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3,
+def _llama4():  # chunks of 16 on RoPE layers 1-3, layer 4 NoPE with temperature tuning
+    # (floor_scale 8: it changes the queries within 64 positions), q / k L2 norm, llama3
+    # RoPE scaling, layers 2 and 4 MoE (4 experts top-1, shared expert), 1 and 3 dense
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return Llama4ForCausalLM, Llama4TextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, vocab_size=203,
+        max_position_embeddings=128, rms_norm_eps=1e-5, no_rope_layers=[1, 1, 1, 0],
+        attention_chunk_size=16, attn_temperature_tuning=True, floor_scale=8, attn_scale=0.1,
+        use_qk_norm=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                         "rope_theta": 500000.0})
+
+
+OTHER_FAMILIES = {"gpt_oss": _gpt_oss, "llama4": _llama4, "deepseek_v3": _deepseek_v3,
                   "deepseek_v3_no_q_lora": _deepseek_v3_no_q_lora,
                   "kimi_k2": _kimi_k2}  # tested in their own files
 SEQ_LENGTH = {"bloom": 96}  # BLOOM has no position table: --seq-length at conversion

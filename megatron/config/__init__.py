@@ -149,6 +149,9 @@ class Config:
                 f"--context-parallel-size {cp}; use rope")
         require(kind != "p2p" or m.window_size is None,
                 "--window-size with --cp-comm-type p2p is not supported; use --cp-comm-type a2a")
+        require(kind != "p2p" or m.attention_chunk_size is None,
+                f"--attention-chunk-size {m.attention_chunk_size} with --cp-comm-type p2p is not "
+                f"supported; use --cp-comm-type a2a")
         require(kind != "p2p" or m.attention_dropout == 0,
                 f"--attention-dropout {m.attention_dropout} with --cp-comm-type p2p is not "
                 f"supported; use --attention-dropout 0 or --cp-comm-type a2a")

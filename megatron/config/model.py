@@ -30,7 +30,9 @@ ARCHITECTURE_FIELDS = (
     "rotary_base_local", "no_rope_freq", "rope_scaling_type", "sandwich_norm", "softmax_scale",
     "rope_scaling_local", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
     "mtp_num_layers", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-    "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim")
+    "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim", "rotary_interleaved",
+    "qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning",
+    "attn_temperature_floor_scale", "attn_temperature_scale")
 # Fields that matter only with the RoPE scaling type they belong to.
 SCALING_FIELDS = {
     "llama3": ("rope_scaling_factor", "rope_scaling_low_freq_factor",
@@ -159,6 +161,24 @@ class ModelConfig:
     """Layers without RoPE (--no-rope-freq, Megatron-LM's; Llama 4's NoPE layers): an int N
     leaves out every N-th layer (layer_number % N == 0); the list form gives each layer
     1 = no RoPE, 0 = RoPE. None: RoPE on every layer."""
+    rotary_interleaved: bool = False
+    """RoPE rotates interleaved channel pairs (x[2i], x[2i + 1]), as complex numbers
+    (--rotary-interleaved, Megatron-LM's; Llama 4), instead of the two halves."""
+    qk_l2_norm: bool = False
+    """Queries and keys of the RoPE layers are L2-normalised per head after RoPE, without
+    weight: x / sqrt(mean(x^2) + eps) (--qk-l2-norm, Megatron-LM's; Llama 4's use_qk_norm,
+    which leaves the NoPE layers unnormalised)."""
+    attention_chunk_size: Optional[int] = None
+    """Chunked attention on the RoPE layers (--attention-chunk-size; Llama 4's
+    attention_chunk_size): query i sees key j <= i only when i // N == j // N. The NoPE
+    layers attend to every earlier position. None: no chunks."""
+    attn_temperature_tuning: bool = False
+    """Llama 4's attention temperature tuning on the NoPE layers (--attn-temperature-tuning):
+    the query at position p is multiplied by log(floor((p + 1) / floor_scale) + 1) x scale + 1."""
+    attn_temperature_floor_scale: int = 8192
+    """floor_scale of --attn-temperature-tuning (--attn-temperature-floor-scale; HF's floor_scale)."""
+    attn_temperature_scale: float = 0.1
+    """scale of --attn-temperature-tuning (--attn-temperature-scale; HF's attn_scale)."""
     softmax_type: str = "vanilla"
     """Attention softmax (--softmax-type, Megatron-Core's): vanilla | off-by-one (a fixed 0
     logit joins each denominator) | learnable (a learned sink logit per head, gpt-oss's)."""
@@ -299,6 +319,7 @@ class ModelConfig:
         require(factor is None or factor >= 1.0,
                 f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         self._check_long_context()
+        self._check_llama4_attention()
         self._check_mtp()
         self._check_glu()
         check_mla(self)
@@ -314,6 +335,39 @@ class ModelConfig:
                 f"--softmax-scale must be positive, got {self.softmax_scale}")
         require(self.pad_vocab_size_to is None or self.pad_vocab_size_to > 0,
                 f"--pad-vocab-size-to must be positive, got {self.pad_vocab_size_to}")
+
+    def _check_llama4_attention(self):
+        """--rotary-interleaved, --qk-l2-norm, --attention-chunk-size and the temperature."""
+        rope = self.position_embedding_type == "rope" and not self.multi_latent_attention
+        for flag, on in (("--rotary-interleaved", self.rotary_interleaved),
+                         ("--qk-l2-norm", self.qk_l2_norm),
+                         ("--attention-chunk-size", self.attention_chunk_size is not None),
+                         ("--attn-temperature-tuning", self.attn_temperature_tuning)):
+            require(not on or rope, f"{flag} needs --position-embedding-type rope (without "
+                                    f"--multi-latent-attention), got {self.position_embedding_type}")
+        require(not (self.qk_l2_norm and self.qk_layernorm),
+                "--qk-l2-norm and --qk-layernorm both normalise queries and keys; choose one")
+        chunk = self.attention_chunk_size
+        require(chunk is None or chunk > 0,
+                f"--attention-chunk-size must be a positive number of positions, got {chunk}")
+        require(chunk is None or self.window_size is None,
+                f"--attention-chunk-size {chunk} with --window-size {self.window_size} is not "
+                f"supported; choose one")
+        require(self.attn_temperature_floor_scale > 0 and self.attn_temperature_scale >= 0,
+                f"--attn-temperature-floor-scale must be positive and --attn-temperature-scale "
+                f">= 0, got {self.attn_temperature_floor_scale} and {self.attn_temperature_scale}")
+
+    def chunk_for_layer(self, layer_number: int) -> Optional[int]:
+        """The attention chunk of layer `layer_number` (RoPE layers only); None: no chunks."""
+        return self.attention_chunk_size if self.uses_rope(layer_number) else None
+
+    def l2_norm_for_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` L2-normalises q and k (--qk-l2-norm, RoPE layers)."""
+        return self.qk_l2_norm and self.uses_rope(layer_number)
+
+    def temperature_for_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` tunes its attention temperature (NoPE layers)."""
+        return self.attn_temperature_tuning and not self.uses_rope(layer_number)
 
     def _check_mtp(self):
         if self.mtp_num_layers is None:
@@ -357,9 +411,10 @@ class ModelConfig:
         require(self.rope_scaling_original_max_position_embeddings > 0,
                 f"--rope-scaling-original-max-position-embeddings must be positive, got "
                 f"{self.rope_scaling_original_max_position_embeddings}")
-        require(self.rope_scaling_high_freq_factor > self.rope_scaling_low_freq_factor > 0,
+        # equal factors (Llama 4 Scout's published 1.0 and 1.0): a hard cut, no ramp
+        require(self.rope_scaling_high_freq_factor >= self.rope_scaling_low_freq_factor > 0,
                 f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}) must "
-                f"exceed --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
+                f"be >= --rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) > 0")
 
     def _check_layer_kinds(self):
         self.window_attn_skip_freq = self._layer_flag("--window-attn-skip-freq",
@@ -433,9 +488,11 @@ class ModelConfig:
         return layer_number % freq != 0 if isinstance(freq, int) else not freq[self._listed(layer_number)]
 
     def masked_layers(self, seq_length: int) -> List[int]:
-        """The layers whose sliding window hides keys of a `seq_length`-token sequence."""
+        """The layers whose sliding window or attention chunk hides keys of a
+        `seq_length`-token sequence."""
         return [n for n in range(1, self.num_layers + 1)
-                if (self.window_for_layer(n) or seq_length) < seq_length]
+                if (self.window_for_layer(n) or seq_length) < seq_length
+                or (self.chunk_for_layer(n) or seq_length) < seq_length]
 
     @property
     def gated_mlp(self) -> bool:

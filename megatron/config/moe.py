@@ -16,7 +16,7 @@ ARCHITECTURE_FIELDS = (
     "num_experts", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
     "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate")
+    "moe_shared_expert_gate", "moe_apply_probs_on_input")
 
 
 def parse_layer_freq(value: str, flag: str = "--moe-layer-freq") -> Union[int, List[int]]:
@@ -90,6 +90,9 @@ class MoEConfig:
     """Width of the always-on shared expert(s) (None: no shared expert)."""
     moe_shared_expert_gate: bool = False
     """Scale the shared expert's output by sigmoid(x . w_gate) (Qwen-MoE)."""
+    moe_apply_probs_on_input: bool = False
+    """The router's weight scales each expert's input instead of its output
+    (--moe-apply-probs-on-input, Megatron-LM's; Llama 4); needs --moe-router-topk 1."""
     moe_grouped_gemm: bool = False
     """All local experts in one batched matmul (else a loop over experts)."""
     moe_token_dispatcher_type: str = "allgather"
@@ -127,6 +130,7 @@ class MoEConfig:
                     f"--{name.replace('_', '-')} must be positive, got {value}")
         self._check_routing()
         self._check_groups()
+        self._check_probs_on_input()
 
     def _check_routing(self):
         """The routing settings Megatron-Core's TransformerConfig refuses."""
@@ -144,6 +148,11 @@ class MoEConfig:
                 "--moe-router-topk 1 with --moe-router-score-function softmax needs "
                 "--moe-router-pre-softmax: a softmax over the one selected logit is 1, so the "
                 "router would get no gradient from the loss (Megatron-Core refuses it too)")
+
+    def _check_probs_on_input(self):
+        require(not self.moe_apply_probs_on_input or self.moe_router_topk == 1,
+                f"--moe-apply-probs-on-input needs --moe-router-topk 1, got "
+                f"{self.moe_router_topk} (as in Megatron-Core)")
 
     def _check_groups(self):
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk

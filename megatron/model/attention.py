@@ -45,6 +45,46 @@ def windowed_mask(mask, sq: int, sk: int, window, device):
     return hidden if mask is None else mask.bool() | hidden
 
 
+def chunked_mask(mask, sq: int, sk: int, chunk, device):
+    """`mask` (None: causal) with the keys outside each query's attention chunk hidden
+    (--attention-chunk-size: query i sees key j <= i when i // chunk == j // chunk);
+    unchanged without a chunk or when every position is in the first one."""
+    if chunk is None or sk <= chunk:
+        return mask
+    query = torch.arange(sk - sq, sk, device=device)[:, None]
+    key = torch.arange(sk, device=device)[None, :]
+    hidden = ((key > query) | (key // chunk != query // chunk))[None, None]
+    return hidden if mask is None else mask.bool() | hidden
+
+
+def fold_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[s, b, ...] -> [chunk, s / chunk x b, ...]: each attention chunk a sequence of its own."""
+    s, b = t.shape[:2]
+    return t.reshape(s // chunk, chunk, b, *t.shape[2:]).transpose(0, 1).reshape(
+        chunk, s // chunk * b, *t.shape[2:])
+
+
+def unfold_chunks(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """The inverse of `fold_chunks` for a context [chunk, s / chunk x b, h]."""
+    chunk, rows = t.shape[:2]
+    return t.reshape(chunk, rows // batch, batch, *t.shape[2:]).transpose(0, 1).reshape(
+        chunk * (rows // batch), batch, *t.shape[2:])
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """--qk-l2-norm: x / sqrt(mean(x^2) + eps) over each head's channels, in float32 (HF's
+    Llama4TextL2Norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def temperature_scales(positions: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """--attn-temperature-tuning's query multipliers of float `positions` [s]:
+    log(floor((p + 1) / floor_scale) + 1) x scale + 1, as [s, 1, 1, 1]."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / cfg.attn_temperature_floor_scale))
+    return (scales * cfg.attn_temperature_scale + 1.0)[:, None, None, None]
+
+
 def _kernel_values(q, v):
     """v as the CPU kernel takes it: of q's head size. Multi-latent attention's narrower
     values are zero-padded (a copy; the kernel on them is still ~3.5x faster than SDPA on
@@ -66,6 +106,7 @@ class CoreAttention(torch.nn.Module):
         self.cfg = cfg
         self.layer_number = max(1, layer_number)
         self.window = cfg.window_for_layer(self.layer_number)
+        self.chunk = cfg.chunk_for_layer(self.layer_number)
         self.dropout_p = cfg.attention_dropout
         offset = make_softmax_offset(cfg.softmax_type, heads or cfg.num_attention_heads,
                                      cfg.init_method_std, device, dtype)
@@ -83,7 +124,18 @@ class CoreAttention(torch.nn.Module):
     def forward(self, q, k, v, mask, bias=None, heads=None):
         """q [sq, b, np, hn], k / v [sk, b, np, hn] (sk >= sq: the queries are the last
         sq positions); bias: ALiBi scores [np, 1, sk] or None; heads: the slice of this
-        rank's heads that q holds (context-parallel a2a), None: all."""
+        rank's heads that q holds (context-parallel a2a), None: all. Attention chunks:
+        each its own sequence when they tile the causal queries, else a mask."""
+        sq, sk, chunk = q.shape[0], k.shape[0], self.chunk
+        if chunk is not None and sk > chunk:
+            if mask is None and bias is None and sq == sk and sq % chunk == 0:
+                batch = q.shape[1]
+                q, k, v = (fold_chunks(t, chunk) for t in (q, k, v))
+                return unfold_chunks(self._attend(q, k, v, None, None, heads), batch)
+            mask = chunked_mask(mask, sq, sk, chunk, q.device)
+        return self._attend(q, k, v, mask, bias, heads)
+
+    def _attend(self, q, k, v, mask, bias, heads):
         mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
         sinks = self.sinks(heads)
         kernel_v = _kernel_values(q, v) if mask is None and bias is None else v
@@ -277,10 +329,27 @@ class ParallelAttention(torch.nn.Module):
         if self.rotary is not None:
             offset = 0 if inference_params is None else inference_params.length
             cos, sin = self.rotary(q.shape[0], offset, q.device, positions=self._cp_positions(q))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            interleaved = self.cfg.rotary_interleaved
+            q, k = apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
+        q, k = self._llama4_scaling(q, k, inference_params)
         if inference_params is not None:
             k, v = inference_params.update(self.layer_number, k, v)
         return self.dense(self._attention(q, k, v, mask))
+
+    def _llama4_scaling(self, q, k, inference_params):
+        """--qk-l2-norm on the RoPE layers (after RoPE), --attn-temperature-tuning on the
+        NoPE layers (at the tokens' global positions)."""
+        number = max(1, self.layer_number)
+        if self.cfg.l2_norm_for_layer(number):
+            eps = self.cfg.layernorm_epsilon
+            q, k = l2_norm(q, eps), l2_norm(k, eps)
+        if self.cfg.temperature_for_layer(number):
+            positions = self._cp_positions(q)
+            if positions is None:
+                offset = 0 if inference_params is None else inference_params.length
+                positions = torch.arange(offset, offset + q.shape[0], device=q.device)
+            q = (q * temperature_scales(positions, self.cfg).to(q.device)).to(q.dtype)
+        return q, k
 
     def _attention(self, q, k, v, mask):
         """The context [s, b, heads * head_dim]: here or across CP, recomputed in the

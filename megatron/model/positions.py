@@ -2,7 +2,8 @@
 
 RoPE uses the "rotate half" convention (Hugging Face LlamaForCausalLM's): of each
 head's first `rotary_dim` channels, x1 = the first half and x2 = the second, and
-out = x * cos + cat(-x2, x1) * sin; channels past `rotary_dim` pass through.
+out = x * cos + cat(-x2, x1) * sin; channels past `rotary_dim` pass through. With
+--rotary-interleaved (Llama 4's complex rotation) the pairs are (x[2i], x[2i + 1]) instead.
 
 ALiBi adds slope_h * (key position) to the attention scores of head h (equal to
 slope_h * (j - i) up to a per-row shift, which softmax ignores). The slopes follow
@@ -101,10 +102,18 @@ class RotaryEmbedding(torch.nn.Module):
         return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] channels of x [s, b, heads, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [s, b, heads, head_dim]: their halves,
+    or with `interleaved` their pairs (x[2i], x[2i + 1]) (cos / sin as RotaryEmbedding
+    gives them: [freqs, freqs])."""
     d = cos.shape[-1]
     rot, rest = x[..., :d], x[..., d:]
+    if interleaved:
+        c, s = cos[..., :d // 2], sin[..., :d // 2]
+        x1, x2 = rot[..., 0::2].float(), rot[..., 1::2].float()
+        rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
     x1, x2 = rot[..., :d // 2], rot[..., d // 2:]
     rotated = (rot.float() * cos + torch.cat((-x2, x1), dim=-1).float() * sin).to(x.dtype)
     return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated

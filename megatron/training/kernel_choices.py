@@ -45,14 +45,18 @@ def _attention(config, dtype) -> list:
         return []
     if p.context_parallel_size > 1 and p.cp_comm_type == "p2p":
         return []  # ring attention: its blocks always take our kernel where it applies
-    if len(m.masked_layers(m.seq_length)) == m.num_layers or (
-            m.position_embedding_type == "alibi"):
+    if m.position_embedding_type == "alibi":
         return []  # no layer attends with a plain causal mask
     q = attention_stand_in(config, dtype)
+    stand_ins = [] if len(m.masked_layers(m.seq_length)) == m.num_layers else [q]
+    chunk = m.attention_chunk_size
+    if chunk and q.shape[0] > chunk and q.shape[0] % chunk == 0:  # chunks folded into the batch
+        stand_ins.append(_stand_in((chunk, q.shape[0] // chunk * q.shape[1], *q.shape[2:]), dtype))
     out = []
-    for dropout in dict.fromkeys((m.attention_dropout, 0.0)):
-        if fused.causal_attention_fusable(q, q, q, dropout):
-            out.append(attention_decision(q, dropout))
+    for q in stand_ins:
+        for dropout in dict.fromkeys((m.attention_dropout, 0.0)):
+            if fused.causal_attention_fusable(q, q, q, dropout):
+                out.append(attention_decision(q, dropout))
     return out
 
 

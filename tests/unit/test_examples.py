@@ -19,7 +19,8 @@ SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt3_175B
            "pretrain_qwen2.5_7b.sh", "pretrain_qwen3_8b.sh",
            "pretrain_bloom_176b.sh", "pretrain_gpt_multinode.sh", "pretrain_gpt_slurm.sh",
            "pretrain_mixtral_8x7b.sh", "pretrain_qwen3_moe.sh", "pretrain_gemma3_12b.sh",
-           "pretrain_gpt_oss_20b.sh", "pretrain_deepseek_v3.sh", "pretrain_deepseek_v2_lite.sh"]
+           "pretrain_gpt_oss_20b.sh", "pretrain_deepseek_v3.sh", "pretrain_deepseek_v2_lite.sh",
+           "pretrain_llama4_scout.sh"]
 STUB = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
 
 
@@ -120,7 +121,20 @@ PRESETS = {
                                     activation="quick_geglu", glu_linear_offset=1.0,
                                     activation_func_clamp_value=7.0, add_bias_linear=True,
                                     untie_embeddings_and_output_weights=True,
-                                    pad_vocab_size_to=201088)}
+                                    pad_vocab_size_to=201088),
+    # Llama-4-Scout-17B-16E: Llama4TextConfig's defaults (+ its RoPE scaling, README)
+    "pretrain_llama4_scout.sh": dict(num_layers=48, hidden_size=5120, num_attention_heads=40,
+                                     kv_channels=128, num_query_groups=8, ffn_hidden_size=16384,
+                                     normalization="RMSNorm", layernorm_epsilon=1e-5,
+                                     rotary_base=500000, rotary_interleaved=True,
+                                     rope_scaling_type="llama3", rope_scaling_factor=16.0,
+                                     no_rope_freq=4, attention_chunk_size=8192, qk_l2_norm=True,
+                                     attn_temperature_tuning=True,
+                                     attn_temperature_floor_scale=8192,
+                                     attn_temperature_scale=0.1, activation="swiglu",
+                                     add_bias_linear=False,
+                                     untie_embeddings_and_output_weights=True,
+                                     pad_vocab_size_to=202048)}
 MOE_PRESETS = {
     "pretrain_mixtral_8x7b.sh": (32, dict(num_experts=8, moe_router_topk=2, moe_grouped_gemm=True,
                                           moe_aux_loss_coeff=1e-2,
@@ -144,6 +158,11 @@ MOE_PRESETS = {
                                               moe_router_topk_scaling_factor=None,
                                               moe_shared_expert_intermediate_size=2816,
                                               moe_aux_loss_coeff=1e-3), (1, 1, 16)),
+    "pretrain_llama4_scout.sh": (32, dict(num_experts=16, moe_router_topk=1,
+                                          moe_ffn_hidden_size=8192,
+                                          moe_router_score_function="sigmoid",
+                                          moe_apply_probs_on_input=True,
+                                          moe_shared_expert_intermediate_size=8192), (4, 2, 8)),
 }
 
 
@@ -186,7 +205,8 @@ def test_every_example_script_is_checked():
                                                   ("pretrain_qwen3_8b.sh", "Qwen3ForCausalLM"),
                                                   ("pretrain_llama3_8b.sh", "LlamaForCausalLM"),
                                                   ("pretrain_gemma3_12b.sh", "Gemma3ForCausalLM"),
-                                                  ("pretrain_gpt_oss_20b.sh", "GptOssForCausalLM")])
+                                                  ("pretrain_gpt_oss_20b.sh", "GptOssForCausalLM"),
+                                                  ("pretrain_llama4_scout.sh", "Llama4ForCausalLM")])
 def test_presets_export_as_their_family(tmp_path, script, architecture):
     from megatron.checkpointing.hf.families import hf_config_for
     config, _ = parsed_launch(tmp_path, script)

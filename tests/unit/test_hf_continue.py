@@ -82,7 +82,7 @@ def hf_loss(model, tokens, labels) -> float:
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + ["gpt_oss"])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["gpt_oss", "llama4"])
 def test_continue_from_converted_model(family, tmp_path, monkeypatch):
     model, ckpt = prepare(tmp_path, family)
     batches = record_batches(monkeypatch)

@@ -135,8 +135,12 @@ def test_flag_sets_the_mode_at_model_build(auto):
                     max_position_embeddings=32, fused_kernels_choice="fastest")
 
 
-def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch):
-    """A model build agrees the decisions its forward then asks: no timing after build."""
+@pytest.mark.parametrize("extra", [[], ["--num-layers", "2", "--position-embedding-type", "rope",
+                                         "--attention-chunk-size", "8", "--no-rope-freq", "2"]],
+                         ids=["plain", "llama4-chunks"])
+def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch, extra):
+    """A model build agrees the decisions its forward then asks: no timing after build (with
+    attention chunks: the full causal NoPE layer and the chunks folded into the batch)."""
     from functools import partial
 
     import pretrain_gpt
@@ -145,8 +149,8 @@ def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch):
     from megatron.training.parallelize import build_model
     config, _ = parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads",
                             "4", "--seq-length", "32", "--max-position-embeddings", "32",
-                            "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4"],
-                           world_size=1)
+                            "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4",
+                            *extra], world_size=1)
     config.model.padded_vocab_size = 128
     pstate = single_process_state()
     model_parallel_seed(1, 0)

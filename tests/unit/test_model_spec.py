@@ -189,8 +189,12 @@ def test_cpu_attention_kernel_is_the_auto_choice_and_matches_sdpa(arch, monkeypa
 
 @pytest.mark.parametrize("arch", [LLAMA, BLOOM, dict(qk_layernorm=True, apply_layernorm_1p=True),
                                   dict(LLAMA, qk_layernorm=True, apply_layernorm_1p=True,
-                                       sandwich_norm=True, softmax_scale=0.1, window_size=4)],
-                         ids=["llama", "bloom", "qk-layernorm", "gemma3-layer"])
+                                       sandwich_norm=True, softmax_scale=0.1, window_size=4),
+                                  dict(LLAMA, rotary_interleaved=True, qk_l2_norm=True,
+                                       attention_chunk_size=4, no_rope_freq=2,
+                                       attn_temperature_tuning=True,
+                                       attn_temperature_floor_scale=3)],
+                         ids=["llama", "bloom", "qk-layernorm", "gemma3-layer", "llama4-layers"])
 def test_kv_cache_decoding_equals_the_full_forward(arch):
     model = model_of(config(**arch))
     ids, _ = tokens_of(s=12)

@@ -8,7 +8,8 @@
     common.py       shared key names and tensor helpers; layouts.py: QKV fusing, padding
   one module per family (each satisfies `Family` below):
     gpt2.py (GPT2LMHeadModel), llama.py (Llama, Mistral), gemma.py, qwen2.py, qwen3.py,
-    bloom.py, mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE)
+    bloom.py, mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE), gemma3.py, gpt_oss.py,
+    deepseek_v3.py, llama4.py (Llama 4 text)
 
 Adding a family is its module and its name in families.py's FAMILIES (and BY_POSITIONS when
 models trained here may export as it).

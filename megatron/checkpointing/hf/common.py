@@ -84,3 +84,30 @@ def with_prefix(sd: StateDict, prefix: str) -> StateDict:
     if any(name.startswith(prefix) for name in sd):
         return sd
     return {name if name.startswith("lm_head.") else prefix + name: t for name, t in sd.items()}
+
+
+def multimodal_text_config(hf: dict, multimodal: str, defaults: dict, arch: str,
+                           model_type: str):
+    """(text config, one-line note) of a multimodal config.json (Gemma 3's, Llama 4's): its
+    text_config over the text model's `defaults`, as the `arch` it is; the note says that
+    the vision tower and the multi-modal projector are left out."""
+    text = dict(defaults, **(hf.get("text_config") or {}))
+    text.update(architectures=[arch], model_type=model_type,
+                tie_word_embeddings=hf.get("tie_word_embeddings",
+                                           defaults.get("tie_word_embeddings", True)))
+    return text, (f"{multimodal}: its text model is imported as {arch}; the vision tower and "
+                  f"the multi-modal projector are left out")
+
+
+def text_model_weights(sd: StateDict, prefixes, heads) -> StateDict:
+    """A multimodal file's text model under its CausalLM's names ("model." and lm_head),
+    found under the first of `prefixes` present (old and new names), its head the first
+    of `heads`; the tensors of a text-only file as they are."""
+    for prefix in prefixes:
+        if any(name.startswith(prefix) for name in sd):
+            out = {"model." + n[len(prefix):]: t for n, t in sd.items() if n.startswith(prefix)}
+            found = [sd[n] for n in heads if n in sd]
+            if found:
+                out["lm_head.weight"] = found[0]
+            return out
+    return sd

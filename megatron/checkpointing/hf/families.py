@@ -3,19 +3,21 @@ from megatron.config import ConfigError, ModelConfig
 from megatron.config.model import ARCHITECTURE_FIELDS, SCALING_FIELDS
 from megatron.config.moe import ARCHITECTURE_FIELDS as MOE_FIELDS
 from megatron.checkpointing.hf import (ConversionError, bloom, deepseek_v3, gemma, gemma3, gpt2,
-                                       gpt_oss, llama, mixtral, qwen2, qwen3, qwen_moe)
+                                       gpt_oss, llama, llama4, mixtral, qwen2, qwen3,
+                                       qwen_moe)
 
 FAMILIES = {arch: module for module in (gpt2, llama, bloom, qwen2, qwen3, gemma, gemma3, mixtral,
-                                        qwen_moe, gpt_oss, deepseek_v3)
+                                        qwen_moe, gpt_oss, deepseek_v3, llama4)
             for arch in module.ARCHITECTURES}
 # The HF architectures a model of ours may be exported as, by its position encoding (the
 # first that expresses it exactly).
 BY_POSITIONS = {"learned_absolute": (gpt2,),
-                "rope": (llama, qwen2, qwen3, gemma, gemma3, mixtral, qwen_moe, gpt_oss, deepseek_v3),
+                "rope": (llama, qwen2, qwen3, gemma, gemma3, mixtral, qwen_moe, gpt_oss, deepseek_v3,
+                         llama4),
                 "alibi": (bloom,)}
 # Those of them that hold MoE layers: the only ones tried for an MoE model (so that its error
 # names what an MoE architecture lacks rather than the dense MLP), never for a dense one.
-WITH_EXPERTS = (mixtral, qwen_moe, gpt_oss, deepseek_v3)
+WITH_EXPERTS = (mixtral, qwen_moe, gpt_oss, deepseek_v3, llama4)
 def family_of(hf_config: dict):
     """The mapping module of the config's architecture (one-line error if unsupported)."""
     names = hf_config.get("architectures") or []

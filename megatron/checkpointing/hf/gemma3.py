@@ -43,12 +43,9 @@ def text_part(arch: str, hf: dict):
     else `arch`, the config itself and no note."""
     if arch != MULTIMODAL:
         return arch, hf, None
-    text = dict(DEFAULTS, **(hf.get("text_config") or {}))
-    text.update(architectures=[ARCHITECTURES[0]], model_type="gemma3_text",
-                tie_word_embeddings=hf.get("tie_word_embeddings", True))
-    return ARCHITECTURES[0], text, (f"{MULTIMODAL}: its text model is imported as "
-                                    f"{ARCHITECTURES[0]}; the vision tower and the "
-                                    f"multi-modal projector are left out")
+    text, note = c.multimodal_text_config(hf, MULTIMODAL, DEFAULTS, ARCHITECTURES[0],
+                                          "gemma3_text")
+    return ARCHITECTURES[0], text, note
 
 
 def _layer_types(hf: dict) -> list:
@@ -120,14 +117,7 @@ def model_fields(hf: dict, seq_length=None) -> dict:
 def _text_weights(sd: c.StateDict) -> c.StateDict:
     """A multimodal file's text model under Gemma3ForCausalLM's names (the vision tower and
     projector left out); the tensors of a Gemma3ForCausalLM file as they are."""
-    for prefix in _TEXT_PREFIXES:
-        if any(name.startswith(prefix) for name in sd):
-            out = {"model." + n[len(prefix):]: t for n, t in sd.items() if n.startswith(prefix)}
-            heads = [sd[n] for n in _TEXT_HEADS if n in sd]
-            if heads:
-                out["lm_head.weight"] = heads[0]
-            return out
-    return sd
+    return c.text_model_weights(sd, _TEXT_PREFIXES, _TEXT_HEADS)
 
 
 def _norms_to_megatron(sd, i, src, dst, cfg, out) -> None:

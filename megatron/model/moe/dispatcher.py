@@ -9,6 +9,9 @@ return sum_k probs[t, e_k] x expert_{e_k}(x[t]) for every token, [T, h]:
   all-to-all; the expert outputs come back by the reverse all-to-all and are weighted
   locally.
 
+With --moe-apply-probs-on-input (Llama 4) each row is multiplied by its weight before the
+expert and the outputs are summed unweighted.
+
 Rank r of the EP group holds experts [r x E_local, (r + 1) x E_local).
 """
 from typing import List, Tuple
@@ -36,11 +39,20 @@ def unpermute(y, token, weights, num_tokens: int):
     return out.index_add_(0, token, y * weights.unsqueeze(-1).to(y.dtype))
 
 
+def weigh_inputs(rows, weights, experts):
+    """(expert input rows, the weights of their outputs): with --moe-apply-probs-on-input the
+    rows scaled by their weights and outputs of weight 1, else the rows as they are."""
+    if not experts.cfg.moe.moe_apply_probs_on_input:
+        return rows, weights
+    return rows * weights.unsqueeze(-1).to(rows.dtype), torch.ones_like(weights)
+
+
 def local_experts(x, probs, routing_map, experts):
     """The weighted output of the experts in `experts` (the columns of probs / map)."""
     rows, token, expert, counts = permute(x, routing_map)
+    rows, weights = weigh_inputs(rows, probs[token, expert], experts)
     y = experts(rows, counts)
-    return unpermute(y, token, probs[token, expert], x.shape[0])
+    return unpermute(y, token, weights, x.shape[0])
 
 
 def _gather_map(routing_map, group):
@@ -85,13 +97,14 @@ def alltoall_dispatch(x, probs, routing_map, experts, groups):
     if groups.ep_size == 1:
         return local_experts(x, probs, routing_map, experts)
     rows, token, expert, counts = permute(x, routing_map)
+    rows, weights = weigh_inputs(rows, probs[token, expert], experts)
     per_rank = torch.tensor(counts).view(groups.ep_size, -1)
     received = _exchange_counts(counts, groups)
     send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()
     inputs = _regroup(all_to_all(rows, groups.ep_group, send, recv), received, by_expert=True)
     outputs = experts(inputs, received.sum(0).tolist())
     back = all_to_all(_regroup(outputs, received, by_expert=False), groups.ep_group, recv, send)
-    return unpermute(back, token, probs[token, expert], x.shape[0])
+    return unpermute(back, token, weights, x.shape[0])
 
 
 DISPATCHERS = {name: globals()[f"{name}_dispatch"] for name in moe_config.DISPATCHERS}
