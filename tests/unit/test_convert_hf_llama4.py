@@ -10,7 +10,7 @@ tokens with the KV cache (past two chunk boundaries); converting back gives
 tensor-identical files with the same config; a model trained here exports as
 Llama4ForCausalLM, which transformers loads with the same logits; the text part of
 Llama4ForConditionalGeneration imports with one line about the vision tower; bad settings
-are one line and exit 2. (TP 2 x EP 2: tests/distributed/test_convert_hf_llama4_layouts.py.)
+are one line and exit 2. (TP 2 x EP 2: tests/distributed/test_convert_hf_moe_families_layouts.py.)
 """
 import json
 import os

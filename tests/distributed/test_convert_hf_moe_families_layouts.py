@@ -1,6 +1,9 @@
-"""A converted gpt-oss model (tests/unit/test_convert_hf_gpt_oss.py's: sliding and full
-layers, sinks, biased router and experts) at TP 2 x EP 2 (expert TP 2) and at PP 2 x EP 2
-computes transformers' logits within 1e-5 at 64 positions, and comes back tensor-identical.
+"""A converted model of each MoE family of issue 31 at TP 2 x EP 2 (expert TP 2) and at
+PP 2 x EP 2 computes transformers' logits within 1e-5 at 64 positions, and comes back
+tensor-identical: gpt-oss (tests/unit/test_convert_hf_gpt_oss.py's: sliding and full layers,
+sinks, biased router and experts) and Llama 4 (tests/unit/test_convert_hf_llama4.py's:
+chunked RoPE layers, a NoPE layer with temperature tuning, q / k L2 norm, dense and MoE
+layers with top-1 sigmoid routing on the expert input and a shared expert).
 
 The parent converts to TP 2 and to PP 2 and re-shards each to EP 2
 (tools/merge_mp_partitions.py --target-expert-model-parallel-size 2); a spawn of 4 gloo
@@ -9,6 +12,7 @@ ranks per layout loads it through the entry points' loading path with
 original tensors."""
 import os
 
+import pytest
 import torch
 
 from tests import oracles
@@ -33,8 +37,8 @@ def _pp2_ep2(rank, world_size, ckpt, vocab, tokens):
     return None if logits is None else logits.numpy()
 
 
-def _ep2(work, tp, pp):
-    source = converted(work, "gpt_oss", tp, pp)
+def _ep2(work, family, tp, pp):
+    source = converted(work, family, tp, pp)
     target = os.path.join(work, f"ckpt_tp{tp}_pp{pp}_ep2")
     assert merge_mp_partitions.main([
         "--load", source, "--save", target, "--target-tensor-model-parallel-size", str(tp),
@@ -50,16 +54,17 @@ def _ep2(work, tp, pp):
     return target
 
 
-def test_gpt_oss_at_tp2_ep2_and_pp2_ep2_equals_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_at_tp2_ep2_and_pp2_ep2_equals_transformers(tmp_path, family):
     work = str(tmp_path)
-    model = save_hf_model("gpt_oss", os.path.join(work, "hf"))
+    model = save_hf_model(family, os.path.join(work, "hf"))
     vocab = model.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(tokens).logits
-    for rank, logits in enumerate(run_ranks(_tp2_ep2, 4, _ep2(work, 2, 1), vocab, tokens)):
+    for rank, logits in enumerate(run_ranks(_tp2_ep2, 4, _ep2(work, family, 2, 1), vocab, tokens)):
         assert rel_err(torch.from_numpy(logits), expected) < 1e-5, ("tp2 x ep2", rank)
-    results = run_ranks(_pp2_ep2, 4, _ep2(work, 1, 2), vocab, tokens)
+    results = run_ranks(_pp2_ep2, 4, _ep2(work, family, 1, 2), vocab, tokens)
     for rank, logits in enumerate(results):
         if rank >= 2:  # the last pipeline stage (both of its EP ranks)
             assert rel_err(torch.from_numpy(logits), expected) < 1e-5, ("pp2 x ep2", rank)
