@@ -2,7 +2,8 @@
 
     python benchmarks/bench_fused.py [--threads 2] [--repeat 10] [--compile]
                                     [--only {softmax,layer_norm,rms_norm,bias_gelu,cross_entropy,
-                                             attention,attention_dropout}]
+                                             attention,attention_dropout,attention_sinks,
+                                             attention_window}]
                                     [--min-seq N] [--max-seq N] [--long] [--json PATH]
                                     [--attention-dtypes float32,bfloat16]
 
@@ -21,7 +22,12 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal self-attention forward+backward (seq 256 / head_dim 32, seq 512, 1024, 2048 and
     4096 / head_dim 64; with --long also 8192 and 16384, 5 samples each), float32 and
     bfloat16: SDPA vs our kernel (target: >= 1.1x), and with attention dropout 0.1 the
-    explicit path (what auto runs without our kernel) vs our kernel.
+    explicit path (what auto runs without our kernel) vs our kernel;
+  - the same with attention sinks (gpt-oss) and with sliding windows of 128 and 1024 keys
+    (gpt-oss, Gemma 3), seq 1024, 2048 and 4096 (bfloat16: 1024 only): SDPA with the
+    equivalent mask (sinks as one more key with a zero value, what auto runs without our
+    kernel; the window as SDPA's boolean mask, where auto's alternative is the explicit
+    path) vs our kernel, which skips the key blocks before each row's window.
 Every CPU line ends with the path the default takes for those inputs (`auto: fused` or
 `auto: plain`) and whether it is the faster one in this run (`faster`, `SLOWER`, or `tie`
 when the two are within 10% of each other, as close as repeated runs here agree). The
@@ -284,6 +290,62 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
                batch=b, heads=heads, head_dim=dim, dropout=dropout, dtype=str(dtype)[6:])
 
 
+def sdpa_masked(q, k, v, window=None, sinks=None):
+    """SDPA of q, k, v [s, b, heads, d] -> [s, b, heads * d] with the mask equivalent to a
+    sliding window (boolean) or with sinks (one more key with a zero value, its score the sink:
+    what auto runs without our kernel there; a window it gives the explicit path)."""
+    from megatron.fused.attention import future_keys, outside_window
+    from megatron.fused.sinks import sdpa_with_sinks
+    s, b, heads, d = q.shape
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    hidden = future_keys(s, s, q.device) if window is None else outside_window(s, s, window,
+                                                                                 q.device)
+    if sinks is not None:
+        out = sdpa_with_sinks(qh, kh, vh, hidden, sinks)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~hidden)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+VARIANT_SHAPES = ((1024, 2, 16, 64), (2048, 1, 16, 64), (4096, 1, 8, 64))
+WINDOWS = (128, 1024)
+
+
+def bench_attention_variants(repeat: int, sinks: bool, max_seq: int = None,
+                             dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """Attention sinks (sinks) or sliding windows (else), forward+backward from the views of
+    a fused QKV projection: our kernel against SDPA with the equivalent mask (`sdpa_masked`)."""
+    variants = [(None, True)] if sinks else [(w, False) for w in WINDOWS]
+    for dtype, (s, b, heads, dim), (window, with_sinks) in (
+            (d, shape, v) for d in dtypes for shape in VARIANT_SHAPES for v in variants):
+        if (max_seq is not None and s > max_seq) or (dtype == torch.bfloat16 and s > 1024):
+            continue  # bfloat16 SDPA with a mask is unfused math: 26 s a step at s1024 here
+        if window is not None and window >= s:
+            continue  # hides no key: plain causal attention (--only attention)
+        qkv = torch.randn(s, b, heads, 3 * dim, dtype=dtype)
+        grad = torch.randn(s, b, heads * dim, dtype=dtype)
+        logits = torch.randn(heads, dtype=dtype) if with_sinks else None
+
+        def step(kernel):
+            def run():
+                x = qkv.detach().requires_grad_()
+                q, k, v = x.split(dim, dim=-1)
+                w = None if logits is None else logits.detach().requires_grad_()
+                out = (fused.causal_attention(q, k, v, dim ** -0.5, 0.0, None, w, window)
+                       if kernel else sdpa_masked(q, k, v, window, w))
+                out.backward(grad)
+            return run
+
+        q = qkv[..., :dim]
+        what = "sinks" if with_sinks else f"window {window}"
+        other = "SDPA+sinks" if with_sinks else "SDPA+mask"
+        report(f"CPU attention {what} fwd+bwd {str(dtype)[6:]} s{s} b{b} h{heads} d{dim}: "
+               f"{other} vs ours", compare([step(False), step(True)], repeat), 1.0,
+               fused.causal_attention_preferred(q, q, q, 0.0, window, with_sinks),
+               kernel="attention", seq=s, batch=b, heads=heads, head_dim=dim, dropout=0.0,
+               dtype=str(dtype)[6:], window=window, sinks=with_sinks)
+
+
 def bench_cuda(repeat: int) -> None:
     sync = torch.cuda.synchronize
     x = torch.randn(64, 1, 2048, 2048, device="cuda")
@@ -320,7 +382,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
-                                           "cross_entropy", "attention", "attention_dropout"),
+                                           "cross_entropy", "attention", "attention_dropout",
+                                           "attention_sinks", "attention_window"),
                         help="time one CPU benchmark only (CUDA ones run in full)")
     parser.add_argument("--attention-dtypes", default="float32,bfloat16",
                         help="the dtypes attention is timed in, comma-separated")
@@ -355,6 +418,10 @@ def main() -> None:
     if args.only in (None, "attention_dropout"):
         model_parallel_seed(1234, 0)
         bench_attention(args.repeat, 0.1, args.max_seq, args.long, args.min_seq, dtypes)
+    if args.only in (None, "attention_sinks"):
+        bench_attention_variants(args.repeat, True, args.max_seq, dtypes)
+    if args.only in (None, "attention_window"):
+        bench_attention_variants(args.repeat, False, args.max_seq, dtypes)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
     bench_json.write(args.json, "fused", repeat=args.repeat, rows=ROWS)

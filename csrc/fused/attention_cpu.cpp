@@ -10,7 +10,10 @@
 // probabilities from the log-sum-exp. The block sizes come from the cache sizes read at
 // start-up (cpu_caches). Causal: key blocks beyond a row group's last query are never
 // touched, which halves the work. q, k, v rows may be strided (views of the fused QKV
-// projection); the head size is a multiple of 16.
+// projection); the head size is a multiple of 16. A sliding window (causal only) of W keys:
+// row i sees keys i - W < j <= i; key blocks wholly before a row group's window are never
+// touched either, so the work is O(s W), and the keys of a block before a row's window are
+// masked like those after it.
 //
 // Attention dropout: probability (i, j) is kept with probability 1 - p and scaled by
 // 1 / (1 - p). Whether it is kept is a hash of (seed, task, i * sq + j) (dropout_keep
@@ -253,6 +256,7 @@ struct Head {
   int64_t sq, hn;
   float scale;
   bool causal;
+  int64_t window = 0;  // 0: none; else (causal) keys i - window < j <= i
   // The head's attention sink: a logit that joins every row's softmax denominator with no
   // value (-inf, weight 0: none; else weight exp(sink - sink) = 1 at the row's start).
   float sink = -kInf, sink_weight = 0.0f;
@@ -265,6 +269,17 @@ struct Head {
   }
   MF_INLINE int64_t visible_keys(int64_t i, int64_t j0, int64_t end) const {
     return std::min(end, row_keys(i)) - j0;
+  }
+  // The first key row i sees.
+  MF_INLINE int64_t first_key(int64_t i) const {
+    return window ? std::max<int64_t>(0, i - window + 1) : 0;
+  }
+  // Scores row[0 : hidden) of row i in the block from j0 lie before its window: set to -inf,
+  // so that they take no part in the max and their exp is 0 (valid: the row's visible
+  // keys counted from j0).
+  MF_INLINE void hide_before_window(float* row, int64_t i, int64_t j0, int64_t valid) const {
+    const int64_t hidden = std::min(valid, first_key(i) - j0);
+    for (int64_t j = 0; j < hidden; ++j) row[j] = -kInf;
   }
 };
 
@@ -279,13 +294,21 @@ MF_INLINE void forward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
                              int64_t os, float* m, float* l, float* lse, const Dropout& drop) {
   const int64_t n = h.group_keys(i0, R, j0, end), n16 = round_lanes(n);
   block_products<R>(s, sld, h.q + i0 * h.qs, h.qs, kt + j0, ld, n16, h.hn, h.scale);
-  const bool first = j0 == 0, last = end >= h.block_keys(i0, R);
+  const bool first = j0 <= h.first_key(i0), last = end >= h.block_keys(i0, R);
   float keep[R], scale[R];
   for (int r = 0; r < R; ++r) {
     float* row = s + r * sld;
     const int64_t valid = h.visible_keys(i0 + r, j0, end);
+    h.hide_before_window(row, i0 + r, j0, valid);
     const float m_old = first ? h.sink : m[r], l_old = first ? h.sink_weight : l[r];
     const float mx = std::max(m_old, row_max(row, valid));
+    if (mx == -kInf) {  // a windowed row that has seen no key yet (and has no sink)
+      fill_zero(row, n16);
+      keep[r] = scale[r] = 1.0f;
+      m[r] = mx;
+      l[r] = l_old;
+      continue;
+    }
     const float sum = exp_row(row, valid, n16, mx);
     keep[r] = std::exp(m_old - mx);  // 0 where m_old is -inf
     l[r] = keep[r] * l_old + sum;
@@ -316,7 +339,9 @@ MF_INLINE void backward_group(const Head& h, int64_t i0, int64_t j0, int64_t end
   for (int r = 0; r < R; ++r) {
     const int64_t i = i0 + r;
     float* prow = p + r * sld;
-    exp_row(prow, h.visible_keys(i, j0, end), n16, lse[i]);  // the probabilities of row i
+    const int64_t valid = h.visible_keys(i, j0, end);
+    h.hide_before_window(prow, i, j0, valid);
+    exp_row(prow, valid, n16, lse[i]);  // the probabilities of row i
     if (drop.active())
       dropout_softmax_grad_row(ds + r * sld, prow, n16, delta[i], drop, i, j0);
     else
@@ -325,7 +350,7 @@ MF_INLINE void backward_group(const Head& h, int64_t i0, int64_t j0, int64_t end
     scale[r] = h.scale;
   }
   block_combine<R>(dq + i0 * dqs, dqs, ds, sld, h.k + j0 * h.ks, h.ks, n, h.hn,
-                   j0 == 0 ? nullptr : keep, scale);
+                   j0 <= h.first_key(i0) ? nullptr : keep, scale);
   block_accumulate<R>(dv, h.hn, p, sld, dout + i0 * dos, dos, n, h.hn, 1.0f);
   block_accumulate<R>(dk, h.hn, ds, sld, h.q + i0 * h.qs, h.qs, n, h.hn, h.scale);
 }
@@ -396,7 +421,8 @@ AttentionTiles attention_tiles(int64_t sq, int64_t hn) {
 void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
                             const float* v, int64_t vs, float* o, int64_t os, float* lse,
                             int64_t sq, int64_t hn, float scale, bool causal,
-                            const Dropout& drop, float* work, const float* sink) {
+                            const Dropout& drop, float* work, const float* sink,
+                            int64_t window) {
   const AttentionTiles t = attention_tiles(sq, hn);
   const int64_t ld = row_pitch(sq), sld = row_pitch(t.forward_keys);
   float* kt = work;
@@ -406,16 +432,18 @@ void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t 
   float* l = m + t.rows;
   transpose_rows(kt, k, sq, ks, hn, ld);
   copy_rows(vc, hn, v, vs, sq, hn);
-  Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal};
+  Head h{q, k, vc, qs, ks, hn, sq, hn, scale, causal, window};
   if (sink) {
     h.sink = *sink;
     h.sink_weight = 1.0f;
   }
   for (int64_t q0 = 0; q0 < sq; q0 += t.rows) {
     const int64_t q1 = std::min(sq, q0 + t.rows);
-    for (int64_t j0 = 0; j0 < h.block_keys(q0, q1 - q0); j0 += t.forward_keys) {
+    const int64_t start = h.first_key(q0) / t.forward_keys * t.forward_keys;
+    for (int64_t j0 = start; j0 < h.block_keys(q0, q1 - q0); j0 += t.forward_keys) {
       const int64_t end = std::min(sq, j0 + t.forward_keys);
       for (int64_t i0 = causal ? std::max(q0, j0) : q0; i0 < q1; i0 += kRows) {
+        if (end <= h.first_key(i0)) break;  // this group's window and the later ones' start after the block
         const int64_t rows = std::min<int64_t>(kRows, q1 - i0);
 #define MF_FORWARD(R) \
   forward_group<R>(h, i0, j0, end, kt, ld, s, sld, o, os, m + (i0 - q0), l + (i0 - q0), lse, drop)
@@ -431,7 +459,7 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
                              const float* dout, int64_t dos, const float* lse, float* dq,
                              int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
                              int64_t sq, int64_t hn, float scale, bool causal,
-                             const Dropout& drop, float* work) {
+                             const Dropout& drop, float* work, int64_t window) {
   const AttentionTiles t = attention_tiles(sq, hn);
   const int64_t ld = row_pitch(sq), sld = row_pitch(t.backward_keys);
   float* kt = work;
@@ -447,11 +475,12 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
   copy_rows(kc, hn, k, ks, sq, hn);
   // delta_i = sum_j p_ij dp_ij = dout_i . o_i, with or without dropout (o = dropped p v)
   for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);
-  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale, causal};
+  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale, causal, window};
   for (int64_t j0 = 0; j0 < sq; j0 += t.backward_keys) {
     const int64_t end = std::min(sq, j0 + t.backward_keys);
     fill_zero(dkb, 2 * t.backward_keys * hn);
     for (int64_t i0 = causal ? j0 : 0; i0 < sq; i0 += kRows) {
+      if (end <= h.first_key(i0)) break;  // the later rows' windows start after the block
       const int64_t rows = std::min<int64_t>(kRows, sq - i0);
 #define MF_BACKWARD(R)                                                                     \
   backward_group<R>(h, i0, j0, end, kt, vt, ld, p, ds, sld, dout, dos, lse, delta, dq, dqs, \

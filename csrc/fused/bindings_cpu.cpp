@@ -255,6 +255,11 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(3));
 }
 
+void check_window(int64_t window, bool causal) {
+  TORCH_CHECK(window >= 0, "the attention window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(window == 0 || causal, "a sliding window needs causal attention");
+}
+
 // (b, head) task -> offset of its first row in a [sq, b, heads, hn] tensor.
 inline int64_t head_offset(const at::Tensor& t, int64_t task) {
   return (task / t.size(2)) * t.stride(1) + (task % t.size(2)) * t.stride(2);
@@ -285,15 +290,18 @@ void for_each_task(int64_t tasks, int64_t work_floats, Fn&& fn) {
 
 // Returns (o [sq, b, heads, hn] contiguous, lse [b * heads, sq] float). causal: keys
 // j <= i, else all keys; dropout_p with the mask of `seed` (see cpu_kernels.h); sinks:
-// float32 [heads], each head's attention-sink logit (in the lse too).
+// float32 [heads], each head's attention-sink logit (in the lse too); window (causal only;
+// 0: none): keys i - window < j <= i.
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale,
                                                      bool causal, double dropout_p,
                                                      int64_t seed,
-                                                     const c10::optional<at::Tensor>& sinks) {
+                                                     const c10::optional<at::Tensor>& sinks,
+                                                     int64_t window) {
   check_attention_inputs(q, k, v);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
   task_dropout(dropout_p, seed, 0, sq);
+  check_window(window, causal);
   const bool has_sinks = sinks.has_value() && sinks->defined();
   TORCH_CHECK(!has_sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
                              sinks->size(0) == q.size(2) && sinks->is_contiguous() &&
@@ -310,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                 op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
                                 static_cast<float>(scale), causal,
                                 task_dropout(dropout_p, seed, t, sq), work,
-                                sp ? sp + t % q.size(2) : nullptr);
+                                sp ? sp + t % q.size(2) : nullptr, window);
   });
   return {o, lse};
 }
@@ -319,8 +327,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& o, const at::Tensor& lse, double scale, bool causal, double dropout_p,
-    int64_t seed) {
+    int64_t seed, int64_t window) {
   check_attention_inputs(q, k, v);
+  check_window(window, causal);
   check_attention_inputs(q, o, dout);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == tasks * sq,
@@ -340,7 +349,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
         gp + head_offset(dout, t), dout.stride(0), lp + t * sq, dqp + head_offset(dq, t),
         dq.stride(0), dkp + head_offset(dk, t), dk.stride(0), dvp + head_offset(dv, t),
         dv.stride(0), sq, hn, static_cast<float>(scale), causal,
-        task_dropout(dropout_p, seed, t, sq), work);
+        task_dropout(dropout_p, seed, t, sq), work, window);
   });
   return {dq, dk, dv};
 }
@@ -387,13 +396,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
   m.def("causal_attention_forward", &mf::attention_forward,
         "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim], causal or over all keys, "
-        "with attention dropout and optional per-head sinks [heads] -> (out, lse)",
+        "with attention dropout, optional per-head sinks [heads] and a sliding window (keys "
+        "i - window < j <= i; 0: none) -> (out, lse)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = true,
-        py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("sinks") = py::none());
+        py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("sinks") = py::none(),
+        py::arg("window") = 0);
   m.def("causal_attention_backward", &mf::attention_backward,
         "gradients of causal_attention_forward -> (dq, dk, dv)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-        py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0);
+        py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0,
+        py::arg("window") = 0);
   m.def("attention_dropout_keep", &mf::attention_dropout_keep,
         "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
   m.def("cpu_caches",

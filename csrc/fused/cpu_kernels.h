@@ -90,17 +90,19 @@ void attention_dropout_keep(uint8_t* keep, int64_t rows, const Dropout& drop);
 // the visible keys (before dropout). `work` holds attention_work_floats floats. The
 // backward writes dq, dk, dv. sink (null: none): the head's attention-sink logit, which
 // joins each row's softmax denominator (and its lse) with no value; the backward takes
-// the lse that includes it.
+// the lse that includes it. window (causal only; 0: none): row i sees keys
+// i - window < j <= i.
 void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t ks,
                             const float* v, int64_t vs, float* o, int64_t os, float* lse,
                             int64_t sq, int64_t hn, float scale, bool causal,
-                            const Dropout& drop, float* work, const float* sink = nullptr);
+                            const Dropout& drop, float* work, const float* sink = nullptr,
+                            int64_t window = 0);
 void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,
                              const float* v, int64_t vs, const float* o, int64_t os,
                              const float* dout, int64_t dos, const float* lse, float* dq,
                              int64_t dqs, float* dk, int64_t dks, float* dv, int64_t dvs,
                              int64_t sq, int64_t hn, float scale, bool causal,
-                             const Dropout& drop, float* work);
+                             const Dropout& drop, float* work, int64_t window = 0);
 int64_t attention_work_floats(int64_t sq, int64_t hn);
 
 // The per-core data caches, in bytes (cpu_caches.cpp): read once at start-up from

@@ -17,6 +17,7 @@ from megatron.fused import choice
 from megatron.fused import kernels as fused_kernels
 from megatron.fused.elementwise import dropout
 from megatron.fused.paths import _ext, cpu_kernels_isa
+from megatron.fused.sinks import sdpa_with_sinks, sink_softmax
 from megatron.fused.softmax import attention_softmax
 
 
@@ -27,16 +28,18 @@ class FusedCausalAttention(torch.autograd.Function):
     dropped by the kernel's counter-based mask of `seed` (`attention_dropout_keep`), which
     the backward regenerates. sinks [heads]: each head's attention-sink logit, which joins
     every row's softmax denominator as exp(sink - max) with no value (gpt-oss); its
-    gradient is -sum_rows exp(sink - lse) (dout . out)."""
+    gradient is -sum_rows exp(sink - lse) (dout . out). window: a sliding window, query i
+    sees keys i - window < j <= i (0: none)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0, sinks=None):
+    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0, sinks=None, window=0):
         wide_sinks = None if sinks is None else sinks.detach().float().contiguous()
         out, lse = _ext(q).causal_attention_forward(*_widened(q, k, v), float(scale), True,
-                                                    float(dropout_p), int(seed), wide_sinks)
+                                                    float(dropout_p), int(seed), wide_sinks,
+                                                    int(window))
         out = out.to(q.dtype)  # bfloat16 inputs: saved and returned in bfloat16
         ctx.save_for_backward(q, k, v, out, lse, wide_sinks)
-        ctx.scale, ctx.dropout = float(scale), (float(dropout_p), int(seed))
+        ctx.scale, ctx.dropout, ctx.window = float(scale), (float(dropout_p), int(seed)), int(window)
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return out
 
@@ -48,10 +51,10 @@ class FusedCausalAttention(torch.autograd.Function):
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         grads = _ext(q).causal_attention_backward(grad, *_widened(q, k, v), wide_out, lse,
-                                                  ctx.scale, True, *ctx.dropout)
+                                                  ctx.scale, True, *ctx.dropout, ctx.window)
         dsinks = None if sinks is None else _sinks_grad(grad, wide_out, lse, sinks)
         return (*(g.to(q.dtype) for g in grads), None, None, None,
-                None if dsinks is None else dsinks.to(ctx.sinks_dtype))
+                None if dsinks is None else dsinks.to(ctx.sinks_dtype), None)
 
 
 def _sinks_grad(grad, out, lse, sinks):
@@ -136,13 +139,39 @@ KERNEL_MAX_SEQ = {"avx512": None, "avx2": 1024, "baseline": 0}
 KERNEL_WITH_DROPOUT = ("avx512", "avx2")
 
 
-def attention_decision(q, dropout_p: float = 0.0) -> choice.Decision:
+def future_keys(sq: int, sk: int, device) -> torch.Tensor:
+    """True where a query (the last sq of sk positions) may not see a key: its future."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+
+
+def outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
+    """True where a query (the last sq of sk positions) may not see a key: in its future,
+    or window or more positions before it."""
+    query = torch.arange(sk - sq, sk, device=device)[:, None]
+    key = torch.arange(sk, device=device)[None, :]
+    return (key > query) | (key <= query - window)
+
+
+def effective_window(window, sk: int):
+    """A sliding window that hides keys of sk positions, else None."""
+    return window if window is not None and window < sk else None
+
+
+def attention_decision(q, dropout_p: float = 0.0, window=None,
+                       sinks: bool = False) -> choice.Decision:
     """The decision of `--attention-impl auto` for q [sq, b, heads, head_dim]: its dtype, the
-    power of two at or above sq and above b * heads, the head size, dropout on or off."""
+    power of two at or above sq and above b * heads, the head size, dropout on or off; a
+    sliding window that hides keys (its power of two; 0: none) and attention sinks, each
+    only when present, so that plain attention keeps its cached decisions."""
     sq, b, heads, dim = q.shape
-    return choice.Decision("attention", str(q.dtype)[6:],
-                           (("s", choice.bucket(sq)), ("d", dim),
-                            ("tasks", choice.bucket(b * heads)), ("dropout", int(dropout_p > 0))))
+    dims = (("s", choice.bucket(sq)), ("d", dim), ("tasks", choice.bucket(b * heads)),
+            ("dropout", int(dropout_p > 0)))
+    window = effective_window(window, sq)
+    if window is not None:
+        dims += (("window", choice.bucket(window)),)
+    if sinks:
+        dims += (("sinks", 1),)
+    return choice.Decision("attention", str(q.dtype)[6:], dims)
 
 
 def _attention_rule(dims, dtype) -> bool:
@@ -153,16 +182,27 @@ def _attention_rule(dims, dtype) -> bool:
     return limit is None or dims["s"] <= limit
 
 
-def plain_causal_attention(q, k, v, dropout_p: float = 0.0):
+def plain_causal_attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=None):
     """What auto runs instead of our kernel for q, k, v [sq, b, heads, head_dim] -> [sq, b,
-    heads * head_dim]: SDPA, or with dropout the explicit path (fused softmax and dropout)
-    that CoreAttention takes (its dropout in the caller's RNG context)."""
+    heads * head_dim], as CoreAttention runs it: SDPA (with sinks: `sdpa_with_sinks`), or
+    with dropout or a sliding window the explicit path (fused softmax, the window as its
+    mask, sinks as a column of `sink_softmax`, dropout in the caller's RNG context)."""
     sq, b, heads, dim = q.shape
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if dropout_p > 0:
+    window = effective_window(window, sq)
+    if dropout_p > 0 or window is not None:
         scores = torch.matmul(q, k.transpose(-1, -2))
-        probs = attention_softmax(scores, scale=dim ** -0.5, causal=True)
-        out = torch.matmul(dropout(probs, dropout_p, True), v)
+        hidden = None if window is None else outside_window(sq, sq, window, q.device)[None, None]
+        if sinks is not None:
+            probs = sink_softmax(scores * dim ** -0.5,
+                                 future_keys(sq, sq, q.device) if hidden is None else hidden,
+                                 sinks)
+        else:
+            probs = attention_softmax(scores, scale=dim ** -0.5, causal=hidden is None,
+                                      mask=hidden)
+        out = torch.matmul(dropout(probs, dropout_p, True) if dropout_p > 0 else probs, v)
+    elif sinks is not None:
+        out = sdpa_with_sinks(q, k, v, future_keys(sq, sq, q.device), sinks)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
@@ -175,42 +215,53 @@ def _attention_steps(dims, dtype):
     tasks = min(dims["tasks"], 2 * max(1, torch.get_num_threads()))
     qkv, grad = torch.randn(s, 1, tasks, 3 * dim, dtype=dtype), torch.randn(s, 1, tasks * dim,
                                                                             dtype=dtype)
+    window = dims.get("window")
+    sinks = torch.zeros(tasks, dtype=dtype) if dims.get("sinks") else None
 
     def step(kernel: bool):
         def run():
             q, k, v = qkv.detach().requires_grad_().split(dim, dim=-1)
-            out = (causal_attention(q, k, v, dim ** -0.5, p, 1234) if kernel
-                   else plain_causal_attention(q, k, v, p))
+            head_sinks = None if sinks is None else sinks.detach().requires_grad_()
+            out = (causal_attention(q, k, v, dim ** -0.5, p, 1234, head_sinks, window) if kernel
+                   else plain_causal_attention(q, k, v, p, window, head_sinks))
             out.backward(grad)
         return run
     return step(True), step(False)
 
 
-choice.register("attention", _attention_steps, _attention_rule,
-                lambda dims: "the explicit path" if dims["dropout"] else "SDPA")
+def _plain_name(dims) -> str:
+    if dims["dropout"] or "window" in dims:
+        return "the explicit path"
+    return "SDPA with sinks" if "sinks" in dims else "SDPA"
 
 
-def causal_attention_preferred(q, k, v, dropout_p: float = 0.0) -> bool:
+choice.register("attention", _attention_steps, _attention_rule, _plain_name)
+
+
+def causal_attention_preferred(q, k, v, dropout_p: float = 0.0, window=None,
+                               sinks: bool = False) -> bool:
     """Whether `--attention-impl auto` runs our CPU kernel for causal self-attention of these
-    q, k, v (no mask, no bias) with this attention dropout (0 when not training): it
-    applies (`causal_attention_fusable`) and `--fused-kernels-choice` (by default measured
-    on this machine, megatron/fused/choice.py) takes it over the other path."""
+    q, k, v (no mask but a sliding window, no bias; with or without sinks) with this
+    attention dropout (0 when not training): it applies (`causal_attention_fusable`) and
+    `--fused-kernels-choice` (by default measured on this machine, megatron/fused/choice.py)
+    takes it over the other path."""
     if not causal_attention_fusable(q, k, v, dropout_p):
         return False
-    return choice.prefer_ours(attention_decision(q, dropout_p))
+    return choice.prefer_ours(attention_decision(q, dropout_p, window, sinks))
 
 
 def causal_attention(q, k, v, scale, dropout_p: float = 0.0, seed: int | None = None,
-                     sinks: torch.Tensor | None = None):
+                     sinks: torch.Tensor | None = None, window: int | None = None):
     """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
     with the CPU kernel (check `causal_attention_fusable` first); dropout_p > 0 drops
     probabilities with the mask of `seed` (None: `attention_dropout_seed()`); sinks: a float
-    tensor [heads] of attention-sink logits (gpt-oss; differentiable) or None."""
+    tensor [heads] of attention-sink logits (gpt-oss; differentiable) or None; window: a
+    sliding window of that many keys (query i sees i - window < j <= i) or None."""
     sq, b, heads, dim = q.shape
     if sinks is not None and tuple(sinks.shape) != (heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)}: pass one logit per head, "
                          f"shape ({heads},)")
     if dropout_p > 0 and seed is None:
         seed = attention_dropout_seed()
-    return FusedCausalAttention.apply(q, k, v, scale, dropout_p, seed or 0, sinks).view(
-        sq, b, heads * dim)
+    return FusedCausalAttention.apply(q, k, v, scale, dropout_p, seed or 0, sinks,
+                                      int(window or 0)).view(sq, b, heads * dim)

@@ -138,10 +138,20 @@ def _sample(fn: Callable, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+CLEAR_WIN_S, CLEAR_WIN_RATIO = 1.0, 3.0
+"""A warm-up call of CLEAR_WIN_S or more that is CLEAR_WIN_RATIO times the other's decides
+alone (SDPA with a sliding window's mask in bfloat16 takes seconds per call where our kernel
+takes tens of milliseconds: the rounds would take minutes)."""
+
+
 def time_pair(ours: Callable, plain: Callable) -> tuple[float, float]:
     """Median seconds per call of (ours, plain): one warm-up call each, then samples of both
-    in turn, the order flipped every round, so that both see the same load."""
-    first = min(_sample(ours, 1), _sample(plain, 1))
+    in turn, the order flipped every round, so that both see the same load (unless the
+    warm-ups already show a clear winner)."""
+    warm = _sample(ours, 1), _sample(plain, 1)
+    if max(warm) >= CLEAR_WIN_S and max(warm) >= CLEAR_WIN_RATIO * min(warm):
+        return warm
+    first = min(warm)
     calls = max(1, math.ceil(MIN_SAMPLE_S / max(first, 1e-9)))
     rounds = int(TIMING_BUDGET_S / max(2 * calls * first, 1e-9))
     rounds = min(MAX_REPEATS, max(MIN_REPEATS, rounds))

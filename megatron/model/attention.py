@@ -13,7 +13,9 @@ from megatron.config import ModelConfig
 from megatron import fused
 from megatron.model import context_parallel as cp
 from megatron.model.positions import AlibiBias, RotaryEmbedding, apply_rotary
-from megatron.model.sinks import make_softmax_offset, sdpa_with_sinks, sink_softmax
+from megatron.fused.attention import effective_window, future_keys, outside_window
+from megatron.fused.sinks import sdpa_with_sinks, sink_softmax
+from megatron.model.sinks import make_softmax_offset
 from megatron.mpu.sharding import qkv_meta
 from megatron.model.spec import make_norm
 from megatron.mpu import checkpoint, get_rng_tracker
@@ -23,25 +25,12 @@ from megatron.mpu.mappings import (copy_to_tensor_model_parallel_region, group_r
                                    sum_replica_grads)
 
 
-def _future(sq: int, sk: int, device) -> torch.Tensor:
-    """True where a query (the last sq of sk positions) may not see a key."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
-
-
-def _outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
-    """True where a query (the last sq of sk positions) may not see a key: in its future,
-    or window or more positions before it."""
-    query = torch.arange(sk - sq, sk, device=device)[:, None]
-    key = torch.arange(sk, device=device)[None, :]
-    return (key > query) | (key <= query - window)
-
-
 def windowed_mask(mask, sq: int, sk: int, window, device):
     """`mask` (None: causal) with the sliding window's hidden keys added; unchanged when
     no key falls outside the window."""
-    if window is None or sk <= window:
+    if effective_window(window, sk) is None:
         return mask
-    hidden = _outside_window(sq, sk, window, device)[None, None]
+    hidden = outside_window(sq, sk, window, device)[None, None]
     return hidden if mask is None else mask.bool() | hidden
 
 
@@ -136,11 +125,14 @@ class CoreAttention(torch.nn.Module):
         return self._attend(q, k, v, mask, bias, heads)
 
     def _attend(self, q, k, v, mask, bias, heads):
-        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
+        """A sliding window is our kernel's (it skips the key blocks before each row's
+        window) or a mask for the other paths."""
+        window = effective_window(self.window, k.shape[0])
         sinks = self.sinks(heads)
         kernel_v = _kernel_values(q, v) if mask is None and bias is None else v
-        if self._use_cpu_kernel(q, k, kernel_v, mask, bias):
-            return self._cpu_kernel(q, k, kernel_v, v.shape[-1], sinks)
+        if self._use_cpu_kernel(q, k, kernel_v, mask, bias, window, sinks is not None):
+            return self._cpu_kernel(q, k, kernel_v, v.shape[-1], sinks, window)
+        mask = windowed_mask(mask, q.shape[0], k.shape[0], self.window, q.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, np, s, hn]
         with_sinks = "" if sinks is None else f", {self.cfg.softmax_type} sinks"
         if self._use_sdpa(mask, q, bias):
@@ -154,19 +146,22 @@ class CoreAttention(torch.nn.Module):
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
-    def _cpu_kernel(self, q, k, v, value_dim: int, sinks=None):
-        """Our CPU kernel (sinks: this rank's sink logits or None); values zero-padded to the
-        q / k head size (`_kernel_values`) give outputs whose padded channels are dropped here."""
+    def _cpu_kernel(self, q, k, v, value_dim: int, sinks=None, window=None):
+        """Our CPU kernel (sinks: this rank's sink logits or None; window: a sliding window
+        or None); values zero-padded to the q / k head size (`_kernel_values`) give outputs
+        whose padded channels are dropped here."""
         p = self._dropout_p()
         with_sinks = "" if sinks is None else f", {self.cfg.softmax_type} sinks"
+        with_window = "" if window is None else f", window {window}"
         fused.announce("attention", f"our CPU kernel ({self.cfg.attention_impl}, "
-                                    f"{fused.cpu_kernels_isa()}, dropout {p}{with_sinks})")
+                                    f"{fused.cpu_kernels_isa()}, dropout {p}{with_sinks}"
+                                    f"{with_window})")
         seed = None
         if p > 0:
             with get_rng_tracker().fork():  # TP ranks: the model-parallel generator
                 seed = fused.attention_dropout_seed()
         scale = self.cfg.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
-        out = fused.causal_attention(q, k, v, scale, p, seed, sinks)
+        out = fused.causal_attention(q, k, v, scale, p, seed, sinks, window)
         if value_dim == v.shape[-1]:
             return out
         s, b, heads = q.shape[:3]
@@ -175,19 +170,20 @@ class CoreAttention(torch.nn.Module):
     def _dropout_p(self) -> float:
         return self.dropout_p if self.training else 0.0
 
-    def _use_cpu_kernel(self, q, k, v, mask, bias):
-        """auto, with fusions on: our CPU flash-attention kernel (attention dropout
-        included) for plain causal self-attention in float32, where it is faster than the
-        other path on this instruction set (fused.causal_attention_preferred)."""
+    def _use_cpu_kernel(self, q, k, v, mask, bias, window=None, sinks: bool = False):
+        """auto, with fusions on: our CPU flash-attention kernel (attention dropout, a
+        sliding window and sinks included) for causal self-attention, where it is faster
+        than the other path on this machine (fused.causal_attention_preferred)."""
         return (self.cfg.attention_impl == "auto" and self._fusion() and mask is None
                 and bias is None
-                and fused.causal_attention_preferred(q, k, v, self._dropout_p()))
+                and fused.causal_attention_preferred(q, k, v, self._dropout_p(), window, sinks))
 
     def _use_sdpa(self, mask, q, bias):
         """auto: SDPA for plain causal attention, except where our path is faster or
-        needed: explicit masks, ALiBi, fp16 layer scaling, and dropout on CPUs (SDPA
-        then falls back to unfused math with slow Bernoulli sampling). sdpa: always
-        (ALiBi then goes in as a float mask)."""
+        needed: explicit masks (a sliding window's too: in bfloat16 SDPA with a mask is
+        unfused math, seconds a step), ALiBi, fp16 layer scaling, and dropout on CPUs (SDPA
+        then falls back to unfused math with slow Bernoulli sampling). sdpa: always (ALiBi
+        then goes in as a float mask)."""
         impl = self.cfg.attention_impl
         if impl == "sdpa":
             return True
@@ -201,13 +197,13 @@ class CoreAttention(torch.nn.Module):
         p = self.dropout_p if self.training else 0.0
         sq, sk = q.shape[2], k.shape[2]
         if sinks is not None:
-            hidden = mask.bool() if mask is not None else _future(sq, sk, q.device)
+            hidden = mask.bool() if mask is not None else future_keys(sq, sk, q.device)
             with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
                 return sdpa_with_sinks(q, k, v, hidden, sinks, p, bias, self.cfg.softmax_scale)
         causal = mask is None and sq == sk and bias is None
         attn_mask = None
         if not causal:
-            hidden = mask.bool() if mask is not None else _future(sq, sk, q.device)
+            hidden = mask.bool() if mask is not None else future_keys(sq, sk, q.device)
             if bias is None:
                 attn_mask = ~hidden
             else:
@@ -226,7 +222,7 @@ class CoreAttention(torch.nn.Module):
         if bias is not None:
             scores = scores + (bias / coeff if coeff != 1.0 else bias)
         if sinks is not None:
-            hidden = mask.bool() if mask is not None else _future(*scores.shape[-2:], q.device)
+            hidden = mask.bool() if mask is not None else future_keys(*scores.shape[-2:], q.device)
             probs = sink_softmax(scores * coeff, hidden, sinks)
         else:
             probs = fused.attention_softmax(

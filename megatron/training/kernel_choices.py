@@ -5,10 +5,10 @@ megatron/fused/choice.py answers each decision (op, dtype, shape bucket) by the 
 one point of the program, and model build is that point: `build_model` runs on every rank,
 in the same order, before any forward. `planned_decisions` lists what this rank's forwards
 will ask (from the config: attention per sequence, micro batch and heads on this rank, in
-training with attention dropout and in evaluation without; the norms over the rows on this
-rank; the head's exp_sum_ over this rank's vocabulary), each only where our kernel applies
-to stand-ins of that shape. A decision not listed here (a shape the planner did not
-foresee) takes the op's rule on every rank, without a timing.
+training with attention dropout and in evaluation without, per sliding window, with sinks;
+the norms over the rows on this rank; the head's exp_sum_ over this rank's vocabulary),
+each only where our kernel applies to stand-ins of that shape. A decision not listed here
+(a shape the planner did not foresee) takes the op's rule on every rank, without a timing.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from megatron import fused
 from megatron.fused import choice
-from megatron.fused.attention import attention_decision
+from megatron.fused.attention import attention_decision, effective_window
 from megatron.fused.elementwise import exp_sum_decision
 from megatron.fused.norms import norm_decision
 
@@ -48,15 +48,22 @@ def _attention(config, dtype) -> list:
     if m.position_embedding_type == "alibi":
         return []  # no layer attends with a plain causal mask
     q = attention_stand_in(config, dtype)
-    stand_ins = [] if len(m.masked_layers(m.seq_length)) == m.num_layers else [q]
+    seq = q.shape[0]
+    # the sliding windows (None: full attention) of the layers without attention chunks,
+    # which our kernel takes as they are; chunked layers: folded into the batch, below
+    windows = {effective_window(m.window_for_layer(n), seq) for n in range(1, m.num_layers + 1)
+               if not (m.chunk_for_layer(n) or seq) < seq}
+    stand_ins = [(q, window) for window in sorted(windows, key=lambda w: w or 0)]
     chunk = m.attention_chunk_size
     if chunk and q.shape[0] > chunk and q.shape[0] % chunk == 0:  # chunks folded into the batch
-        stand_ins.append(_stand_in((chunk, q.shape[0] // chunk * q.shape[1], *q.shape[2:]), dtype))
+        stand_ins.append((_stand_in((chunk, q.shape[0] // chunk * q.shape[1], *q.shape[2:]),
+                                    dtype), None))
+    sinks = m.softmax_type != "vanilla"
     out = []
-    for q in stand_ins:
+    for q, window in stand_ins:
         for dropout in dict.fromkeys((m.attention_dropout, 0.0)):
             if fused.causal_attention_fusable(q, q, q, dropout):
-                out.append(attention_decision(q, dropout))
+                out.append(attention_decision(q, dropout, window, sinks))
     return out
 
 

@@ -306,14 +306,22 @@ def _saves_probabilities(config, device_type: str) -> bool:
         return False
     if m.attention_impl != "auto":
         return True
-    masked = bool(m.masked_layers(m.seq_length))  # counted for every layer: an upper bound
-    if masked or m.position_embedding_type == "alibi":
+    if _masked_attention(m) or m.position_embedding_type == "alibi":
         return True
     if device_type == "cpu" and _cpu_kernel_runs(config):
         return False
     cpu_dropout = m.attention_dropout > 0 and device_type == "cpu"
     scaled_fp16 = config.training.fp16 and m.apply_query_key_layer_scaling
     return cpu_dropout or scaled_fp16
+
+
+def _masked_attention(m) -> bool:
+    """Some layer attends with a mask that takes the explicit path: attention chunks that do
+    not tile the sequence (chunks that do are folded into the batch; a sliding window alone is
+    our kernel's or SDPA's mask). Counted for every layer: an upper bound."""
+    seq = m.seq_length
+    return any(seq % m.chunk_for_layer(n) for n in m.masked_layers(seq)
+               if (m.chunk_for_layer(n) or seq) < seq)
 
 
 def local_seq_length(config) -> int:

@@ -110,7 +110,7 @@ def _close(predicted, measured, what):
 
 ONE_PROCESS = [(), ("--recompute-granularity", "selective"), ("--recompute-granularity", "full"),
                ("--attention-impl", "torch"), ("--bf16",),
-               # the explicit softmax (its probabilities) where CoreAttention takes it
+               # ALiBi: the explicit softmax (its probabilities); a window: our kernel or SDPA
                ("--position-embedding-type", "alibi"), ("--window-size", "16"),
                ("--sandwich-norm",)]
 

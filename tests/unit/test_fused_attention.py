@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron import fused
+from megatron.fused.attention import outside_window
 from tests.fused_checks import (explicit_attention, kernels,  # noqa: F401 (loads them)
                                 outputs_and_grads, rel_err)
 
@@ -291,3 +292,55 @@ def test_attention_sinks_match_softmax_over_scores_and_sink(kernels, s, dim, p, 
     assert not torch.allclose(plain, out)  # the sinks take weight
     with pytest.raises(ValueError, match=r"one logit per head, shape \(3,\)"):
         fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, sinks=torch.zeros(2))
+
+
+def window_attention(q, k, v, scale, window, sinks=None, keep=None, dropout_p=0.0):
+    """Reference: softmax over scale q k^T where query i sees keys i - window < j <= i (with
+    a sink column when `sinks`), the kernel's dropout mask `keep` applied, in plain PyTorch."""
+    s, b, heads, d = q.shape
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(
+        outside_window(s, s, window, q.device), float("-inf"))
+    if sinks is not None:
+        sink = sinks.view(1, heads, 1, 1).expand(b, heads, s, 1).to(scores.dtype)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        probs = probs * keep.view(b, heads, s, s) / (1.0 - dropout_p)
+    return (probs @ vh).permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+@pytest.mark.parametrize("s,dim,window,p,tiny,with_sinks", [
+    (70, 32, 8, 0.0, False, False), (70, 32, 8, 0.0, True, False),
+    (130, 16, 40, 0.0, True, True), (97, 16, 1, 0.0, True, False),
+    (100, 48, 33, 0.2, True, False), (45, 16, 5, 0.25, False, True),
+    (40, 16, 64, 0.0, True, False)])
+def test_sliding_window_matches_masked_softmax(kernels, s, dim, window, p, tiny, with_sinks):
+    """causal_attention(..., window=): output and gradients against a softmax over the
+    window's keys in float64, with many key blocks (tiny caches: blocks of 32 keys, so that
+    whole blocks lie before a row group's window and rows of one group start in different
+    blocks) or one, windows of 1 key to wider than the sequence, with dropout and sinks."""
+    torch.manual_seed(s + window)
+    b, heads, seed = 2, 3, 7 + s
+    qkv, grad = torch.randn(s, b, heads, 3 * dim), torch.randn(s, b, heads * dim)
+    sinks = torch.tensor([-2.0, 0.5, 4.0]) if with_sinks else None
+    keep = fused.attention_dropout_keep(b * heads, s, p, seed) if p else None
+    if tiny:
+        kernels.set_cpu_caches(4096, 16384)
+    inputs = [qkv] if sinks is None else [qkv, sinks]
+    try:
+        out, grads = outputs_and_grads(
+            lambda x, w=None: fused.causal_attention(*x.split(dim, dim=-1), 0.2, p, seed, w,
+                                                     window), inputs, grad)
+    finally:
+        kernels.set_cpu_caches(0, 0)
+    ref, ref_grads = outputs_and_grads(
+        lambda x, w=None: window_attention(*x.split(dim, dim=-1), 0.2, window, w, keep, p),
+        [t.double() for t in inputs], grad.double())
+    assert rel_err(out, ref.float()) < 2e-6
+    for got, want in zip(grads, ref_grads):
+        # a window of one key: q's gradient is 0 up to float32 rounding of p (dp - delta)
+        assert rel_err(got, want.float()) < 5e-6 or window == 1 and got.abs().max() < 1e-5
+    full = fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, p, seed, sinks)
+    assert torch.allclose(full, out) == (window >= s)  # the window hides keys unless it spans s

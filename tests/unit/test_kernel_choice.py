@@ -136,11 +136,15 @@ def test_flag_sets_the_mode_at_model_build(auto):
 
 
 @pytest.mark.parametrize("extra", [[], ["--num-layers", "2", "--position-embedding-type", "rope",
-                                         "--attention-chunk-size", "8", "--no-rope-freq", "2"]],
-                         ids=["plain", "llama4-chunks"])
+                                         "--attention-chunk-size", "8", "--no-rope-freq", "2"],
+                                   ["--num-layers", "2", "--window-size", "8",
+                                    "--window-attn-skip-freq", "2", "--softmax-type",
+                                    "learnable"]],
+                         ids=["plain", "llama4-chunks", "gpt-oss-windows-sinks"])
 def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch, extra):
     """A model build agrees the decisions its forward then asks: no timing after build (with
-    attention chunks: the full causal NoPE layer and the chunks folded into the batch)."""
+    attention chunks: the full causal NoPE layer and the chunks folded into the batch; with
+    windows and sinks: the windowed layer's and the full layer's, each with sinks)."""
     from functools import partial
 
     import pretrain_gpt
@@ -166,6 +170,10 @@ def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch, extra):
         if training:
             loss.sum().backward()
     assert auto["calls"] == built, "the forward asked a decision the build did not plan"
+    if "--window-size" in extra:
+        dims = {tuple(d.dims) for d, _threads in choice._STATE.table if d.op == "attention"}
+        assert any(("window", 8) in d and ("sinks", 1) in d for d in dims), dims
+        assert any(("sinks", 1) in d and not any(n == "window" for n, _ in d) for d in dims), dims
 
 
 def test_time_pair_takes_the_faster_of_two_under_interleaving():
@@ -175,6 +183,24 @@ def test_time_pair_takes_the_faster_of_two_under_interleaving():
     assert fast < slow
     slow, fast = choice.time_pair(sleeper(0.004), sleeper(0.001))
     assert fast < slow
+
+
+def test_time_pair_stops_at_a_clear_winner_of_the_warm_ups(monkeypatch):
+    """A warm-up call long enough and several times the other's decides alone (a bfloat16
+    SDPA with a window's mask takes seconds); closer ones go on to the interleaved rounds."""
+    calls = {"fast": 0, "slow": 0}
+
+    def sleeper(name, seconds):
+        def call():
+            calls[name] += 1
+            time.sleep(seconds)
+        return call
+    monkeypatch.setattr(choice, "CLEAR_WIN_S", 0.02)
+    fast, slow = choice.time_pair(sleeper("fast", 0.005), sleeper("slow", 0.03))
+    assert fast < slow and calls == {"fast": 1, "slow": 1}
+    calls.update(fast=0, slow=0)
+    choice.time_pair(sleeper("fast", 0.015), sleeper("slow", 0.03))
+    assert calls["fast"] > 1 and calls["slow"] > 1
 
 
 def test_a_timing_at_first_use_leaves_rng_and_grad_mode_alone(auto, monkeypatch):
