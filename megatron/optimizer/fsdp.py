@@ -31,6 +31,9 @@ class FSDPOptimizer(MegatronOptimizer):
         a bf16 run without FSDP does (megatron.checkpointing.dist_state.saves_fp32)."""
         super().__init__(cfg, models, pstate, grad_scaler)
         self.fp32_main_params = fp32_main_params
+        self.fused_adam = cfg.optimizer == "adam" and fused_adamw_available(
+            [local(p) for p in self.model_params])
+        """Adam steps the local shards with torch's fused kernel (fp32 shards on one device)."""
 
     def _norm_and_nonfinite(self, grads) -> Tuple[float, bool]:
         params, shards, starts = local_shards(self.model_params, grads)
@@ -39,11 +42,10 @@ class FSDPOptimizer(MegatronOptimizer):
                                   **expert_norm_groups(self.pstate))
 
     def _update(self, grads, coeff: Optional[float]) -> None:
-        shards = [local(p) for p in self.model_params]
-        if self.cfg.optimizer != "adam" or not fused_adamw_available(shards):
+        if not self.fused_adam:
             super()._update(grads, coeff)
             return
-        grad_scale = clip_grad_scale(coeff, shards[0].device)
+        grad_scale = clip_grad_scale(coeff, local(self.model_params[0]).device)
         grad_of = dict(zip(map(id, self.model_params), grads))
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if grad_of.get(id(p)) is not None]

@@ -75,7 +75,8 @@ def moe_pattern(hf: dict) -> list:
     if listed is None:
         step = int(hf.get("interleave_moe_layer_step") or 1)
         listed = range(step - 1, n, step)
-    return [int(i in set(listed)) for i in range(n)]
+    chosen = set(listed)
+    return [int(i in chosen) for i in range(n)]
 
 
 def _every_nth(pattern: list):
