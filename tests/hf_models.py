@@ -350,3 +350,27 @@ def assert_same_hf_dirs(original: str, back: str) -> None:
         if name.endswith(".json"):
             with open(os.path.join(original, name)) as a, open(os.path.join(back, name)) as b:
                 assert json.load(a) == json.load(b), name
+
+
+def check_multimodal_text_part(model, tmp_path, capsys, multimodal: str, text: str):
+    """A saved multimodal model (in tmp_path / "hf") imports as its text model `text`, said
+    in one line naming `multimodal`, with the logits of its text-only forward within 1e-5,
+    and exports as `text`. Returns (export dir, tokens, expected logits)."""
+    from tests.gpt_setup import one_thread
+    from tools import convert_checkpoint
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    assert convert_checkpoint.main(["--from", "hf", "--to", "megatron", "--load",
+                                    str(tmp_path / "hf"), "--save", ckpt]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
+    assert len(notes) == 1 and multimodal in notes[0], notes
+    vocab = model.config.text_config.vocab_size
+    tokens = prompts(vocab)
+    with torch.no_grad(), one_thread():
+        expected = model(input_ids=tokens).logits
+        ours = load_ours(ckpt, vocab)[0][0]
+        assert rel_err(ours(tokens, position_ids(tokens))[..., :vocab], expected) < 1e-5
+    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
+                                    "--save", back]) == 0
+    with open(os.path.join(back, "config.json")) as f:
+        assert json.load(f)["architectures"] == [text]
+    return back, tokens, expected

@@ -15,7 +15,6 @@ context-parallel ring attention takes the sink once, after every key block
 """
 import torch
 
-from megatron.fused.sinks import sdpa_with_sinks, sink_softmax  # noqa: F401 (the paths' home)
 from megatron.mpu.layers import init_normal, set_parallel_attributes
 
 

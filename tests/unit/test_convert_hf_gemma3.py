@@ -4,7 +4,6 @@ sliding and full layers, local and global RoPE bases, linear scaling on the glob
 the text part of Gemma3ForConditionalGeneration, the layer-type patterns, the defaults of a
 partial text_config and the refusals, checked against `transformers` itself."""
 import json
-import os
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ import torch
 from megatron.checkpointing.hf import gemma3
 from tests import oracles
 from tests.gpt_setup import one_thread
-from tests.hf_models import (FAMILIES, converted, load_ours, perturb, position_ids, prompts,
-                             rel_err, save_hf_model)
+from tests.hf_models import (FAMILIES, check_multimodal_text_part, converted, load_ours,
+                             perturb, position_ids, rel_err, save_hf_model)
 from tools import convert_checkpoint
 
 pytestmark = oracles.needs("transformers")
@@ -47,22 +46,9 @@ def _multimodal(directory: str):
 def test_text_part_of_the_multimodal_model(tmp_path, capsys):
     """Imported as its Gemma3ForCausalLM (said in one line); logits of its text-only forward;
     exported as a Gemma3ForCausalLM that transformers loads with the same logits."""
-    model = _multimodal(str(tmp_path / "hf"))
-    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    assert convert_checkpoint.main(["--from", "hf", "--to", "megatron", "--load",
-                                    str(tmp_path / "hf"), "--save", ckpt]) == 0
-    notes = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
-    assert len(notes) == 1 and "Gemma3ForConditionalGeneration" in notes[0], notes
-    vocab = model.config.text_config.vocab_size
-    tokens = prompts(vocab)
-    with torch.no_grad(), one_thread():
-        expected = model(input_ids=tokens).logits
-        ours = load_ours(ckpt, vocab)[0][0]
-        assert rel_err(ours(tokens, position_ids(tokens))[..., :vocab], expected) < 1e-5
-    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
-                                    "--save", back]) == 0
-    with open(os.path.join(back, "config.json")) as f:
-        assert json.load(f)["architectures"] == ["Gemma3ForCausalLM"]
+    back, tokens, expected = check_multimodal_text_part(
+        _multimodal(str(tmp_path / "hf")), tmp_path, capsys, "Gemma3ForConditionalGeneration",
+        "Gemma3ForCausalLM")
     from transformers import AutoModelForCausalLM
     text = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
     with torch.no_grad(), one_thread():

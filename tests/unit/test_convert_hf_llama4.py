@@ -23,7 +23,8 @@ from megatron.checkpointing.hf import llama4
 from megatron.text_generation import generate
 from tests import oracles
 from tests.gpt_setup import one_thread
-from tests.hf_models import (NEW_TOKENS, PROMPT_LEN, converted, hf_greedy, load_ours,
+from tests.hf_models import (NEW_TOKENS, PROMPT_LEN, check_multimodal_text_part, converted,
+                             converted_family, hf_greedy, load_converted, load_ours,
                              load_safetensors, perturb, position_ids, prompts, rel_err,
                              save_hf_model, save_word_tokenizer)
 from tools import convert_checkpoint
@@ -34,18 +35,12 @@ pytestmark = oracles.needs("transformers")
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """(HF model, work dir with hf/ and ckpt_tp1_pp1/)."""
-    work = str(tmp_path_factory.mktemp("llama4"))
-    model = save_hf_model("llama4", os.path.join(work, "hf"))
-    converted(work, "llama4")
-    return model, work
+    return converted_family("llama4", tmp_path_factory)[1:]
 
 
 @pytest.fixture(scope="module")
 def ours(family):
-    hf_model, work = family
-    with one_thread():
-        models, tokenizer, _, config = load_ours(os.path.join(work, "ckpt_tp1_pp1"),
-                                                 hf_model.config.vocab_size)
+    models, tokenizer, _, config = load_converted(("llama4", *family))
     return models[0], tokenizer, config
 
 
@@ -191,22 +186,8 @@ def _multimodal(directory: str):
 
 
 def test_text_part_of_the_multimodal_model(tmp_path, capsys):
-    model = _multimodal(str(tmp_path / "hf"))
-    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    assert convert_checkpoint.main(["--from", "hf", "--to", "megatron", "--load",
-                                    str(tmp_path / "hf"), "--save", ckpt]) == 0
-    notes = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
-    assert len(notes) == 1 and "Llama4ForConditionalGeneration" in notes[0], notes
-    vocab = model.config.text_config.vocab_size
-    tokens = prompts(vocab)
-    with torch.no_grad(), one_thread():
-        expected = model(input_ids=tokens).logits
-        ours = load_ours(ckpt, vocab)[0][0]
-        assert rel_err(ours(tokens, position_ids(tokens))[..., :vocab], expected) < 1e-5
-    assert convert_checkpoint.main(["--from", "megatron", "--to", "hf", "--load", ckpt,
-                                    "--save", back]) == 0
-    with open(os.path.join(back, "config.json")) as f:
-        assert json.load(f)["architectures"] == ["Llama4ForCausalLM"]
+    check_multimodal_text_part(_multimodal(str(tmp_path / "hf")), tmp_path, capsys,
+                               "Llama4ForConditionalGeneration", "Llama4ForCausalLM")
 
 
 @pytest.mark.parametrize("changes, words", [
