@@ -383,8 +383,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--only", choices=("softmax", "layer_norm", "rms_norm", "bias_gelu",
                                            "cross_entropy", "attention", "attention_dropout",
-                                           "attention_sinks", "attention_window"),
-                        help="time one CPU benchmark only (CUDA ones run in full)")
+                                           "attention_sinks", "attention_window", "cuda"),
+                        help="time one CPU benchmark only (CUDA ones run in full); cuda: the "
+                             "CUDA ones alone")
     parser.add_argument("--attention-dtypes", default="float32,bfloat16",
                         help="the dtypes attention is timed in, comma-separated")
     parser.add_argument("--min-seq", type=int, default=None,
@@ -408,7 +409,8 @@ def main() -> None:
     print(f"kernels loaded in {time.perf_counter() - start:.2f} s, threads={args.threads}")
     print(fused_kernels.cpu_description())
     print(f"kernel choice: {choice.mode()} (megatron/fused/choice.py), cache {choice.cache_path()}")
-    bench_cpu(args.repeat, args.only)
+    if args.only != "cuda":
+        bench_cpu(args.repeat, args.only)
     if args.only in (None, "bias_gelu"):
         bench_bias_gelu(args.repeat, args.compile)
     if args.only in (None, "cross_entropy"):
