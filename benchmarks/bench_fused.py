@@ -369,8 +369,9 @@ def bench_cuda(repeat: int) -> None:
                                                                          dtype=dtype)
         gl = torch.randn_like(xl)
         report(f"CUDA layer norm fwd+bwd [32768,4096] {dtype}",
-               compare([layer_norm_step(xl, w, b, gl, False), layer_norm_step(xl, w, b, gl, True)],
-                       repeat, sync=sync))
+               compare([layer_norm_step(xl, w, b, gl, False),
+                        layer_norm_step(xl, w, b, gl, "kernel")], repeat, sync=sync), None,
+               fused.layer_norm_preferred(xl, w, b))
         report(f"CUDA RMSNorm fwd+bwd [32768,4096] {dtype}",
                compare([rms_norm_step(xl, w, gl, False), rms_norm_step(xl, w, gl, True)],
                        repeat, sync=sync))

@@ -187,15 +187,21 @@ def interleaved(steps_by_name, args):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile(steps_by_name, rows: int) -> None:
-    """torch.profiler's operator table (self time) of one step of each contender."""
+def profile(steps_by_name, rows: int, device) -> None:
+    """torch.profiler's operator table (self time; on CUDA, self CUDA time) of one step of
+    each contender."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name, step in steps_by_name.items():
         step()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        sync(device)
+        with torch_profile(activities=activities) as prof:
             step()
+            sync(device)
         print(f"--- {name}")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+        print(prof.key_averages().table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows))
 
 
 def parse(argv=None):
@@ -266,7 +272,7 @@ def main(argv=None):
     for name in args.peers:
         steps[name] = build_peer(args, text, makers[name])
     if args.profile:
-        return profile(steps, args.profile)
+        return profile(steps, args.profile, args.device)
     results = report(args, config, interleaved(steps, args))
     size = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "batch", "vocab",
                                           "dropout", "reps", "steps", "device", "our_flags")}

@@ -87,8 +87,8 @@ def layer_norm_fusable(x, weight, bias) -> bool:
 
 def layer_norm_preferred(x, weight, bias) -> bool:
     """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: wherever it
-    applies (`layer_norm_fusable`) and is built, and on CPUs where `--fused-kernels-choice`
-    takes it (by default measured against F.layer_norm per dtype, hidden size and power of
+    applies (`layer_norm_fusable`) and is built, on CUDA where `CUDA_RULE` or the mode takes
+    it, and on CPUs where `--fused-kernels-choice` takes it (by default measured against F.layer_norm per dtype, hidden size and power of
     two of the rows: megatron/fused/choice.py). The rule (`rule`, and decisions not agreed
     across ranks) takes it: `benchmarks/bench_fused.py` (forward+backward, [8192, 1024],
     [4096, 512] and [2048, 256], float32 and bfloat16) measured it at least as fast as
@@ -107,8 +107,19 @@ def norm_decision(op: str, x) -> choice.Decision:
                                                   ("hidden", hidden)))
 
 
+# On CUDA the norms follow a fixed rule (choice.py times on CPUs only), set by
+# benchmarks/gpu_check.sh on an H200 (forward+backward of [32768, 4096], bf16 and fp16):
+# our layer norm 1.03 ms against F.layer_norm's 0.66 ms, so F.layer_norm; our RMSNorm
+# 1.00 ms against 5.3 ms for the float32 PyTorch ops, so ours. The modes ours and plain
+# (--fused-kernels-choice) still decide.
+CUDA_RULE = {"layer_norm": False, "rms_norm": True}
+
+
 def _measured_choice(op: str, x) -> bool:
-    return x.device.type != "cpu" or choice.prefer_ours(norm_decision(op, x))
+    if x.device.type == "cpu":
+        return choice.prefer_ours(norm_decision(op, x))
+    current = choice.mode()
+    return current == "ours" if current in ("ours", "plain") else CUDA_RULE[op]
 
 
 # A timing of a norm decision runs at most this many elements (64 MiB of float32).

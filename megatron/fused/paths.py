@@ -65,8 +65,9 @@ def _announce_norm(op: str, x: torch.Tensor, kernel: bool, fusion: bool, plain: 
         path = f"our {x.device.type.upper()} kernel{isa}"
     else:
         why = ("fusion off" if not fusion else
-               "the kernel choice, see its line" if declined and fused_kernels.get_extension(
-                   x.device.type) is not None else
+               "the kernel choice, see its line" if declined and x.device.type == "cpu" else
+               f"the {x.device.type.upper()} rule: measured faster, megatron/fused/norms.py"
+               if declined and fused_kernels.get_extension(x.device.type) is not None else
                "kernels not built" if fused_kernels.get_extension(x.device.type) is None else
                f"{str(x.dtype)[6:]} [..., {x.shape[-1]}] outside the kernel's constraints")
         path = f"{plain} ({why})"

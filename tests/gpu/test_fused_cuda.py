@@ -97,7 +97,7 @@ def test_layer_norm(dtype, shape):
     b = torch.randn(hidden, device="cuda").to(dtype)
     g = torch.randn(shape, device="cuda").to(dtype)
     assert fused.layer_norm_fusable(x, w, b)
-    y, grads = run(lambda *t: fused.layer_norm(*t, 1e-5), [x, w, b], g)
+    y, grads = run(lambda *t: fused.fused_layer_norm(*t, 1e-5), [x, w, b], g)
     y_ref, grads_ref = run(
         lambda *t: torch.nn.functional.layer_norm(t[0], (hidden,), t[1], t[2], 1e-5),
         [x.float(), w.float(), b.float()], g.float())
@@ -106,15 +106,23 @@ def test_layer_norm(dtype, shape):
         assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
 
 
+def test_layer_norm_takes_the_cuda_rule():
+    x = torch.randn(8, 1024, device="cuda", requires_grad=True)
+    w, b = torch.ones(1024, device="cuda"), torch.zeros(1024, device="cuda")
+    assert fused.layer_norm_fusable(x, w, b)
+    assert fused.layer_norm_preferred(x, w, b) == fused.norms.CUDA_RULE["layer_norm"]
+    assert fused.rms_norm(x, w, 1e-5).grad_fn is not None
+
+
 def test_layer_norm_grads_deterministic_and_stream_aware():
     torch.manual_seed(0)
     x, g = torch.randn(1000, 768, device="cuda"), torch.randn(1000, 768, device="cuda")
     w, b = torch.rand(768, device="cuda"), torch.randn(768, device="cuda")
-    first = run(lambda *t: fused.layer_norm(*t, 1e-5), [x, w, b], g)[1]
+    first = run(lambda *t: fused.fused_layer_norm(*t, 1e-5), [x, w, b], g)[1]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        second = run(lambda *t: fused.layer_norm(*t, 1e-5), [x, w, b], g)[1]
+        second = run(lambda *t: fused.fused_layer_norm(*t, 1e-5), [x, w, b], g)[1]
     torch.cuda.synchronize()
     for a, b_ in zip(first, second):
         assert torch.equal(a, b_)
