@@ -187,7 +187,7 @@ def interleaved(steps_by_name, args):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile(steps_by_name, rows: int, device) -> None:
+def profile(steps_by_name, rows: int, device="cpu") -> None:
     """torch.profiler's operator table (self time; on CUDA, self CUDA time) of one step of
     each contender."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
