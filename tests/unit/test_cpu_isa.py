@@ -163,7 +163,7 @@ def test_auto_attention_rule_per_isa(monkeypatch):
     from megatron import fused
     from megatron.fused import attention, choice
     monkeypatch.setenv(choice.MODE_ENV, "rule")
-    short, long_ = torch.randn(1024, 1, 2, 16), torch.randn(1030, 1, 2, 16)
+    short, long_ = torch.randn(4096, 1, 2, 16), torch.randn(4100, 1, 2, 16)
     monkeypatch.setattr(attention, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
     expected = {"avx512": (True, True, True), "avx2": (True, False, True),
                 "baseline": (False, False, False), "not built": (False, False, False)}
