@@ -131,8 +131,8 @@ def attention_dropout_seed() -> int:
 # two threads: AVX-512 1.3-1.7x at seq 256-4096; AVX2 on an AMD EPYC (Zen 3), float32,
 # since the k / v transposes are tiled, three runs: 1.51-1.54x at 1024, 1.11-1.25x at 2048,
 # 1.00-1.16x at 4096, but 0.96-1.05x at 8192 and 16384, and 5-10% slower than SDPA inside a
-# seq-8192 training step). None: no limit; the baseline build was not measured, so SDPA there. auto
-# measures instead of following this (megatron/fused/choice.py).
+# seq-8192 training step). None: no limit; the baseline build was not measured, so SDPA
+# there. auto measures instead of following this (megatron/fused/choice.py).
 KERNEL_MAX_SEQ = {"avx512": None, "avx2": 4096, "baseline": 0}
 # With attention dropout our kernel is the rule on these ISAs: its alternative is the explicit
 # path (SDPA with dropout on a CPU is unfused math with Bernoulli sampling), 5-9x slower at

@@ -88,8 +88,9 @@ def layer_norm_fusable(x, weight, bias) -> bool:
 def layer_norm_preferred(x, weight, bias) -> bool:
     """Whether `layer_norm(..., fusion=True)` runs our kernel for these inputs: wherever it
     applies (`layer_norm_fusable`) and is built, on CUDA where `CUDA_RULE` or the mode takes
-    it, and on CPUs where `--fused-kernels-choice` takes it (by default measured against F.layer_norm per dtype, hidden size and power of
-    two of the rows: megatron/fused/choice.py). The rule (`rule`, and decisions not agreed
+    it, and on CPUs where `--fused-kernels-choice` takes it (by default measured against
+    F.layer_norm per dtype, hidden size and power of two of the rows:
+    megatron/fused/choice.py). The rule (`rule`, and decisions not agreed
     across ranks) takes it: `benchmarks/bench_fused.py` (forward+backward, [8192, 1024],
     [4096, 512] and [2048, 256], float32 and bfloat16) measured it at least as fast as
     F.layer_norm on AVX2 and AVX-512 (its outputs reuse freed buffers instead of faulting in

@@ -106,12 +106,20 @@ def test_layer_norm(dtype, shape):
         assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
 
 
-def test_layer_norm_takes_the_cuda_rule():
+def test_norms_take_the_cuda_rule():
+    """On CUDA layer norm takes F.layer_norm and RMSNorm our kernel (norms.CUDA_RULE, as
+    gpu_check.sh measured them); the mode `ours` still forces our layer norm."""
+    from megatron.fused import choice, norms
     x = torch.randn(8, 1024, device="cuda", requires_grad=True)
     w, b = torch.ones(1024, device="cuda"), torch.zeros(1024, device="cuda")
-    assert fused.layer_norm_fusable(x, w, b)
-    assert fused.layer_norm_preferred(x, w, b) == fused.norms.CUDA_RULE["layer_norm"]
-    assert fused.rms_norm(x, w, 1e-5).grad_fn is not None
+    assert fused.layer_norm_fusable(x, w, b) and fused.rms_norm_fusable(x, w)
+    assert fused.layer_norm_preferred(x, w, b) is norms.CUDA_RULE["layer_norm"] is False
+    assert "FusedRMSNorm" in type(fused.rms_norm(x, w, 1e-5).grad_fn).__name__
+    choice.set_mode("ours")
+    try:
+        assert fused.layer_norm_preferred(x, w, b)
+    finally:
+        choice.set_mode(None)
 
 
 def test_layer_norm_grads_deterministic_and_stream_aware():
