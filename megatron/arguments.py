@@ -389,7 +389,20 @@ def fail(message: str, prog: Optional[str] = None, agreed: bool = False,
         time.sleep(OTHER_RANK_EXIT_DELAY)  # rank 0 prints and exits first: torchrun's root cause
     else:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    if "TORCHELASTIC_RUN_ID" in os.environ and _process_group_started():
+        # A torchrun rank with its process group up: the interpreter's teardown can abort on
+        # a C++ thread still joinable ("terminate called without an active exception", exit
+        # -6 instead of 2, seen once in tests/distributed/test_reliability_ranks.py), and a
+        # failed run has nothing left to clean up, so it leaves without one.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     sys.exit(2)
+
+
+def _process_group_started() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 OTHER_RANK_EXIT_DELAY = 3.0
@@ -406,8 +419,7 @@ def _finish_exit_under_launcher() -> None:
 
 
 def _shared_check_on_other_rank() -> bool:
-    import torch.distributed as dist
-    return os.environ.get("RANK", "0") != "0" and not (dist.is_available() and dist.is_initialized())
+    return os.environ.get("RANK", "0") != "0" and not _process_group_started()
 
 
 def parse_args(argv: Optional[List[str]] = None, parser: Optional[argparse.ArgumentParser] = None,

@@ -128,11 +128,14 @@ def test_attention_dropout_mask_statistics_and_determinism():
         fused.causal_attention(q, q, v, 0.25, 1.0, 0)
 
 
-def test_attention_dropout_seed_from_the_model_parallel_generator():
+def test_attention_dropout_seed_from_the_model_parallel_generator(monkeypatch):
     """CoreAttention in training draws the kernel's seed from the tensor-model-parallel
     RNG state (the tracker's fork), leaving the default generator alone; the mask is then
     the one fused.attention_dropout_keep gives for that seed, and recomputation under
-    mpu.checkpoint reproduces it."""
+    mpu.checkpoint reproduces it. The kernel is forced (`ours`): the rule leaves it on the
+    baseline build."""
+    from megatron.fused import choice
+    monkeypatch.setenv(choice.MODE_ENV, "ours")
     from megatron.config import ModelConfig
     from megatron.model.attention import CoreAttention
     from megatron.mpu import checkpoint, get_rng_tracker, model_parallel_seed
