@@ -427,6 +427,8 @@ def main() -> None:
         bench_attention_variants(args.repeat, False, args.max_seq, dtypes)
     if torch.cuda.is_available() and fused_kernels.fused_kernels_available("cuda"):
         bench_cuda(args.repeat)
+    elif args.only == "cuda":
+        print("--only cuda: no CUDA device, or the CUDA kernels are not built; nothing timed")
     bench_json.write(args.json, "fused", repeat=args.repeat, rows=ROWS)
 
 

@@ -354,7 +354,7 @@ MF_INLINE void forward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
     if (drop.active()) dropout_row(row, n16, drop, i0 + r, j0);
   }
   block_combine<R, kRows>(o + i0 * os, os, s, sld, h.v + j0 * h.vs, h.vs, n, h.hn,
-                   first ? nullptr : keep, scale);
+                          first ? nullptr : keep, scale);
 }
 
 // The group of rows i0 .. i0 + R - 1 against the key block [j0, end): the probabilities p
@@ -386,7 +386,7 @@ MF_INLINE void backward_group(const Head& h, int64_t i0, int64_t j0, int64_t end
     scale[r] = h.scale;
   }
   block_combine<R, kBackwardRows>(dq + i0 * dqs, dqs, ds, sld, h.k + j0 * h.ks, h.ks, n, h.hn,
-                   j0 <= h.first_key(i0) ? nullptr : keep, scale);
+                                  j0 <= h.first_key(i0) ? nullptr : keep, scale);
   block_accumulate<R, kBackwardRows>(dv, h.hn, p, sld, dout + i0 * dos, dos, n, h.hn, 1.0f);
   block_accumulate<R, kBackwardRows>(dk, h.hn, ds, sld, h.q + i0 * h.qs, h.qs, n, h.hn,
                                      h.scale);

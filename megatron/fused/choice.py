@@ -233,13 +233,22 @@ def _rule_record(decision: Decision, why: str) -> dict:
     return {"choice": "ours" if ours else "plain", "source": why}
 
 
+def forced() -> bool | None:
+    """The mode's answer where it decides alone (ours: True, plain: False; said once), else
+    None: auto and rule, which look at the decision."""
+    current = mode()
+    if current not in ("ours", "plain"):
+        return None
+    _announce_mode(current)
+    return current == "ours"
+
+
 def prefer_ours(decision: Decision) -> bool:
     """Whether `decision` takes our kernel (the caller has checked that it applies): by the
     mode, the answer agreed or cached for it, or (auto, one process) a timing now."""
+    if (answer := forced()) is not None:
+        return answer
     current = mode()
-    if current in ("ours", "plain"):
-        _announce_mode(current)
-        return current == "ours"
     if current == "rule":  # not kept: a rule may read state that changes (tests patch the ISA)
         return _rule_record(decision, "rule")["choice"] == "ours"
     slot = (decision, torch.get_num_threads())

@@ -119,8 +119,8 @@ CUDA_RULE = {"layer_norm": False, "rms_norm": True}
 def _measured_choice(op: str, x) -> bool:
     if x.device.type == "cpu":
         return choice.prefer_ours(norm_decision(op, x))
-    current = choice.mode()
-    return current == "ours" if current in ("ours", "plain") else CUDA_RULE[op]
+    answer = choice.forced()
+    return CUDA_RULE[op] if answer is None else answer
 
 
 # A timing of a norm decision runs at most this many elements (64 MiB of float32).
