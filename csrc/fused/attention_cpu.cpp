@@ -37,17 +37,20 @@ using namespace lanes;
 
 namespace {
 
-constexpr int kRows = 8;  // query rows per group (the registers' rows)
+constexpr int kRows = 8;  // query rows per group of the forward (the registers' rows)
 
 // The products below keep R rows x V lane vectors of accumulators in registers, a group's
 // rows taken in blocks of at most BR rows, with V = kVecsFor<BR> so that nothing spills:
-// 8 x 2 where there are 32 vector registers (AVX-512), 8 x 1 or 4 x 2 where there are 16
-// (AVX2 and baseline). The forward takes blocks of 8 rows; the backward takes blocks of
-// kBackwardRows, 4 on AVX2, where its accumulation into dk and dv then chains 4 FMAs per
-// output vector instead of 8. Measured on AVX2 (one thread, s4096, head size 64, process
-// time): the backward 182 ms with 4 x 2 against 217 ms with 8 x 1, while the forward was
-// 10% slower with 4 x 2.
-constexpr int kBackwardRows = kRegisters >= 32 ? kRows : 4;
+// 8 x 2 where there are 32 vector registers (AVX-512), 8 x 1, 6 x 2 or 4 x 2 where there
+// are 16 (AVX2 and baseline). The forward takes blocks of 8 rows. The backward takes groups
+// of kBackwardGroup rows in blocks of kBackwardRows: on AVX2 groups of 12 in blocks of 6 x 2
+// (12 accumulators, and the dk / dv sums chain 6 FMAs per output vector, loaded and stored
+// twice per group). Measured on AVX2 (one thread, head size 64): the backward at s4096
+// 80-86 ms with groups of 12 in 6 x 2, 95 ms with groups of 8 in 4 x 2 (18 or 24 rows in
+// 6 x 2: 86 ms); at s8192 322 ms against 357 ms. Before the panels below, 8 x 1 took 217 ms
+// of process time where 4 x 2 took 182 ms.
+constexpr int kBackwardRows = kRegisters >= 32 ? kRows : 6;
+constexpr int kBackwardGroup = kRegisters >= 32 ? kRows : 12;
 template <int BR> constexpr int kVecsFor = (kRegisters >= 32 || BR < 8) ? 2 : 1;
 // The forward's scores q k^T on AVX2 take blocks of 4 rows x 3 vectors (12 accumulators,
 // 7 loads per 12 FMAs): one thread, s4096, 37.7 ms against 39.2 ms with 8 x 1.
@@ -450,8 +453,13 @@ MF_INLINE int64_t fit_keys(int64_t floats, int64_t sq) {
   return std::min(fit, (sq + kKeyAlign - 1) / kKeyAlign * kKeyAlign);
 }
 
+// Calls call(R) for R = rows (at most kRows in the forward, kBackwardGroup in the backward).
 #define MF_ROWS_DISPATCH(rows, call) \
   switch (rows) {                    \
+    case 12: call(12); break;        \
+    case 11: call(11); break;        \
+    case 10: call(10); break;        \
+    case 9: call(9); break;          \
     case 8: call(8); break;          \
     case 7: call(7); break;          \
     case 6: call(6); break;          \
@@ -497,10 +505,21 @@ AttentionTiles attention_tiles(int64_t sq, int64_t hn) {
   // forward: a query block's q and o rows in a quarter of the L2, its key block's k^T and
   // v rows in another quarter, one group's scores in half of the L1
   t.rows = std::max<int64_t>(kRows, half_l2 / (4 * hn) / kRows * kRows);
-  t.forward_keys = fit_keys(std::min(half_l2 / (4 * hn), l1 / (2 * kRows)), sq);
+  int64_t forward = std::min(half_l2 / (4 * hn), l1 / (2 * kRows));
   // backward: a key block's k^T, v^T, k, dk and dv in half of the L2, one group's
   // probabilities and their gradients in half of the L1
-  t.backward_keys = fit_keys(std::min(half_l2 / (5 * hn), l1 / (4 * kRows)), sq);
+  int64_t backward = std::min(half_l2 / (5 * hn), l1 / (4 * kBackwardGroup));
+  if (kRegisters < 32) {
+    // With 16 registers, a key block's panel of k^T (and of v^T) within three quarters of
+    // the L1, which the products read once per row group: on AVX2 (one thread, s4096, head
+    // size 64, 32 KiB L1d) the forward 33.4 ms with blocks of 96 keys against 35.0 ms with
+    // 256 (64: 36.8 ms), the backward 74-75 ms with 48-96 keys against 80-81 ms with
+    // 120-144 and 86 ms with 160. Not measured on AVX-512, whose blocks stay as above.
+    forward = std::min(forward, 3 * l1 / (4 * hn));
+    backward = std::min(backward, 3 * l1 / (4 * hn));
+  }
+  t.forward_keys = fit_keys(forward, sq);
+  t.backward_keys = fit_keys(backward, sq);
   return t;
 }
 
@@ -554,8 +573,8 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
   float* vt = kt + panels_floats(sq, hn, t.backward_keys);
   float* kc = vt + panels_floats(sq, hn, t.backward_keys);  // k's rows, contiguous
   float* p = kc + sq * hn;
-  float* ds = p + kRows * sld;
-  float* delta = ds + kRows * sld;
+  float* ds = p + kBackwardGroup * sld;
+  float* delta = ds + kBackwardGroup * sld;
   float* dkb = delta + sq;  // the key block's dk and dv sums
   float* dvb = dkb + t.backward_keys * hn;
   transpose_panels(kt, k, sq, ks, hn, t.backward_keys);
@@ -568,9 +587,14 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
     const int64_t end = std::min(sq, j0 + t.backward_keys);
     const float *ktb = kt + j0 / t.backward_keys * panel, *vtb = vt + j0 / t.backward_keys * panel;
     fill_zero(dkb, 2 * t.backward_keys * hn);
-    for (int64_t i0 = causal ? j0 : 0; i0 < sq; i0 += kRows) {
+    // The groups start at multiples of kBackwardGroup in every key block (the first may
+    // hold rows before j0, which see none of its keys), so that a row's dq is first written,
+    // then accumulated, as the blocks go by (key blocks are a multiple of kKeyAlign keys,
+    // not of kBackwardGroup).
+    for (int64_t i0 = causal ? j0 / kBackwardGroup * kBackwardGroup : 0; i0 < sq;
+         i0 += kBackwardGroup) {
       if (end <= h.first_key(i0)) break;  // the later rows' windows start after the block
-      const int64_t rows = std::min<int64_t>(kRows, sq - i0);
+      const int64_t rows = std::min<int64_t>(kBackwardGroup, sq - i0);
 #define MF_BACKWARD(R)                                                                     \
   backward_group<R>(h, i0, j0, end, ktb, vtb, ld, p, ds, sld, dout, dos, lse, delta, dq, dqs, \
                     dkb, dvb, drop)
@@ -587,7 +611,7 @@ int64_t attention_work_floats(int64_t sq, int64_t hn) {
   const int64_t forward = panels_floats(sq, hn, t.forward_keys) + sq * hn +
                           kRows * row_pitch(t.forward_keys) + 2 * t.rows;
   const int64_t backward = 2 * panels_floats(sq, hn, t.backward_keys) + sq * hn +
-                           2 * kRows * row_pitch(t.backward_keys) + sq + 2 * t.backward_keys * hn;
+                           2 * kBackwardGroup * row_pitch(t.backward_keys) + sq + 2 * t.backward_keys * hn;
   return std::max(forward, backward);
 }
 
