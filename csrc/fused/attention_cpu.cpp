@@ -577,12 +577,20 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
   float* delta = ds + kBackwardGroup * sld;
   float* dkb = delta + sq;  // the key block's dk and dv sums
   float* dvb = dkb + t.backward_keys * hn;
+  // q, dout and dq in contiguous rows, read (and dq written) once per key block: rows of
+  // the fused QKV view and of the outputs lie heads * head size apart, each on its own
+  // page with many heads (one thread, s4096, head size 64, 16 heads: 70 ms against 79 ms)
+  float* qc = dvb + t.backward_keys * hn;
+  float* doutc = qc + sq * hn;
+  float* dqc = doutc + sq * hn;
   transpose_panels(kt, k, sq, ks, hn, t.backward_keys);
   transpose_panels(vt, v, sq, vs, hn, t.backward_keys);
   copy_rows(kc, hn, k, ks, sq, hn);
+  copy_rows(qc, hn, q, qs, sq, hn);
+  copy_rows(doutc, hn, dout, dos, sq, hn);
   // delta_i = sum_j p_ij dp_ij = dout_i . o_i, with or without dropout (o = dropped p v)
-  for (int64_t i = 0; i < sq; ++i) delta[i] = dot(dout + i * dos, o + i * os, hn);
-  const Head h{q, kc, v, qs, hn, vs, sq, hn, scale, causal, window};
+  for (int64_t i = 0; i < sq; ++i) delta[i] = dot(doutc + i * hn, o + i * os, hn);
+  const Head h{qc, kc, v, hn, hn, vs, sq, hn, scale, causal, window};
   for (int64_t j0 = 0; j0 < sq; j0 += t.backward_keys) {
     const int64_t end = std::min(sq, j0 + t.backward_keys);
     const float *ktb = kt + j0 / t.backward_keys * panel, *vtb = vt + j0 / t.backward_keys * panel;
@@ -596,7 +604,7 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
       if (end <= h.first_key(i0)) break;  // the later rows' windows start after the block
       const int64_t rows = std::min<int64_t>(kBackwardGroup, sq - i0);
 #define MF_BACKWARD(R)                                                                     \
-  backward_group<R>(h, i0, j0, end, ktb, vtb, ld, p, ds, sld, dout, dos, lse, delta, dq, dqs, \
+  backward_group<R>(h, i0, j0, end, ktb, vtb, ld, p, ds, sld, doutc, hn, lse, delta, dqc, hn, \
                     dkb, dvb, drop)
       MF_ROWS_DISPATCH(rows, MF_BACKWARD)
 #undef MF_BACKWARD
@@ -604,14 +612,16 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
     copy_rows(dk + j0 * dks, dks, dkb, hn, end - j0, hn);
     copy_rows(dv + j0 * dvs, dvs, dvb, hn, end - j0, hn);
   }
+  copy_rows(dq, dqs, dqc, hn, sq, hn);
 }
 
 int64_t attention_work_floats(int64_t sq, int64_t hn) {
   const AttentionTiles t = attention_tiles(sq, hn);
   const int64_t forward = panels_floats(sq, hn, t.forward_keys) + sq * hn +
                           kRows * row_pitch(t.forward_keys) + 2 * t.rows;
-  const int64_t backward = 2 * panels_floats(sq, hn, t.backward_keys) + sq * hn +
-                           2 * kBackwardGroup * row_pitch(t.backward_keys) + sq + 2 * t.backward_keys * hn;
+  const int64_t backward = 2 * panels_floats(sq, hn, t.backward_keys) + 4 * sq * hn +
+                           2 * kBackwardGroup * row_pitch(t.backward_keys) + sq +
+                           2 * t.backward_keys * hn;
   return std::max(forward, backward);
 }
 
