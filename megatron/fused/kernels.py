@@ -55,8 +55,8 @@ CPU_SOURCES = ("cpu_math.cpp", "softmax_cpu.cpp", "layer_norm_cpu.cpp", "rms_nor
                "elementwise_cpu.cpp", "cpu_caches.cpp", "attention_cpu.cpp", "moe_cpu.cpp",
                "bindings_cpu.cpp")
 CUDA_SOURCES = ("bindings_cuda.cpp", "softmax_cuda.cu", "layer_norm_cuda.cu", "rms_norm_cuda.cu")
-HEADERS = ("cpu_math.h", "cpu_lanes.h", "cpu_kernels.h", "cpu_rows.h", "bindings_common.h",
-           "fused_cuda.h", "cuda_common.cuh", "norm_cuda.cuh")
+HEADERS = ("cpu_math.h", "cpu_lanes.h", "cpu_kernels.h", "cpu_rows.h", "attention_rows.h",
+           "bindings_common.h", "fused_cuda.h", "cuda_common.cuh", "norm_cuda.cuh")
 # -fopenmp: at::parallel_for is an inline template over torch's OpenMP pool; compiled
 # without it the kernels would run on one thread.
 CPU_CFLAGS = ("-O3", "-fopenmp")
