@@ -344,26 +344,17 @@ void attention_head_forward(const float* q, int64_t qs, const float* k, int64_t 
   transpose_panels(kt, k, sq, ks, hn, t.forward_keys);
   copy_rows(vc, hn, v, vs, sq, hn);
   Head h{{sq, hn, scale, causal, window}, q, k, vc, qs, ks, hn};
-  if (sink) {
-    h.sink = *sink;
-    h.sink_weight = 1.0f;
-  }
-  for (int64_t q0 = 0; q0 < sq; q0 += t.rows) {
-    const int64_t q1 = std::min(sq, q0 + t.rows);
-    const int64_t start = h.first_key(q0) / t.forward_keys * t.forward_keys;
-    for (int64_t j0 = start; j0 < h.block_keys(q0, q1 - q0); j0 += t.forward_keys) {
-      const int64_t end = std::min(sq, j0 + t.forward_keys);
-      const float* ktb = kt + j0 / t.forward_keys * panel;
-      for (int64_t i0 = causal ? std::max(q0, j0) : q0; i0 < q1; i0 += kRows) {
-        if (end <= h.first_key(i0)) break;  // this group's window and the later ones' start after the block
-        const int64_t rows = std::min<int64_t>(kRows, q1 - i0);
+  h.set_sink(sink);
+  forward_blocks(
+      h, t,
+      [&](int64_t q0, int64_t j0, int64_t end, int64_t i0, int64_t rows) {
+        const float* ktb = kt + j0 / t.forward_keys * panel;
 #define MF_FORWARD(R) \
   forward_group<R>(h, i0, j0, end, ktb, ld, s, sld, o, os, m + (i0 - q0), l + (i0 - q0), lse, drop)
         MF_ROWS_DISPATCH(rows, MF_FORWARD)
 #undef MF_FORWARD
-      }
-    }
-  }
+      },
+      [](int64_t, int64_t) {});
 }
 
 void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t ks,

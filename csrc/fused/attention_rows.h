@@ -165,6 +165,13 @@ struct HeadShape {
     const int64_t hidden = std::min(valid, first_key(i) - j0);
     for (int64_t j = 0; j < hidden; ++j) row[j] = -kInf;
   }
+  // The head's sink logit (null: none).
+  MF_INLINE void set_sink(const float* logit) {
+    if (logit) {
+      sink = *logit;
+      sink_weight = 1.0f;
+    }
+  }
   // Whether key block [j0, end) is the first / last that the group of rows from i0 sees.
   MF_INLINE bool first_block(int64_t i0, int64_t j0) const { return j0 <= first_key(i0); }
   MF_INLINE bool last_block(int64_t i0, int64_t R, int64_t end) const {
@@ -223,6 +230,27 @@ MF_INLINE void softmax_backward_rows(const HeadShape& h, int64_t i0, int64_t j0,
       dropout_softmax_grad_row(ds + r * sld, prow, n16, delta[i], drop, i, j0);
     else
       softmax_grad_row(ds + r * sld, prow, n16, delta[i]);
+  }
+}
+
+// The forward's loops over one head: query blocks [q0, q1) of t.rows rows, the key blocks
+// [j0, end) of t.forward_keys keys that some row of the block sees, and in each the groups of
+// at most kRows rows from i0 that see it: group(q0, j0, end, i0, rows) for each group, then
+// done(q0, q1) after each query block.
+template <typename Group, typename Done>
+MF_INLINE void forward_blocks(const HeadShape& h, const AttentionTiles& t, Group&& group,
+                              Done&& done) {
+  for (int64_t q0 = 0; q0 < h.sq; q0 += t.rows) {
+    const int64_t q1 = std::min(h.sq, q0 + t.rows);
+    const int64_t start = h.first_key(q0) / t.forward_keys * t.forward_keys;
+    for (int64_t j0 = start; j0 < h.block_keys(q0, q1 - q0); j0 += t.forward_keys) {
+      const int64_t end = std::min(h.sq, j0 + t.forward_keys);
+      for (int64_t i0 = h.causal ? std::max(q0, j0) : q0; i0 < q1; i0 += kRows) {
+        if (end <= h.first_key(i0)) break;  // this group's window and the later ones' start after the block
+        group(q0, j0, end, i0, std::min<int64_t>(kRows, q1 - i0));
+      }
+    }
+    done(q0, q1);
   }
 }
 

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -242,17 +243,45 @@ std::tuple<at::Tensor, at::Tensor> exp_sum_(at::Tensor& x, const c10::optional<a
   return {m, sums};
 }
 
-// q, k, v: float32 [sq, b, heads, hn] (any strides, hn contiguous, hn % 16 == 0).
+// q, k, v: float32 or bfloat16 (all one dtype) [sq, b, heads, hn] (any strides, hn
+// contiguous, hn % 16 == 0); bfloat16 only where the CPU and build have AVX512-BF16.
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const at::Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->device().type() == kCPU && t->scalar_type() == at::kFloat && t->dim() == 4,
-                "causal attention takes float32 CPU tensors [sq, b, heads, head_dim], got ",
-                t->sizes(), " of ", t->scalar_type());
+    TORCH_CHECK(t->device().type() == kCPU && t->dim() == 4 &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
+                    t->scalar_type() == q.scalar_type(),
+                "causal attention takes float32 or bfloat16 CPU tensors [sq, b, heads, "
+                "head_dim] of one dtype, got ", t->sizes(), " of ", t->scalar_type(), " with q ",
+                q.scalar_type());
     TORCH_CHECK(t->sizes() == q.sizes(), "q, k and v shapes differ: ", q.sizes(), " vs ",
                 t->sizes());
     TORCH_CHECK(t->stride(3) == 1, "the head dimension must be contiguous");
   }
   TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(3));
+  TORCH_CHECK(q.scalar_type() == at::kFloat || cpu::attention_bf16_supported(),
+              "bfloat16 causal attention needs AVX512-BF16, which this CPU or build lacks "
+              "(attention_bf16_dot() is False): pass float32 tensors");
+}
+
+// The elements of a float32 (T = float) or bfloat16 (T = uint16_t) tensor.
+template <typename T>
+T* elements(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// Scratch floats per task of the float32 (T = float) or bfloat16 (uint16_t) kernel.
+template <typename T>
+int64_t attention_work_floats(int64_t sq, int64_t hn) {
+  if constexpr (std::is_same_v<T, float>) return cpu::attention_work_floats(sq, hn);
+  else return cpu::attention_bf16_work_floats(sq, hn);
+}
+
+// Calls fn(T{}) with T = float for float32 q, uint16_t for bfloat16.
+template <typename Fn>
+void dispatch_attention_dtype(const at::Tensor& q, Fn&& fn) {
+  if (q.scalar_type() == at::kBFloat16) fn(uint16_t{});
+  else fn(float{});
 }
 
 void check_window(int64_t window, bool causal) {
@@ -309,16 +338,20 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
               "sinks must be a contiguous float32 CPU tensor [heads] = [", q.size(2), "]");
   const float* sp = has_sinks ? sinks->data_ptr<float>() : nullptr;
   at::Tensor o = new_output(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor lse = new_output({tasks, sq}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *op = o.data_ptr<float>(), *lp = lse.data_ptr<float>();
-  for_each_task(tasks, cpu::attention_work_floats(sq, hn), [&](int64_t t, float* work) {
-    cpu::attention_head_forward(qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t),
-                                k.stride(0), vp + head_offset(v, t), v.stride(0),
-                                op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
-                                static_cast<float>(scale), causal,
-                                task_dropout(dropout_p, seed, t, sq), work,
-                                sp ? sp + t % q.size(2) : nullptr, window);
+  at::Tensor lse = new_output({tasks, sq}, q.options().dtype(at::kFloat));
+  float* lp = lse.data_ptr<float>();
+  dispatch_attention_dtype(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T *qp = elements<T>(q), *kp = elements<T>(k), *vp = elements<T>(v);
+    T* op = elements<T>(o);
+    for_each_task(tasks, attention_work_floats<T>(sq, hn), [&](int64_t t, float* work) {
+      cpu::attention_head_forward(qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t),
+                                  k.stride(0), vp + head_offset(v, t), v.stride(0),
+                                  op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
+                                  static_cast<float>(scale), causal,
+                                  task_dropout(dropout_p, seed, t, sq), work,
+                                  sp ? sp + t % q.size(2) : nullptr, window);
+    });
   });
   return {o, lse};
 }
@@ -339,17 +372,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor dq = new_output(q.sizes(), options);
   at::Tensor dk = new_output(q.sizes(), options);
   at::Tensor dv = new_output(q.sizes(), options);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *op = o.data_ptr<float>(), *gp = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
-  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
-  for_each_task(tasks, cpu::attention_work_floats(sq, hn), [&](int64_t t, float* work) {
-    cpu::attention_head_backward(
-        qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
-        vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
-        gp + head_offset(dout, t), dout.stride(0), lp + t * sq, dqp + head_offset(dq, t),
-        dq.stride(0), dkp + head_offset(dk, t), dk.stride(0), dvp + head_offset(dv, t),
-        dv.stride(0), sq, hn, static_cast<float>(scale), causal,
-        task_dropout(dropout_p, seed, t, sq), work, window);
+  const float* lp = lse.data_ptr<float>();
+  dispatch_attention_dtype(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T *qp = elements<T>(q), *kp = elements<T>(k), *vp = elements<T>(v);
+    const T *op = elements<T>(o), *gp = elements<T>(dout);
+    T *dqp = elements<T>(dq), *dkp = elements<T>(dk), *dvp = elements<T>(dv);
+    for_each_task(tasks, attention_work_floats<T>(sq, hn), [&](int64_t t, float* work) {
+      cpu::attention_head_backward(
+          qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
+          vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
+          gp + head_offset(dout, t), dout.stride(0), lp + t * sq, dqp + head_offset(dq, t),
+          dq.stride(0), dkp + head_offset(dk, t), dk.stride(0), dvp + head_offset(dv, t),
+          dv.stride(0), sq, hn, static_cast<float>(scale), causal,
+          task_dropout(dropout_p, seed, t, sq), work, window);
+    });
   });
   return {dq, dk, dv};
 }
@@ -395,7 +432,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_sum_", &mf::exp_sum_,
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
   m.def("causal_attention_forward", &mf::attention_forward,
-        "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim], causal or over all keys, "
+        "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim] (float32, or bfloat16 "
+        "where attention_bf16_dot()), causal or over all keys, "
         "with attention dropout, optional per-head sinks [heads] and a sliding window (keys "
         "i - window < j <= i; 0: none) -> (out, lse)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = true,
@@ -406,6 +444,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
         py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0,
         py::arg("window") = 0);
+  m.def("attention_bf16_dot", &mf::cpu::attention_bf16_supported,
+        "whether causal_attention_forward / backward take bfloat16 q, k, v (with the "
+        "AVX512-BF16 dot products: this build is avx512 and the CPU has them)");
   m.def("attention_dropout_keep", &mf::attention_dropout_keep,
         "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
   m.def("cpu_caches",

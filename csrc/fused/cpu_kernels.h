@@ -105,6 +105,24 @@ void attention_head_backward(const float* q, int64_t qs, const float* k, int64_t
                              const Dropout& drop, float* work, int64_t window = 0);
 int64_t attention_work_floats(int64_t sq, int64_t hn);
 
+// The same in bfloat16 with the AVX512-BF16 dot products (attention_bf16_cpu.cpp): q, k, v,
+// o, dout, dq, dk, dv bfloat16 (as uint16_t), lse and the sums float32; p and ds rounded to
+// bfloat16 before their products. Only where attention_bf16_supported() (the avx512 build
+// on a CPU with AVX512-BF16); `work` holds attention_bf16_work_floats floats.
+bool attention_bf16_supported();
+void attention_head_forward(const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks,
+                            const uint16_t* v, int64_t vs, uint16_t* o, int64_t os,
+                            float* lse, int64_t sq, int64_t hn, float scale, bool causal,
+                            const Dropout& drop, float* work, const float* sink,
+                            int64_t window);
+void attention_head_backward(const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks,
+                             const uint16_t* v, int64_t vs, const uint16_t* o, int64_t os,
+                             const uint16_t* dout, int64_t dos, const float* lse,
+                             uint16_t* dq, int64_t dqs, uint16_t* dk, int64_t dks,
+                             uint16_t* dv, int64_t dvs, int64_t sq, int64_t hn, float scale,
+                             bool causal, const Dropout& drop, float* work, int64_t window);
+int64_t attention_bf16_work_floats(int64_t sq, int64_t hn);
+
 // The per-core data caches, in bytes (cpu_caches.cpp): read once at start-up from
 // /sys/devices/system/cpu/cpu0/cache, else sysconf; set_cpu_caches overrides them
 // (tests; 0, 0: back to those read).

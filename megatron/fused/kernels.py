@@ -52,8 +52,8 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused"
 CPU_EXTENSION = "megatron_fused_cpu"
 CUDA_EXTENSION = "megatron_fused_cuda"
 CPU_SOURCES = ("cpu_math.cpp", "softmax_cpu.cpp", "layer_norm_cpu.cpp", "rms_norm_cpu.cpp",
-               "elementwise_cpu.cpp", "cpu_caches.cpp", "attention_cpu.cpp", "moe_cpu.cpp",
-               "bindings_cpu.cpp")
+               "elementwise_cpu.cpp", "cpu_caches.cpp", "attention_cpu.cpp",
+               "attention_bf16_cpu.cpp", "moe_cpu.cpp", "bindings_cpu.cpp")
 CUDA_SOURCES = ("bindings_cuda.cpp", "softmax_cuda.cu", "layer_norm_cuda.cu", "rms_norm_cuda.cu")
 HEADERS = ("cpu_math.h", "cpu_lanes.h", "cpu_kernels.h", "cpu_rows.h", "attention_rows.h",
            "bindings_common.h", "fused_cuda.h", "cuda_common.cuh", "norm_cuda.cuh")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron import fused
+from megatron.fused import attention as fused_attention
 from megatron.fused.attention import outside_window
 from tests.fused_checks import (explicit_attention, kernels,  # noqa: F401 (loads them)
                                 outputs_and_grads, rel_err)
@@ -36,10 +37,12 @@ def test_causal_attention_kernel_matches_sdpa(s, b, heads, dim):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
-def test_bfloat16_attention_is_the_float32_kernel_rounded(p):
-    """bfloat16 q, k, v: the float32 kernel on their widened values, its output rounded to
-    bfloat16 (bit for bit); gradients in bfloat16 within its rounding of the float32 ones,
-    and as close to SDPA's float32 result as SDPA's own bfloat16 kernel is."""
+def test_bfloat16_attention_widened_is_the_float32_kernel_rounded(monkeypatch, p):
+    """bfloat16 q, k, v without the bfloat16 kernel (a CPU without AVX512-BF16, or the avx2
+    build): the float32 kernel on their widened values, its output rounded to bfloat16 (bit
+    for bit); gradients in bfloat16 within its rounding of the float32 ones, and as close to
+    SDPA's float32 result as SDPA's own bfloat16 kernel is."""
+    monkeypatch.setattr(fused_attention, "bf16_dot_products", lambda: False)
     s, b, heads, dim = 96, 2, 3, 32
     torch.manual_seed(0)
     qkv = torch.randn(s, b, heads, 3 * dim).bfloat16()
@@ -53,12 +56,38 @@ def test_bfloat16_attention_is_the_float32_kernel_rounded(p):
     assert torch.equal(out, ref_out.bfloat16())
     assert rel_err(dqkv.float(), ref_dqkv) < 1e-2
     if p == 0.0:
-        sdpa = [outputs_and_grads(lambda x: sdpa_attention(*x.split(dim, dim=-1)), [x], g)
-                for x, g in ((qkv, grad), (qkv.float(), grad.float()))]
-        (sdpa_bf16, (sdpa_bf16_grad,)), (exact, (exact_grad,)) = sdpa
-        assert rel_err(out.float(), exact) <= 1.5 * rel_err(sdpa_bf16.float(), exact) + 1e-3
-        assert (rel_err(dqkv.float(), exact_grad)
-                <= 1.5 * rel_err(sdpa_bf16_grad.float(), exact_grad) + 1e-3)
+        assert_as_close_as_sdpa_bf16(qkv, grad, out, dqkv, dim)
+
+
+def assert_as_close_as_sdpa_bf16(qkv, grad, out, dqkv, dim, factor=1.5):
+    """out and dqkv (bfloat16) are within `factor` times SDPA's bfloat16 error (+ 1e-3) of
+    SDPA's float32 result on the same values."""
+    sdpa = [outputs_and_grads(lambda x: sdpa_attention(*x.split(dim, dim=-1)), [x], g)
+            for x, g in ((qkv, grad), (qkv.float(), grad.float()))]
+    (sdpa_bf16, (sdpa_bf16_grad,)), (exact, (exact_grad,)) = sdpa
+    assert rel_err(out.float(), exact) <= factor * rel_err(sdpa_bf16.float(), exact) + 1e-3
+    assert (rel_err(dqkv.float(), exact_grad)
+            <= factor * rel_err(sdpa_bf16_grad.float(), exact_grad) + 1e-3)
+
+
+needs_bf16_dot = pytest.mark.skipif(
+    not fused_attention.bf16_dot_products(),
+    reason="the bfloat16 attention kernel needs AVX512-BF16 and the avx512 build")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("s,dim", [(96, 32), (300, 64), (77, 48)])
+def test_bfloat16_attention_kernel_is_as_close_as_sdpa_bf16(kernels, s, dim):
+    """The AVX512-BF16 kernel (bfloat16 products, float32 sums): its output and gradients
+    are bfloat16 and as close to SDPA's float32 result as SDPA's own bfloat16 kernel is."""
+    torch.manual_seed(s)
+    b, heads = 2, 3
+    qkv = torch.randn(s, b, heads, 3 * dim).bfloat16()
+    grad = torch.randn(s, b, heads * dim).bfloat16()
+    out, (dqkv,) = outputs_and_grads(
+        lambda x: fused.causal_attention(*x.split(dim, dim=-1), dim ** -0.5), [qkv], grad)
+    assert out.dtype == dqkv.dtype == torch.bfloat16
+    assert_as_close_as_sdpa_bf16(qkv, grad, out, dqkv, dim)
 
 
 def test_causal_attention_dispatch():
@@ -347,3 +376,71 @@ def test_sliding_window_matches_masked_softmax(kernels, s, dim, window, p, tiny,
         assert rel_err(got, want.float()) < 5e-6 or window == 1 and got.abs().max() < 1e-5
     full = fused.causal_attention(*qkv.split(dim, dim=-1), 0.2, p, seed, sinks)
     assert torch.allclose(full, out) == (window >= s)  # the window hides keys unless it spans s
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("s,dim,window,p,tiny,with_sinks", [
+    (1, 16, 0, 0.0, False, False), (37, 64, 0, 0.0, True, False), (130, 64, 0, 0.2, True, False),
+    (100, 48, 33, 0.2, True, False), (130, 16, 40, 0.0, True, True), (45, 32, 5, 0.25, False, True),
+    (257, 128, 0, 0.0, False, False), (97, 16, 1, 0.0, True, False)])
+def test_bfloat16_kernel_within_bf16_rounding_of_float64(monkeypatch, kernels, s, dim, window, p,
+                                                         tiny, with_sinks):
+    """The bfloat16 kernel against float64 on the same bfloat16 values, with many key blocks
+    (tiny caches) or one, odd lengths, sliding windows, sinks and dropout (the same mask as
+    in float32): output and gradients of q, k, v and the sinks within 1e-2 relative, and
+    those of q, k, v within 2x (+ 2e-3) the error of the float32 kernel on the widened
+    values, whose only rounding is that of its bfloat16 results. The tolerance: bfloat16 keeps 8 bits (relative
+    rounding 2^-9 = 2e-3 per value); p and ds are rounded to bfloat16 before their products."""
+    torch.manual_seed(s + dim)
+    b, heads, seed = 2, 3, 11 + s
+    qkv = torch.randn(s, b, heads, 3 * dim).bfloat16()
+    grad = torch.randn(s, b, heads * dim).bfloat16()
+    sinks = torch.tensor([-2.0, 0.5, 4.0]).bfloat16() if with_sinks else None
+    inputs = [qkv] if sinks is None else [qkv, sinks]
+    keep = fused.attention_dropout_keep(b * heads, s, p, seed) if p else None
+
+    def run(x, w=None):
+        return fused.causal_attention(*x.split(dim, dim=-1), 0.2, p, seed, w, window or None)
+    ref, ref_grads = outputs_and_grads(
+        lambda x, w=None: window_attention(*x.split(dim, dim=-1), 0.2, window or s, w, keep, p),
+        [t.double() for t in inputs], grad.double())
+    if tiny:
+        kernels.set_cpu_caches(4096, 16384)
+    try:
+        got = outputs_and_grads(run, inputs, grad)
+        monkeypatch.setattr(fused_attention, "bf16_dot_products", lambda: False)
+        widened = outputs_and_grads(run, inputs, grad)
+    finally:
+        kernels.set_cpu_caches(0, 0)
+    for name, x, w, want in zip(["out"] + ["dqkv", "dsinks"][:len(inputs)],
+                                [got[0], *got[1]], [widened[0], *widened[1]], [ref, *ref_grads]):
+        assert x.dtype == torch.bfloat16, name
+        err, bound = rel_err(x.double(), want), 2 * rel_err(w.double(), want) + 2e-3
+        # the sinks' gradient sums dout . out over every row, with cancellation: the widened
+        # path's float32 sums are far closer there; the bound is 1e-2 alone
+        assert err < 1e-2 and (name == "dsinks" or err <= bound), (name, err, bound)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bfloat16_kernel_calls(kernels, causal):
+    """The extension's own calls: bfloat16 q, k, v over all keys or causal (ring attention's
+    blocks) within bfloat16 rounding of the float32 kernel, lse in float32; one dtype for all
+    inputs; where the build or CPU lacks AVX512-BF16, a clear error."""
+    torch.manual_seed(3)
+    q, k, v, dout = (torch.randn(70, 2, 3, 32).bfloat16() for _ in range(4))
+    if not kernels.attention_bf16_dot():
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            kernels.causal_attention_forward(q, k, v, 0.3, causal)
+        return
+    out, lse = kernels.causal_attention_forward(q, k, v, 0.3, causal)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    wide = [t.float() for t in (q, k, v)]
+    ref_out, ref_lse = kernels.causal_attention_forward(*wide, 0.3, causal)
+    assert rel_err(out.float(), ref_out) < 1e-2 and rel_err(lse, ref_lse) < 1e-6
+    grads = kernels.causal_attention_backward(dout, q, k, v, out, lse, 0.3, causal)
+    ref_grads = kernels.causal_attention_backward(dout.float(), *wide, ref_out, ref_lse, 0.3,
+                                                  causal)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.bfloat16 and rel_err(g.float(), r) < 1e-2
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        kernels.causal_attention_forward(q, k.float(), v, 0.3, causal)
