@@ -14,9 +14,11 @@ vocabulary (5000 entries, same corpus) is always built, for tests that need two.
 Only comparisons against the reference files themselves (WikiText numbers, Megatron's
 fixtures) skip when ../shared/data is absent, through reference_file(), saying why.
 """
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import shutil
@@ -96,7 +98,7 @@ def built() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:
-        _build(tmp)
+        _quietly(_build, tmp)
         os.rename(tmp, final)
     except OSError:
         if not (final / "bpe-5k" / "merges.txt").is_file():  # not another process's build
@@ -104,6 +106,18 @@ def built() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _quietly(build, out: Path) -> None:
+    """Runs build(out) with the tools' progress lines kept out of the output of the test that
+    first asked for the data (tests compare what a command printed); shown if it fails."""
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            build(out)
+    except BaseException:
+        sys.stderr.write(log.getvalue())
+        raise
 
 
 def _build(out: Path) -> None:
