@@ -22,7 +22,10 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - causal self-attention forward+backward (seq 256 / head_dim 32, seq 512, 1024, 2048 and
     4096 / head_dim 64; with --long also 8192 and 16384, 5 samples each), float32 and
     bfloat16: SDPA vs our kernel (target: >= 1.1x), and with attention dropout 0.1 the
-    explicit path (what auto runs without our kernel) vs our kernel;
+    explicit path (what auto runs without our kernel) vs our kernel; in bfloat16, where the
+    kernel has both, its two ways to the products: our AVX512-BF16 dot products vs oneDNN's
+    microkernels (brgemm: AMX tiles on a CPU with AMX-BF16), the line auto's
+    "attention_products" decision answers;
   - the same with attention sinks (gpt-oss) and with sliding windows of 128 and 1024 keys
     (gpt-oss, Gemma 3), seq 1024, 2048 and 4096 (bfloat16: 1024 only): SDPA with the
     equivalent mask (sinks as one more key with a zero value, what auto runs without our
@@ -58,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron import fused  # noqa: E402
 from megatron.fused import choice  # noqa: E402
 from megatron.fused import kernels as fused_kernels  # noqa: E402
+from megatron.fused.attention import bf16_brgemm, brgemm_preferred  # noqa: E402
 from megatron.fused.norms import norm_decision  # noqa: E402
 from megatron.mpu import model_parallel_seed  # noqa: E402
 
@@ -263,12 +267,13 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
                           attention_dropout=dropout, attention_impl="fused")
         explicit = CoreAttention(cfg, 1).train()
 
-        def step(kernel):
+        def step(kernel, brgemm=None):
             def run():
                 x = qkv.detach().requires_grad_()
                 q, k, v = x.split(dim, dim=-1)
                 if kernel:
-                    out = fused.causal_attention(q, k, v, dim ** -0.5, dropout, 1234)
+                    out = fused.causal_attention(q, k, v, dim ** -0.5, dropout, 1234,
+                                                 brgemm=brgemm)
                 elif dropout:  # its dropout runs in the tracker's fork
                     out = explicit._explicit(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
                                              None, None)
@@ -288,6 +293,13 @@ def bench_attention(repeat: int, dropout: float, max_seq: int = None, long: bool
                f"{other} vs ours", compare([step(False), step(True)], samples), 1.1,
                fused.causal_attention_preferred(q, q, q, dropout), kernel="attention", seq=s,
                batch=b, heads=heads, head_dim=dim, dropout=dropout, dtype=str(dtype)[6:])
+        if dtype == torch.bfloat16 and bf16_brgemm():  # the kernel's two ways to its products
+            report(f"CPU attention products fwd+bwd bfloat16 s{s} b{b} h{heads} d{dim} "
+                   f"dropout {dropout}: dot vs brgemm",
+                   compare([step(True, False), step(True, True)], samples), None,
+                   brgemm_preferred(q, dropout), labels=("dot", "brgemm"),
+                   kernel="attention_products", seq=s, batch=b, heads=heads, head_dim=dim,
+                   dropout=dropout, dtype="bfloat16")
 
 
 def sdpa_masked(q, k, v, window=None, sinks=None):

@@ -14,12 +14,16 @@
 // bfloat16 before they are multiplied (as flash attention does on GPUs), and the outputs
 // (o, dq, dk, dv) are rounded once, at the end. Compiled with AVX512-BF16 in the avx512
 // build only (the pragma below), and called only where the CPU has it
-// (attention_bf16_supported); the other builds have stubs.
+// (attention_bf16_supported); the other builds have stubs. The second half of the file is the
+// same kernel with oneDNN's microkernels for the products (attention_head_forward_brgemm).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include <immintrin.h>
+
+#include <ATen/native/CPUBlas.h>
 
 #include "cpu_kernels.h"
 
@@ -280,6 +284,18 @@ MF_INLINE void backward_group(const HeadShape& h, const Backward& b, int64_t i0,
   block_accumulate<row_pairs(R)>(b.dk, hn, b.ds2, b.sld, b.q2 + i0 / 2 * hn, n);
 }
 
+// delta[i] = sum_j p_ij dp_ij = dout_i . o_i for i < sq, with or without dropout (o is the
+// dropped p v): float32 sums of the bfloat16 rows.
+MF_INLINE void row_dots(float* delta, const Bf16* dout, int64_t dos, const Bf16* o, int64_t os,
+                        int64_t sq, int64_t hn) {
+  for (int64_t i = 0; i < sq; ++i) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < hn; c += kLanes)
+      acc = _mm512_fmadd_ps(widen(dout + i * dos + c), widen(o + i * os + c), acc);
+    delta[i] = _mm512_reduce_add_ps(acc);
+  }
+}
+
 // dst[r * hn + c] = src[r * stride + c] for r < rows, c < hn.
 MF_INLINE void copy_rows(Bf16* dst, const Bf16* src, int64_t stride, int64_t rows, int64_t hn) {
   for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * hn, src + r * stride, sizeof(Bf16) * hn);
@@ -296,6 +312,88 @@ MF_INLINE int64_t backward_words(int64_t sq, int64_t hn, const AttentionTiles& t
   return 2 * panels_words(sq, hn, t.backward_keys) + 3 * row_pairs(sq) * hn + sq * hn +
          2 * kGroup * sld + kGroup * sld / 2 + 2 * row_pairs(kGroup) * sld + sq +
          2 * t.backward_keys * hn + sq * hn;
+}
+
+
+// ---- The same attention with oneDNN's batch-reduce GEMM microkernels for the products
+// (at::native::cpublas::brgemm, bfloat16 x bfloat16 -> float32): AMX tiles where the CPU has
+// AMX-BF16, else AVX512-BF16 dot products, as oneDNN picks at run time. The operands are
+// those of the kernel above: B of each product in the VNNI layout, [K / 2][N] words of two
+// bfloat16 values along K (the k^T / v^T panels, the pairs of rows of k and v), and the
+// transposed products dk^T += q^T ds, dv^T += dout^T p, whose B (ds, p in pairs of rows) is
+// built per group as above. A group has kBrgemmRows query rows (the products' M); the online
+// softmax and the softmax backward run row by row (attention_rows.h).
+
+constexpr int64_t kBrgemmRows = 32;
+
+using BF = at::BFloat16;
+
+// c[r * ldc + j] (+)= sum_k a[r * lda + k] b[k][j] for r < m, j < n, k < kk: b in words
+// (k / 2, j) at pitch ldb words.
+MF_INLINE void brgemm(int64_t m, int64_t n, int64_t kk, const Bf16* a, int64_t lda,
+                      const Word* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  at::native::cpublas::brgemm(m, n, kk, lda, ldb, ldc, add, reinterpret_cast<const BF*>(a),
+                              reinterpret_cast<const BF*>(b), c, true);
+}
+
+MF_INLINE int64_t round_even(int64_t n) { return (n + 1) / 2 * 2; }
+
+MF_INLINE void scale_rows(float* s, int64_t sld, int64_t rows, int64_t n16, float scale) {
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n16; j += kLanes)
+      _mm512_storeu_ps(s + r * sld + j, _mm512_mul_ps(_mm512_loadu_ps(s + r * sld + j), f));
+}
+
+// w2[t * ld + j] = (bf16(x[2t][j]), bf16(x[2t + 1][j])) for t < row_pairs(rows), j < n16
+// (row `rows` zero when rows is odd): pair_columns for any number of rows.
+MF_INLINE void pair_float_rows(Word* w2, const float* x, int64_t ld, int64_t rows, int64_t n16) {
+  for (int64_t t = 0; t < row_pairs(rows); ++t)
+    for (int64_t j = 0; j < n16; j += kLanes) {
+      const __m512i lo = rounded_halves(_mm512_loadu_ps(x + 2 * t * ld + j));
+      const __m512i hi = 2 * t + 1 < rows
+                             ? rounded_halves(_mm512_loadu_ps(x + (2 * t + 1) * ld + j))
+                             : _mm512_setzero_si512();
+      store_words(w2 + t * ld + j, pair(lo, hi));
+    }
+}
+
+// xt[c * tp + i] = x[i * stride + c] for i < sq, c < hn, and 0 for sq <= i < tp.
+MF_INLINE void transpose_rows(Bf16* xt, int64_t tp, const Bf16* x, int64_t stride, int64_t sq,
+                              int64_t hn) {
+  constexpr int64_t kTile = 16;
+  for (int64_t i0 = 0; i0 < sq; i0 += kTile)
+    for (int64_t c = 0; c < hn; ++c)
+      for (int64_t i = i0; i < std::min(sq, i0 + kTile); ++i) xt[c * tp + i] = x[i * stride + c];
+  for (int64_t c = 0; c < hn; ++c)
+    for (int64_t i = sq; i < tp; ++i) xt[c * tp + i] = 0;
+}
+
+// dst[j * ds + c] = bf16(scale * src[c * ld + j]) for j < rows, c < hn: a block's sums,
+// kept transposed, written as rows.
+MF_INLINE void round_transposed(Bf16* dst, int64_t ds, const float* src, int64_t ld,
+                                int64_t rows, int64_t hn, float scale) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t c = 0; c < hn; ++c) {
+      const float x = scale * src[c * ld + j];
+      const BF b(x);  // round to nearest even
+      std::memcpy(dst + j * ds + c, &b, sizeof(Bf16));
+    }
+}
+
+MF_INLINE int64_t brgemm_forward_words(int64_t sq, int64_t hn, const AttentionTiles& t) {
+  const int64_t sld = row_pitch(t.forward_keys);
+  return panels_words(sq, hn, t.forward_keys) + row_pairs(sq) * hn + kBrgemmRows * sld +
+         kBrgemmRows * sld / 2 + kBrgemmRows * hn + t.rows * hn + 2 * t.rows;
+}
+
+MF_INLINE int64_t transposed_words(int64_t sq, int64_t hn) { return hn * round_lanes(sq) / 2; }
+
+MF_INLINE int64_t brgemm_backward_words(int64_t sq, int64_t hn, const AttentionTiles& t) {
+  const int64_t sld = row_pitch(t.backward_keys);
+  return 2 * panels_words(sq, hn, t.backward_keys) + row_pairs(sq) * hn +
+         2 * transposed_words(sq, hn) + 2 * kBrgemmRows * sld + kBrgemmRows * sld / 2 +
+         2 * row_pairs(kBrgemmRows) * sld + sq + 2 * hn * sld + sq * hn;
 }
 
 }  // namespace
@@ -370,13 +468,7 @@ void attention_head_backward(const uint16_t* q, int64_t qs, const uint16_t* k, i
   pair_rows(dout2, dout, dos, sq, hn);
   copy_rows(qc, q, qs, sq, hn);
   copy_rows(doutc, dout, dos, sq, hn);
-  // delta_i = sum_j p_ij dp_ij = dout_i . o_i, with or without dropout (o = dropped p v)
-  for (int64_t i = 0; i < sq; ++i) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < hn; c += kLanes)
-      acc = _mm512_fmadd_ps(widen(doutc + i * hn + c), widen(o + i * os + c), acc);
-    delta[i] = _mm512_reduce_add_ps(acc);
-  }
+  row_dots(delta, doutc, hn, o, os, sq, hn);
   fill_zero(dqf, sq * hn);
   const HeadShape h{sq, hn, scale, causal, window};
   const Backward b{qc, doutc, q2, dout2, k2, lse, delta, p, ds, ds16, p2, ds2, sld, dqf, dkb, dvb};
@@ -398,6 +490,177 @@ void attention_head_backward(const uint16_t* q, int64_t qs, const uint16_t* k, i
   round_rows(dq, dqs, dqf, hn, sq, hn, 1.0f);
 }
 
+
+namespace {
+
+// Whether oneDNN's microkernels give exact products in the layouts the kernel passes them:
+// M = kBrgemmRows rows, N with a tail (not a multiple of 16) at a row pitch of B and C wider
+// than N, K = 64, and the accumulating form; small integers, whose sums are exact.
+bool brgemm_self_test() {
+  constexpr int64_t M = kBrgemmRows, N = 40, K = 64, ldb = 80, ldc = 72;
+  std::vector<Bf16> a(M * K);
+  std::vector<Word> b(K / 2 * ldb, 0);
+  std::vector<float> c(M * ldc, 0.0f);
+  auto bf16 = [](int x) {
+    const BF v(static_cast<float>(x));
+    Bf16 bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    return bits;
+  };
+  auto b_at = [](int64_t k, int64_t j) { return static_cast<int>((k * 3 + j * 5) % 7) - 3; };
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; ++k) a[r * K + k] = bf16(static_cast<int>((r + 2 * k) % 5) - 2);
+  for (int64_t k = 0; k < K; k += 2)
+    for (int64_t j = 0; j < N; ++j)
+      b[k / 2 * ldb + j] = bf16(b_at(k, j)) | (static_cast<Word>(bf16(b_at(k + 1, j))) << 16);
+  for (int pass = 0; pass < 2; ++pass) brgemm(M, N, K, a.data(), K, b.data(), ldb, c.data(), ldc, pass == 1);
+  at::native::cpublas::brgemm_release(true);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j = 0; j < N; ++j) {
+      float want = 0.0f;
+      for (int64_t k = 0; k < K; ++k)
+        want += static_cast<float>((static_cast<int>((r + 2 * k) % 5) - 2) * b_at(k, j));
+      if (c[r * ldc + j] != 2.0f * want) return false;
+    }
+  return true;
+}
+
+}  // namespace
+
+bool attention_brgemm_supported() {
+  static const bool ok = [] {
+    if (!attention_bf16_supported()) return false;
+    try {  // oneDNN's bfloat16 microkernels in this torch (VNNI B), else an exception
+      return brgemm_self_test();
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+bool attention_brgemm_amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+int64_t attention_brgemm_work_floats(int64_t sq, int64_t hn) {
+  const AttentionTiles t = attention_tiles(sq, hn);
+  return std::max(brgemm_forward_words(sq, hn, t), brgemm_backward_words(sq, hn, t));
+}
+
+void attention_head_forward_brgemm(const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks,
+                                   const uint16_t* v, int64_t vs, uint16_t* o, int64_t os,
+                                   float* lse, int64_t sq, int64_t hn, float scale, bool causal,
+                                   const Dropout& drop, float* work, const float* sink,
+                                   int64_t window) {
+  const AttentionTiles t = attention_tiles(sq, hn);
+  const int64_t block = t.forward_keys, ld = row_pitch(block), sld = ld;
+  const int64_t panel = panel_words(hn, block);
+  Word* kt = reinterpret_cast<Word*>(work);
+  Word* v2 = kt + panels_words(sq, hn, block);
+  float* s = reinterpret_cast<float*>(v2 + row_pairs(sq) * hn);
+  Bf16* p16 = reinterpret_cast<Bf16*>(s + kBrgemmRows * sld);
+  float* pv = reinterpret_cast<float*>(p16 + kBrgemmRows * sld);  // a group's p v
+  float* oq = pv + kBrgemmRows * hn;  // a query block's float rows
+  float* m = oq + t.rows * hn;        // the running max and sum of its rows
+  float* l = m + t.rows;
+  word_panels(kt, k, sq, ks, hn, block);
+  pair_rows(v2, v, vs, sq, hn);
+  HeadShape h{sq, hn, scale, causal, window};
+  h.set_sink(sink);
+  for (int64_t q0 = 0; q0 < sq; q0 += t.rows) {
+    const int64_t q1 = std::min(sq, q0 + t.rows);
+    for (int64_t j0 = h.first_key(q0) / block * block; j0 < h.block_keys(q0, q1 - q0);
+         j0 += block) {
+      const int64_t end = std::min(sq, j0 + block);
+      const Word* ktb = kt + j0 / block * panel;
+      for (int64_t i0 = causal ? std::max(q0, j0) : q0; i0 < q1; i0 += kBrgemmRows) {
+        if (end <= h.first_key(i0)) break;  // this group's windows and the later ones' start after the block
+        const int64_t rows = std::min(kBrgemmRows, q1 - i0);
+        const int64_t n = h.group_keys(i0, rows, j0, end), n16 = round_lanes(n);
+        brgemm(rows, n16, hn, q + i0 * qs, qs, ktb, ld, s, sld, false);
+        scale_rows(s, sld, rows, n16, scale);
+        float keep[kBrgemmRows], row_scale[kBrgemmRows];
+        for (int64_t r = 0; r < rows; ++r)  // each row its own first and last block
+          online_softmax<1>(h, i0 + r, j0, end, s + r * sld, sld, n16, m + (i0 - q0) + r,
+                            l + (i0 - q0) + r, lse, drop, keep + r, row_scale + r);
+        round_rows(p16, sld, s, sld, rows, n16, 1.0f);
+        brgemm(rows, hn, round_even(n), p16, sld, v2 + j0 / 2 * hn, hn, pv, hn, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = oq + (i0 - q0 + r) * hn;
+          const __m512 f = _mm512_set1_ps(row_scale[r]), g = _mm512_set1_ps(keep[r]);
+          const bool first = h.first_block(i0 + r, j0);
+          for (int64_t c = 0; c < hn; c += kLanes) {
+            const __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(pv + r * hn + c), f);
+            _mm512_storeu_ps(dst + c, first ? sum : _mm512_fmadd_ps(_mm512_loadu_ps(dst + c), g, sum));
+          }
+        }
+      }
+    }
+    round_rows(o + q0 * os, os, oq, hn, q1 - q0, hn, 1.0f);
+  }
+  at::native::cpublas::brgemm_release(true);
+}
+
+void attention_head_backward_brgemm(const uint16_t* q, int64_t qs, const uint16_t* k,
+                                    int64_t ks, const uint16_t* v, int64_t vs,
+                                    const uint16_t* o, int64_t os, const uint16_t* dout,
+                                    int64_t dos, const float* lse, uint16_t* dq, int64_t dqs,
+                                    uint16_t* dk, int64_t dks, uint16_t* dv, int64_t dvs,
+                                    int64_t sq, int64_t hn, float scale, bool causal,
+                                    const Dropout& drop, float* work, int64_t window) {
+  const AttentionTiles t = attention_tiles(sq, hn);
+  const int64_t block = t.backward_keys, ld = row_pitch(block), sld = ld;
+  const int64_t panel = panel_words(hn, block), tp = round_lanes(sq);
+  Word* kt = reinterpret_cast<Word*>(work);
+  Word* vt = kt + panels_words(sq, hn, block);
+  Word* k2 = vt + panels_words(sq, hn, block);
+  Bf16* qT = reinterpret_cast<Bf16*>(k2 + row_pairs(sq) * hn);  // [hn, tp]
+  Bf16* doutT = qT + hn * tp;
+  float* p = reinterpret_cast<float*>(doutT + hn * tp);
+  float* ds = p + kBrgemmRows * sld;
+  Bf16* ds16 = reinterpret_cast<Bf16*>(ds + kBrgemmRows * sld);
+  Word* p2 = reinterpret_cast<Word*>(ds16 + kBrgemmRows * sld);
+  Word* ds2 = p2 + row_pairs(kBrgemmRows) * sld;
+  float* delta = reinterpret_cast<float*>(ds2 + row_pairs(kBrgemmRows) * sld);
+  float* dkT = delta + sq;  // the key block's sums, transposed: [hn, ld]
+  float* dvT = dkT + hn * ld;
+  float* dqf = dvT + hn * ld;
+  word_panels(kt, k, sq, ks, hn, block);
+  word_panels(vt, v, sq, vs, hn, block);
+  pair_rows(k2, k, ks, sq, hn);
+  transpose_rows(qT, tp, q, qs, sq, hn);
+  transpose_rows(doutT, tp, dout, dos, sq, hn);
+  row_dots(delta, dout, dos, o, os, sq, hn);
+  fill_zero(dqf, sq * hn);
+  const HeadShape h{sq, hn, scale, causal, window};
+  for (int64_t j0 = 0; j0 < sq; j0 += block) {
+    const int64_t end = std::min(sq, j0 + block);
+    const Word *ktb = kt + j0 / block * panel, *vtb = vt + j0 / block * panel;
+    fill_zero(dkT, 2 * hn * ld);
+    for (int64_t i0 = causal ? j0 / kBrgemmRows * kBrgemmRows : 0; i0 < sq; i0 += kBrgemmRows) {
+      if (end <= h.first_key(i0)) break;  // the later rows' windows start after the block
+      const int64_t rows = std::min(kBrgemmRows, sq - i0);
+      const int64_t n = h.group_keys(i0, rows, j0, end), n16 = round_lanes(n);
+      brgemm(rows, n16, hn, q + i0 * qs, qs, ktb, ld, p, sld, false);
+      scale_rows(p, sld, rows, n16, scale);
+      brgemm(rows, n16, hn, dout + i0 * dos, dos, vtb, ld, ds, sld, false);
+      for (int64_t r = 0; r < rows; ++r)
+        softmax_backward_rows<1>(h, i0 + r, j0, end, p + r * sld, ds + r * sld, sld, n16, lse,
+                                 delta, drop);
+      round_rows(ds16, sld, ds, sld, rows, n16, 1.0f);
+      pair_float_rows(p2, p, sld, rows, n16);
+      pair_float_rows(ds2, ds, sld, rows, n16);
+      const int64_t pairs = round_even(rows);
+      brgemm(rows, hn, round_even(n), ds16, sld, k2 + j0 / 2 * hn, hn, dqf + i0 * hn, hn, true);
+      brgemm(hn, n16, pairs, doutT + i0, tp, p2, sld, dvT, ld, true);
+      brgemm(hn, n16, pairs, qT + i0, tp, ds2, sld, dkT, ld, true);
+    }
+    round_transposed(dk + j0 * dks, dks, dkT, ld, end - j0, hn, scale);
+    round_transposed(dv + j0 * dvs, dvs, dvT, ld, end - j0, hn, 1.0f);
+  }
+  round_rows(dq, dqs, dqf, hn, sq, hn, scale);
+  at::native::cpublas::brgemm_release(true);
+}
+
 }  // namespace cpu
 }  // namespace megatron_fused
 #pragma GCC pop_options
@@ -409,6 +672,18 @@ namespace cpu {
 
 bool attention_bf16_supported() { return false; }
 int64_t attention_bf16_work_floats(int64_t, int64_t) { return 0; }
+bool attention_brgemm_supported() { return false; }
+bool attention_brgemm_amx() { return false; }
+int64_t attention_brgemm_work_floats(int64_t, int64_t) { return 0; }
+void attention_head_forward_brgemm(const uint16_t*, int64_t, const uint16_t*, int64_t,
+                                   const uint16_t*, int64_t, uint16_t*, int64_t, float*,
+                                   int64_t, int64_t, float, bool, const Dropout&, float*,
+                                   const float*, int64_t) {}
+void attention_head_backward_brgemm(const uint16_t*, int64_t, const uint16_t*, int64_t,
+                                    const uint16_t*, int64_t, const uint16_t*, int64_t,
+                                    const uint16_t*, int64_t, const float*, uint16_t*,
+                                    int64_t, uint16_t*, int64_t, uint16_t*, int64_t, int64_t,
+                                    int64_t, float, bool, const Dropout&, float*, int64_t) {}
 void attention_head_forward(const uint16_t*, int64_t, const uint16_t*, int64_t,
                             const uint16_t*, int64_t, uint16_t*, int64_t, float*, int64_t,
                             int64_t, float, bool, const Dropout&, float*, const float*,

@@ -270,11 +270,21 @@ T* elements(const at::Tensor& t) {
   else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-// Scratch floats per task of the float32 (T = float) or bfloat16 (uint16_t) kernel.
+// Scratch floats per task of the float32 (T = float) or bfloat16 (uint16_t) kernel, the
+// latter with the dot products or oneDNN's microkernels (brgemm).
 template <typename T>
-int64_t attention_work_floats(int64_t sq, int64_t hn) {
+int64_t attention_work_floats(int64_t sq, int64_t hn, bool brgemm) {
   if constexpr (std::is_same_v<T, float>) return cpu::attention_work_floats(sq, hn);
+  else if (brgemm) return cpu::attention_brgemm_work_floats(sq, hn);
   else return cpu::attention_bf16_work_floats(sq, hn);
+}
+
+// brgemm (bfloat16 only): oneDNN's microkernels for the products, where they exist.
+void check_brgemm(const at::Tensor& q, bool brgemm) {
+  TORCH_CHECK(!brgemm || (q.scalar_type() == at::kBFloat16 && cpu::attention_brgemm_supported()),
+              "brgemm=True takes bfloat16 q, k, v where attention_brgemm() is True (got ",
+              q.scalar_type(), ", attention_brgemm() ", cpu::attention_brgemm_supported(),
+              "): pass brgemm=False");
 }
 
 // Calls fn(T{}) with T = float for float32 q, uint16_t for bfloat16.
@@ -326,8 +336,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      bool causal, double dropout_p,
                                                      int64_t seed,
                                                      const c10::optional<at::Tensor>& sinks,
-                                                     int64_t window) {
+                                                     int64_t window, bool brgemm) {
   check_attention_inputs(q, k, v);
+  check_brgemm(q, brgemm);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
   task_dropout(dropout_p, seed, 0, sq);
   check_window(window, causal);
@@ -344,13 +355,18 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     using T = decltype(tag);
     const T *qp = elements<T>(q), *kp = elements<T>(k), *vp = elements<T>(v);
     T* op = elements<T>(o);
-    for_each_task(tasks, attention_work_floats<T>(sq, hn), [&](int64_t t, float* work) {
-      cpu::attention_head_forward(qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t),
-                                  k.stride(0), vp + head_offset(v, t), v.stride(0),
-                                  op + head_offset(o, t), o.stride(0), lp + t * sq, sq, hn,
-                                  static_cast<float>(scale), causal,
-                                  task_dropout(dropout_p, seed, t, sq), work,
-                                  sp ? sp + t % q.size(2) : nullptr, window);
+    for_each_task(tasks, attention_work_floats<T>(sq, hn, brgemm), [&](int64_t t, float* work) {
+      auto head = [&](auto&& kernel) {
+        kernel(qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
+               vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
+               lp + t * sq, sq, hn, static_cast<float>(scale), causal,
+               task_dropout(dropout_p, seed, t, sq), work, sp ? sp + t % q.size(2) : nullptr,
+               window);
+      };
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (brgemm) return head(cpu::attention_head_forward_brgemm);
+      }
+      head([](auto... args) { cpu::attention_head_forward(args...); });
     });
   });
   return {o, lse};
@@ -360,8 +376,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& o, const at::Tensor& lse, double scale, bool causal, double dropout_p,
-    int64_t seed, int64_t window) {
+    int64_t seed, int64_t window, bool brgemm) {
   check_attention_inputs(q, k, v);
+  check_brgemm(q, brgemm);
   check_window(window, causal);
   check_attention_inputs(q, o, dout);
   const int64_t sq = q.size(0), hn = q.size(3), tasks = q.size(1) * q.size(2);
@@ -378,14 +395,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const T *qp = elements<T>(q), *kp = elements<T>(k), *vp = elements<T>(v);
     const T *op = elements<T>(o), *gp = elements<T>(dout);
     T *dqp = elements<T>(dq), *dkp = elements<T>(dk), *dvp = elements<T>(dv);
-    for_each_task(tasks, attention_work_floats<T>(sq, hn), [&](int64_t t, float* work) {
-      cpu::attention_head_backward(
-          qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
-          vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
-          gp + head_offset(dout, t), dout.stride(0), lp + t * sq, dqp + head_offset(dq, t),
-          dq.stride(0), dkp + head_offset(dk, t), dk.stride(0), dvp + head_offset(dv, t),
-          dv.stride(0), sq, hn, static_cast<float>(scale), causal,
-          task_dropout(dropout_p, seed, t, sq), work, window);
+    for_each_task(tasks, attention_work_floats<T>(sq, hn, brgemm), [&](int64_t t, float* work) {
+      auto head = [&](auto&& kernel) {
+        kernel(qp + head_offset(q, t), q.stride(0), kp + head_offset(k, t), k.stride(0),
+               vp + head_offset(v, t), v.stride(0), op + head_offset(o, t), o.stride(0),
+               gp + head_offset(dout, t), dout.stride(0), lp + t * sq,
+               dqp + head_offset(dq, t), dq.stride(0), dkp + head_offset(dk, t), dk.stride(0),
+               dvp + head_offset(dv, t), dv.stride(0), sq, hn, static_cast<float>(scale),
+               causal, task_dropout(dropout_p, seed, t, sq), work, window);
+      };
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (brgemm) return head(cpu::attention_head_backward_brgemm);
+      }
+      head([](auto... args) { cpu::attention_head_backward(args...); });
     });
   });
   return {dq, dk, dv};
@@ -435,18 +457,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim] (float32, or bfloat16 "
         "where attention_bf16_dot()), causal or over all keys, "
         "with attention dropout, optional per-head sinks [heads] and a sliding window (keys "
-        "i - window < j <= i; 0: none) -> (out, lse)",
+        "i - window < j <= i; 0: none); brgemm: bfloat16 products with oneDNN's microkernels "
+        "(where attention_brgemm()) -> (out, lse)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = true,
         py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("sinks") = py::none(),
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("brgemm") = false);
   m.def("causal_attention_backward", &mf::attention_backward,
         "gradients of causal_attention_forward -> (dq, dk, dv)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
         py::arg("causal") = true, py::arg("dropout_p") = 0.0, py::arg("seed") = 0,
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("brgemm") = false);
   m.def("attention_bf16_dot", &mf::cpu::attention_bf16_supported,
         "whether causal_attention_forward / backward take bfloat16 q, k, v (with the "
         "AVX512-BF16 dot products: this build is avx512 and the CPU has them)");
+  m.def("attention_brgemm", &mf::cpu::attention_brgemm_supported,
+        "whether causal_attention_forward / backward take brgemm=True: bfloat16 products with "
+        "oneDNN's microkernels (at::native::cpublas::brgemm) in this torch");
+  m.def("attention_brgemm_amx", &mf::cpu::attention_brgemm_amx,
+        "whether oneDNN's bfloat16 microkernels use AMX tiles on this CPU");
   m.def("attention_dropout_keep", &mf::attention_dropout_keep,
         "the keep mask [tasks, sq, sq] of the attention kernels' dropout (uint8)");
   m.def("cpu_caches",

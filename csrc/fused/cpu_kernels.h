@@ -123,6 +123,27 @@ void attention_head_backward(const uint16_t* q, int64_t qs, const uint16_t* k, i
                              bool causal, const Dropout& drop, float* work, int64_t window);
 int64_t attention_bf16_work_floats(int64_t sq, int64_t hn);
 
+// The same bfloat16 attention with oneDNN's microkernels for its products
+// (at::native::cpublas::brgemm: AMX tiles on a CPU with AMX-BF16, else AVX512-BF16), chosen
+// by the measured auto against the dot products above (megatron/fused/attention.py). Only
+// where attention_brgemm_supported() (attention_bf16_supported() and a torch whose oneDNN
+// has the bfloat16 microkernels); attention_brgemm_amx(): whether oneDNN uses AMX for them.
+bool attention_brgemm_supported();
+bool attention_brgemm_amx();
+void attention_head_forward_brgemm(const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks,
+                                   const uint16_t* v, int64_t vs, uint16_t* o, int64_t os,
+                                   float* lse, int64_t sq, int64_t hn, float scale, bool causal,
+                                   const Dropout& drop, float* work, const float* sink,
+                                   int64_t window);
+void attention_head_backward_brgemm(const uint16_t* q, int64_t qs, const uint16_t* k,
+                                    int64_t ks, const uint16_t* v, int64_t vs,
+                                    const uint16_t* o, int64_t os, const uint16_t* dout,
+                                    int64_t dos, const float* lse, uint16_t* dq, int64_t dqs,
+                                    uint16_t* dk, int64_t dks, uint16_t* dv, int64_t dvs,
+                                    int64_t sq, int64_t hn, float scale, bool causal,
+                                    const Dropout& drop, float* work, int64_t window);
+int64_t attention_brgemm_work_floats(int64_t sq, int64_t hn);
+
 // The per-core data caches, in bytes (cpu_caches.cpp): read once at start-up from
 // /sys/devices/system/cpu/cpu0/cache, else sysconf; set_cpu_caches overrides them
 // (tests; 0, 0: back to those read).

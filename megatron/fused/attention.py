@@ -33,14 +33,17 @@ class FusedCausalAttention(torch.autograd.Function):
     sees keys i - window < j <= i (0: none)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0, sinks=None, window=0):
+    def forward(ctx, q, k, v, scale, dropout_p=0.0, seed=0, sinks=None, window=0, brgemm=False):
         wide_sinks = None if sinks is None else sinks.detach().float().contiguous()
-        out, lse = _ext(q).causal_attention_forward(*_kernel_inputs(q, k, v), float(scale),
-                                                    True, float(dropout_p), int(seed),
-                                                    wide_sinks, int(window))
+        inputs = _kernel_inputs(q, k, v)
+        brgemm = bool(brgemm) and inputs[0].dtype == torch.bfloat16  # not where widened
+        out, lse = _ext(q).causal_attention_forward(*inputs, float(scale), True,
+                                                    float(dropout_p), int(seed), wide_sinks,
+                                                    int(window), brgemm)
         out = out.to(q.dtype)  # bfloat16 inputs: saved and returned in bfloat16
         ctx.save_for_backward(q, k, v, out, lse, wide_sinks)
         ctx.scale, ctx.dropout, ctx.window = float(scale), (float(dropout_p), int(seed)), int(window)
+        ctx.brgemm = brgemm
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return out
 
@@ -52,11 +55,11 @@ class FusedCausalAttention(torch.autograd.Function):
             grad = grad.contiguous()
         grad, kernel_out, *qkv = _kernel_inputs(grad, out, q, k, v)
         grads = _ext(q).causal_attention_backward(grad, *qkv, kernel_out, lse, ctx.scale, True,
-                                                  *ctx.dropout, ctx.window)
+                                                  *ctx.dropout, ctx.window, ctx.brgemm)
         dsinks = None if sinks is None else _sinks_grad(grad.float(), kernel_out.float(), lse,
                                                         sinks)
         return (*(g.to(q.dtype) for g in grads), None, None, None,
-                None if dsinks is None else dsinks.to(ctx.sinks_dtype), None)
+                None if dsinks is None else dsinks.to(ctx.sinks_dtype), None, None)
 
 
 def _sinks_grad(grad, out, lse, sinks):
@@ -84,6 +87,15 @@ def bf16_dot_products() -> bool:
     products, float32 sums) rather than widening it to float32."""
     module = fused_kernels.get_extension("cpu")
     return module is not None and module.attention_bf16_dot()
+
+
+def bf16_brgemm() -> bool:
+    """Whether the bfloat16 kernel can take its products from oneDNN's microkernels
+    (at::native::cpublas::brgemm: AMX tiles on a CPU with AMX-BF16, else AVX512-BF16)
+    instead of our dot products; which of the two runs is the decision
+    "attention_products" (`brgemm_preferred`)."""
+    module = fused_kernels.get_extension("cpu")
+    return bf16_dot_products() and module.attention_brgemm()
 
 
 # The kernels' dropout counts positions i * sq + j in 32 bits.
@@ -187,6 +199,30 @@ def attention_decision(q, dropout_p: float = 0.0, window=None,
     return choice.Decision("attention", str(q.dtype)[6:], dims)
 
 
+def products_decision(q, dropout_p: float = 0.0, window=None,
+                      sinks: bool = False) -> choice.Decision:
+    """The decision between the bfloat16 kernel's two ways of computing its products (ours:
+    oneDNN's microkernels, plain: our AVX512-BF16 dot products), per shape bucket as
+    `attention_decision`."""
+    return choice.Decision("attention_products", str(q.dtype)[6:],
+                           attention_decision(q, dropout_p, window, sinks).dims)
+
+
+def brgemm_preferred(q, dropout_p: float = 0.0, window=None, sinks: bool = False) -> bool:
+    """Whether our kernel computes the products of bfloat16 attention of q with oneDNN's
+    microkernels (`bf16_brgemm`): measured against the dot products by auto, where both
+    exist."""
+    if q.dtype != torch.bfloat16 or not bf16_brgemm():
+        return False
+    return choice.prefer_ours(products_decision(q, dropout_p, window, sinks))
+
+
+def _products_rule(dims, dtype) -> bool:
+    """Without a timing: oneDNN's microkernels where they use AMX tiles (whose bfloat16
+    products are several times those of the dot products), else the dot products."""
+    return fused_kernels.get_extension("cpu").attention_brgemm_amx()
+
+
 def _attention_rule(dims, dtype) -> bool:
     isa = cpu_kernels_isa()
     if dims["dropout"]:
@@ -221,22 +257,31 @@ def plain_causal_attention(q, k, v, dropout_p: float = 0.0, window=None, sinks=N
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
 
-def _attention_steps(dims, dtype):
+def _attention_steps(dims, dtype, products: bool = False):
     """(ours, plain) forward+backward steps for a timing of an attention decision, from the
-    views of a fused QKV projection; at most 2 tasks per thread (per-task cost is linear)."""
+    views of a fused QKV projection; at most 2 tasks per thread (per-task cost is linear).
+    products: the decision "attention_products", our kernel with oneDNN's microkernels
+    (ours) against our kernel with the dot products (plain)."""
     s, dim, p = dims["s"], dims["d"], 0.1 if dims["dropout"] else 0.0
     tasks = min(dims["tasks"], 2 * max(1, torch.get_num_threads()))
     qkv, grad = torch.randn(s, 1, tasks, 3 * dim, dtype=dtype), torch.randn(s, 1, tasks * dim,
                                                                             dtype=dtype)
     window = dims.get("window")
     sinks = torch.zeros(tasks, dtype=dtype) if dims.get("sinks") else None
+    # our kernel's products as the decision's own shape bucket takes them (not the timing's
+    # fewer tasks)
+    brgemm = (not products and dtype == torch.bfloat16 and bf16_brgemm() and choice.prefer_ours(
+        choice.Decision("attention_products", "bfloat16", tuple(dims.items()))))
 
     def step(kernel: bool):
         def run():
             q, k, v = qkv.detach().requires_grad_().split(dim, dim=-1)
             head_sinks = None if sinks is None else sinks.detach().requires_grad_()
-            out = (causal_attention(q, k, v, dim ** -0.5, p, 1234, head_sinks, window) if kernel
-                   else plain_causal_attention(q, k, v, p, window, head_sinks))
+            if products or kernel:
+                out = causal_attention(q, k, v, dim ** -0.5, p, 1234, head_sinks, window,
+                                       brgemm=kernel if products else brgemm)
+            else:
+                out = plain_causal_attention(q, k, v, p, window, head_sinks)
             out.backward(grad)
         return run
     return step(True), step(False)
@@ -249,6 +294,10 @@ def _plain_name(dims) -> str:
 
 
 choice.register("attention", _attention_steps, _attention_rule, _plain_name)
+choice.register("attention_products",
+                lambda dims, dtype: _attention_steps(dims, dtype, products=True), _products_rule,
+                lambda dims: "the AVX512-BF16 dot products",
+                ours=lambda dims: "oneDNN's microkernels")
 
 
 def causal_attention_preferred(q, k, v, dropout_p: float = 0.0, window=None,
@@ -264,17 +313,21 @@ def causal_attention_preferred(q, k, v, dropout_p: float = 0.0, window=None,
 
 
 def causal_attention(q, k, v, scale, dropout_p: float = 0.0, seed: int | None = None,
-                     sinks: torch.Tensor | None = None, window: int | None = None):
+                     sinks: torch.Tensor | None = None, window: int | None = None,
+                     brgemm: bool | None = None):
     """Causal self-attention of q, k, v [sq, b, heads, head_dim] -> [sq, b, heads * head_dim]
     with the CPU kernel (check `causal_attention_fusable` first); dropout_p > 0 drops
     probabilities with the mask of `seed` (None: `attention_dropout_seed()`); sinks: a float
     tensor [heads] of attention-sink logits (gpt-oss; differentiable) or None; window: a
-    sliding window of that many keys (query i sees i - window < j <= i) or None."""
+    sliding window of that many keys (query i sees i - window < j <= i) or None; brgemm:
+    bfloat16 products with oneDNN's microkernels (None: `brgemm_preferred`)."""
     sq, b, heads, dim = q.shape
     if sinks is not None and tuple(sinks.shape) != (heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)}: pass one logit per head, "
                          f"shape ({heads},)")
     if dropout_p > 0 and seed is None:
         seed = attention_dropout_seed()
+    if brgemm is None:
+        brgemm = brgemm_preferred(q, dropout_p, window, sinks is not None)
     return FusedCausalAttention.apply(q, k, v, scale, dropout_p, seed or 0, sinks,
-                                      int(window or 0)).view(sq, b, heads * dim)
+                                      int(window or 0), brgemm).view(sq, b, heads * dim)

@@ -75,13 +75,15 @@ def bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
-# Each op registers (measure, rule, name of the plain path): measure(dims, dtype) -> (ours,
-# plain) zero-argument steps (forward+backward); rule(dims, dtype) -> bool; plain(dims) -> str.
-MEASURES: dict[str, tuple[Callable, Callable, Callable]] = {}
+# Each op registers (measure, rule, name of the plain path, name of ours): measure(dims, dtype)
+# -> (ours, plain) zero-argument steps (forward+backward); rule(dims, dtype) -> bool;
+# plain(dims) -> str, ours(dims) -> str.
+MEASURES: dict[str, tuple[Callable, Callable, Callable, Callable]] = {}
 
 
-def register(op: str, measure: Callable, rule: Callable, plain: Callable) -> None:
-    MEASURES[op] = (measure, rule, plain)
+def register(op: str, measure: Callable, rule: Callable, plain: Callable,
+             ours: Callable = lambda dims: "our kernel") -> None:
+    MEASURES[op] = (measure, rule, plain, ours)
 
 
 class _State:
@@ -294,9 +296,13 @@ def agree(decisions: Iterable[Decision], group=None) -> dict:
 
 
 def _answer_all(decisions: list) -> dict:
+    """Each decision answered in turn; each answer is kept at once, so that a timing of a
+    later decision that asks an earlier one (attention asks "attention_products") takes it."""
     answers, fresh = {}, {}
+    threads = torch.get_num_threads()
     for decision in decisions:
         answers[decision], measured = _answer(decision)
+        _STATE.table[(decision, threads)] = answers[decision]
         if measured:
             fresh[decision.key()] = _stored(answers[decision])
     _write_cache(fresh)
@@ -313,15 +319,16 @@ def _announce(decision: Decision, record: dict) -> None:
         return
     _STATE.announced.add(decision)
     plain = MEASURES[decision.op][2](dict(decision.dims))
-    path = "our kernel" if record["choice"] == "ours" else plain
+    ours = MEASURES[decision.op][3](dict(decision.dims))
+    path = ours if record["choice"] == "ours" else plain
     shape = " ".join(f"{name}{value}" for name, value in decision.dims)
     why = record["source"]
     if "ours_ms" in record:
         where = ("in memory" if _STATE.cache_failed else f"cached in {cache_path()}")
         verb = ("measured now" if why == "measured" else
                 f"from the cache, measured {record.get('measured', '?')}")
-        why = (f"auto, {verb}: ours {record['ours_ms']:.3f} ms, {plain} "
-               f"{record['plain_ms']:.3f} ms; {where}")
+        why = (f"auto, {verb}: {'ours' if ours == 'our kernel' else ours} "
+               f"{record['ours_ms']:.3f} ms, {plain} {record['plain_ms']:.3f} ms; {where}")
     _say(f" kernel choice: {decision.op} {decision.dtype} {shape}: {path} ({why})")
 
 

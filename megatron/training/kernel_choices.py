@@ -7,8 +7,10 @@ in the same order, before any forward. `planned_decisions` lists what this rank'
 will ask (from the config: attention per sequence, micro batch and heads on this rank, in
 training with attention dropout and in evaluation without, per sliding window, with sinks;
 the norms over the rows on this rank; the head's exp_sum_ over this rank's vocabulary),
-each only where our kernel applies to stand-ins of that shape. A decision not listed here
-(a shape the planner did not foresee) takes the op's rule on every rank, without a timing.
+each only where our kernel applies to stand-ins of that shape; in bfloat16, where the kernel
+has both, how it computes its products (oneDNN's microkernels or our dot products). A
+decision not listed here (a shape the planner did not foresee) takes the op's rule on every
+rank, without a timing.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch
 
 from megatron import fused
 from megatron.fused import choice
-from megatron.fused.attention import attention_decision, effective_window
+from megatron.fused.attention import (attention_decision, bf16_brgemm, effective_window,
+                                      products_decision)
 from megatron.fused.elementwise import exp_sum_decision
 from megatron.fused.norms import norm_decision
 
@@ -59,12 +62,15 @@ def _attention(config, dtype) -> list:
         stand_ins.append((_stand_in((chunk, q.shape[0] // chunk * q.shape[1], *q.shape[2:]),
                                     dtype), None))
     sinks = m.softmax_type != "vanilla"
-    out = []
+    products, out = [], []
     for q, window in stand_ins:
         for dropout in dict.fromkeys((m.attention_dropout, 0.0)):
             if fused.causal_attention_fusable(q, q, q, dropout):
                 out.append(attention_decision(q, dropout, window, sinks))
-    return out
+                if q.dtype == torch.bfloat16 and bf16_brgemm():
+                    products.append(products_decision(q, dropout, window, sinks))
+    # the bfloat16 kernel's products first: the timing of our kernel in attention's takes them
+    return products + out
 
 
 def _norms(config, dtype, seq: int) -> list:

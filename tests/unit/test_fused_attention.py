@@ -1,5 +1,6 @@
 """The CPU causal-attention kernel (flash-attention style, dropout inside, the full blocks of
 ring attention) against SDPA and the explicit path."""
+import json
 import os
 
 import pytest
@@ -383,14 +384,18 @@ def test_sliding_window_matches_masked_softmax(kernels, s, dim, window, p, tiny,
     (1, 16, 0, 0.0, False, False), (37, 64, 0, 0.0, True, False), (130, 64, 0, 0.2, True, False),
     (100, 48, 33, 0.2, True, False), (130, 16, 40, 0.0, True, True), (45, 32, 5, 0.25, False, True),
     (257, 128, 0, 0.0, False, False), (97, 16, 1, 0.0, True, False)])
+@pytest.mark.parametrize("brgemm", [False, True], ids=["dot", "brgemm"])
 def test_bfloat16_kernel_within_bf16_rounding_of_float64(monkeypatch, kernels, s, dim, window, p,
-                                                         tiny, with_sinks):
+                                                         tiny, with_sinks, brgemm):
     """The bfloat16 kernel against float64 on the same bfloat16 values, with many key blocks
     (tiny caches) or one, odd lengths, sliding windows, sinks and dropout (the same mask as
     in float32): output and gradients of q, k, v and the sinks within 1e-2 relative, and
     those of q, k, v within 2x (+ 2e-3) the error of the float32 kernel on the widened
     values, whose only rounding is that of its bfloat16 results. The tolerance: bfloat16 keeps 8 bits (relative
-    rounding 2^-9 = 2e-3 per value); p and ds are rounded to bfloat16 before their products."""
+    rounding 2^-9 = 2e-3 per value); p and ds are rounded to bfloat16 before their products.
+    Both ways of computing the products: our dot products and oneDNN's microkernels."""
+    if brgemm and not kernels.attention_brgemm():
+        pytest.skip("this torch's oneDNN has no bfloat16 microkernels")
     torch.manual_seed(s + dim)
     b, heads, seed = 2, 3, 11 + s
     qkv = torch.randn(s, b, heads, 3 * dim).bfloat16()
@@ -400,7 +405,8 @@ def test_bfloat16_kernel_within_bf16_rounding_of_float64(monkeypatch, kernels, s
     keep = fused.attention_dropout_keep(b * heads, s, p, seed) if p else None
 
     def run(x, w=None):
-        return fused.causal_attention(*x.split(dim, dim=-1), 0.2, p, seed, w, window or None)
+        return fused.causal_attention(*x.split(dim, dim=-1), 0.2, p, seed, w, window or None,
+                                      brgemm=brgemm)
     ref, ref_grads = outputs_and_grads(
         lambda x, w=None: window_attention(*x.split(dim, dim=-1), 0.2, window or s, w, keep, p),
         [t.double() for t in inputs], grad.double())
@@ -422,25 +428,78 @@ def test_bfloat16_kernel_within_bf16_rounding_of_float64(monkeypatch, kernels, s
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_bfloat16_kernel_calls(kernels, causal):
+@pytest.mark.parametrize("brgemm", [False, True], ids=["dot", "brgemm"])
+def test_bfloat16_kernel_calls(kernels, causal, brgemm):
     """The extension's own calls: bfloat16 q, k, v over all keys or causal (ring attention's
-    blocks) within bfloat16 rounding of the float32 kernel, lse in float32; one dtype for all
-    inputs; where the build or CPU lacks AVX512-BF16, a clear error."""
+    blocks) within bfloat16 rounding of the float32 kernel, lse in float32, with either way
+    to the products; one dtype for all inputs; where the build or CPU lacks AVX512-BF16, or
+    torch oneDNN's microkernels, a clear error."""
     torch.manual_seed(3)
     q, k, v, dout = (torch.randn(70, 2, 3, 32).bfloat16() for _ in range(4))
     if not kernels.attention_bf16_dot():
         with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
             kernels.causal_attention_forward(q, k, v, 0.3, causal)
         return
-    out, lse = kernels.causal_attention_forward(q, k, v, 0.3, causal)
+    if brgemm and not kernels.attention_brgemm():
+        with pytest.raises(RuntimeError, match="pass brgemm=False"):
+            kernels.causal_attention_forward(q, k, v, 0.3, causal, brgemm=True)
+        return
+    out, lse = kernels.causal_attention_forward(q, k, v, 0.3, causal, brgemm=brgemm)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     wide = [t.float() for t in (q, k, v)]
     ref_out, ref_lse = kernels.causal_attention_forward(*wide, 0.3, causal)
     assert rel_err(out.float(), ref_out) < 1e-2 and rel_err(lse, ref_lse) < 1e-6
-    grads = kernels.causal_attention_backward(dout, q, k, v, out, lse, 0.3, causal)
+    with pytest.raises(RuntimeError, match="pass brgemm=False"):
+        kernels.causal_attention_forward(*wide, 0.3, causal, brgemm=True)
+    grads = kernels.causal_attention_backward(dout, q, k, v, out, lse, 0.3, causal,
+                                              brgemm=brgemm)
     ref_grads = kernels.causal_attention_backward(dout.float(), *wide, ref_out, ref_lse, 0.3,
                                                   causal)
     for g, r in zip(grads, ref_grads):
         assert g.dtype == torch.bfloat16 and rel_err(g.float(), r) < 1e-2
     with pytest.raises(RuntimeError, match="of one dtype"):
         kernels.causal_attention_forward(q, k.float(), v, 0.3, causal)
+
+
+@needs_bf16_dot
+def test_bfloat16_products_decision_is_measured_cached_and_taken(kernels, tmp_path, monkeypatch):
+    """auto's "attention_products": both ways timed on the decision's shapes (each step runs
+    the kernel forward and backward), the faster taken and cached, re-measured once the cache
+    is deleted; the rule takes the microkernels exactly where they use AMX; the forward and
+    backward then run the way taken."""
+    from megatron.fused import choice
+    if not kernels.attention_brgemm():
+        pytest.skip("this torch's oneDNN has no bfloat16 microkernels")
+    cache = tmp_path / "kernel-choice.json"
+    monkeypatch.setenv(choice.MODE_ENV, "auto")
+    monkeypatch.setenv(choice.CACHE_ENV, str(cache))
+    timings, taken = {"ours": 1.0, "plain": 2.0}, []
+
+    def fake_time_pair(ours, plain):
+        ours(), plain()
+        return timings["ours"], timings["plain"]
+    real_forward = kernels.causal_attention_forward
+    monkeypatch.setattr(choice, "time_pair", fake_time_pair)
+    q = torch.randn(40, 1, 2, 32).bfloat16()
+    try:
+        choice.reset()
+        assert fused_attention.brgemm_preferred(q)
+        record, = json.loads(cache.read_text())["choices"].values()
+        assert record["choice"] == "ours"
+        timings.update(ours=3.0)
+        choice.reset()
+        assert fused_attention.brgemm_preferred(q), "the cached answer, not a new timing"
+        cache.unlink()
+        choice.reset()
+        assert not fused_attention.brgemm_preferred(q)
+        monkeypatch.setenv(choice.MODE_ENV, "rule")
+        choice.reset()
+        assert fused_attention.brgemm_preferred(q) == kernels.attention_brgemm_amx()
+        monkeypatch.setenv(choice.MODE_ENV, "ours")
+        monkeypatch.setattr(kernels, "causal_attention_forward",
+                            lambda *a: taken.append(a[-1]) or real_forward(*a))
+        qkv = torch.randn(40, 1, 2, 96).bfloat16().requires_grad_()
+        fused.causal_attention(*qkv.split(32, dim=-1), 0.2).sum().backward()
+        assert taken == [True] and qkv.grad is not None
+    finally:
+        choice.reset()

@@ -139,12 +139,13 @@ def test_flag_sets_the_mode_at_model_build(auto):
                                          "--attention-chunk-size", "8", "--no-rope-freq", "2"],
                                    ["--num-layers", "2", "--window-size", "8",
                                     "--window-attn-skip-freq", "2", "--softmax-type",
-                                    "learnable"]],
-                         ids=["plain", "llama4-chunks", "gpt-oss-windows-sinks"])
+                                    "learnable"], ["--bf16"]],
+                         ids=["plain", "llama4-chunks", "gpt-oss-windows-sinks", "bf16"])
 def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch, extra):
     """A model build agrees the decisions its forward then asks: no timing after build (with
     attention chunks: the full causal NoPE layer and the chunks folded into the batch; with
-    windows and sinks: the windowed layer's and the full layer's, each with sinks)."""
+    windows and sinks: the windowed layer's and the full layer's, each with sinks; in bfloat16
+    where the kernel has both ways to its products, that decision too)."""
     from functools import partial
 
     import pretrain_gpt
@@ -170,6 +171,9 @@ def test_planned_decisions_are_those_the_forward_asks(auto, monkeypatch, extra):
         if training:
             loss.sum().backward()
     assert auto["calls"] == built, "the forward asked a decision the build did not plan"
+    if "--bf16" in extra:
+        from megatron.fused.attention import bf16_brgemm
+        assert ("attention_products" in ops) == bf16_brgemm(), ops
     if "--window-size" in extra:
         dims = {tuple(d.dims) for d, _threads in choice._STATE.table if d.op == "attention"}
         assert any(("window", 8) in d and ("sinks", 1) in d for d in dims), dims
