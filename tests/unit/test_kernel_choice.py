@@ -207,6 +207,35 @@ def test_time_pair_stops_at_a_clear_winner_of_the_warm_ups(monkeypatch):
     assert calls["fast"] > 1 and calls["slow"] > 1
 
 
+def test_time_pair_takes_more_rounds_where_the_two_are_close():
+    """Three rounds (a long shape) whose medians are within CLOSE_RATIO go on to MAX_REPEATS;
+    a clear difference stops at three."""
+    calls = {"a": 0, "b": 0}
+
+    def sleeper(name, seconds):
+        def call():
+            calls[name] += 1
+            time.sleep(seconds)
+        return call
+    choice.time_pair(sleeper("a", 0.02), sleeper("b", 0.02))
+    assert calls == {"a": 1 + choice.MAX_REPEATS, "b": 1 + choice.MAX_REPEATS}
+    calls.update(a=0, b=0)
+    choice.time_pair(sleeper("a", 0.02), sleeper("b", 0.06))
+    assert calls == {"a": 1 + choice.MIN_REPEATS, "b": 1 + choice.MIN_REPEATS}
+
+
+@pytest.mark.parametrize("plain, taken", [(1.02, "plain"), (1.2, "ours")])
+def test_a_tie_takes_the_rule_and_says_so(auto, capsys, plain, taken):
+    """Within TIE_RATIO the op's rule decides (the fake op's rule: plain), recorded as a tie;
+    a clear difference takes the faster."""
+    auto.update(ours=1.0, plain=plain)
+    assert choice.prefer_ours(decision()) == (taken == "ours")
+    record = json.loads(choice.cache_path().read_text())["choices"][decision().key()]
+    assert record["choice"] == taken and record.get("tie", False) == (taken == "plain")
+    said = "a tie, the rule's path" in capsys.readouterr().out
+    assert said == (taken == "plain")
+
+
 def test_a_timing_at_first_use_leaves_rng_and_grad_mode_alone(auto, monkeypatch):
     """First use inside evaluation (no_grad) times forward+backward all the same, and the
     random stream after it is the one a run that read the cache would see."""
