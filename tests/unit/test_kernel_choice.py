@@ -189,16 +189,21 @@ def test_time_pair_takes_the_faster_of_two_under_interleaving():
     assert fast < slow
 
 
-def test_time_pair_stops_at_a_clear_winner_of_the_warm_ups(monkeypatch):
-    """A warm-up call long enough and several times the other's decides alone (a bfloat16
-    SDPA with a window's mask takes seconds); closer ones go on to the interleaved rounds."""
-    calls = {"fast": 0, "slow": 0}
-
+def counted_sleeper(calls):
+    """sleeper(name, seconds): a step that sleeps and counts its calls in calls[name]."""
     def sleeper(name, seconds):
         def call():
             calls[name] += 1
             time.sleep(seconds)
         return call
+    return sleeper
+
+
+def test_time_pair_stops_at_a_clear_winner_of_the_warm_ups(monkeypatch):
+    """A warm-up call long enough and several times the other's decides alone (a bfloat16
+    SDPA with a window's mask takes seconds); closer ones go on to the interleaved rounds."""
+    calls = {"fast": 0, "slow": 0}
+    sleeper = counted_sleeper(calls)
     monkeypatch.setattr(choice, "CLEAR_WIN_S", 0.02)
     fast, slow = choice.time_pair(sleeper("fast", 0.005), sleeper("slow", 0.03))
     assert fast < slow and calls == {"fast": 1, "slow": 1}
@@ -211,12 +216,7 @@ def test_time_pair_takes_more_rounds_where_the_two_are_close():
     """Three rounds (a long shape) whose medians are within CLOSE_RATIO go on to MAX_REPEATS;
     a clear difference stops at three."""
     calls = {"a": 0, "b": 0}
-
-    def sleeper(name, seconds):
-        def call():
-            calls[name] += 1
-            time.sleep(seconds)
-        return call
+    sleeper = counted_sleeper(calls)
     choice.time_pair(sleeper("a", 0.02), sleeper("b", 0.02))
     assert calls == {"a": 1 + choice.MAX_REPEATS, "b": 1 + choice.MAX_REPEATS}
     calls.update(a=0, b=0)
