@@ -52,6 +52,12 @@ template <int BR> constexpr int kVecsFor = (kRegisters >= 32 || BR < 8) ? 2 : 1;
 // 7 loads per 12 FMAs): one thread, s4096, 37.7 ms against 39.2 ms with 8 x 1.
 constexpr int kScoreRows = kRegisters >= 32 ? kRows : 4;
 constexpr int kScoreVecs = kRegisters >= 32 ? 2 : 3;
+// Its p v on AVX2 takes blocks of 4 rows x 2 vectors (6 loads per 8 FMAs, where 8 x 1 takes
+// 9): on Zen 3 (one thread, head size 64, medians of 11 interleaved) the forward 1.22-1.27x
+// as fast at s1024-8192 (s4096: 36.3 ms against 45.3 ms; 6 x 2: 40.7 ms; 3 x 4 and 2 x 4
+// no faster than 8 x 1). The backward's 6 x 2 stays: 4 x 2, 3 x 4 or 2 x 4 in its products,
+// dq or dk / dv sums were 1-42 % slower there.
+constexpr int kCombineRows = kRegisters >= 32 ? kRows : 4;
 
 // k^T and v^T are kept in panels, one per key block: the block of keys [j0, j0 + block)
 // transposed, [hn, row_pitch(block)], the panels one after the other. A panel is
@@ -240,8 +246,8 @@ MF_INLINE void forward_group(const Head& h, int64_t i0, int64_t j0, int64_t end,
                                             h.scale);
   float keep[R], scale[R];
   online_softmax<R>(h, i0, j0, end, s, sld, n16, m, l, lse, drop, keep, scale);
-  block_combine<R, kRows>(o + i0 * os, os, s, sld, h.v + j0 * h.vs, h.vs, n, h.hn,
-                          h.first_block(i0, j0) ? nullptr : keep, scale);
+  block_combine<R, kCombineRows>(o + i0 * os, os, s, sld, h.v + j0 * h.vs, h.vs, n, h.hn,
+                                 h.first_block(i0, j0) ? nullptr : keep, scale);
 }
 
 // The group of rows i0 .. i0 + R - 1 against the key block [j0, end): the probabilities p
