@@ -153,11 +153,11 @@ def attention_dropout_seed() -> int:
 # longest sequence at which our kernel beat SDPA's CPU kernel on the machines it was tuned
 # on, per instruction set (forward+backward, `benchmarks/bench_fused.py --only attention`,
 # two threads: AVX-512 1.3-1.7x at seq 256-4096; AVX2 on an AMD EPYC (Zen 3), float32,
-# since the k / v transposes are tiled, three runs: 1.51-1.54x at 1024, 1.11-1.25x at 2048,
-# 1.00-1.16x at 4096, but 0.96-1.05x at 8192 and 16384, and 5-10% slower than SDPA inside a
-# seq-8192 training step). None: no limit; the baseline build was not measured, so SDPA
-# there. auto measures instead of following this (megatron/fused/choice.py).
-KERNEL_MAX_SEQ = {"avx512": None, "avx2": 4096, "baseline": 0}
+# since the AVX2 forward's p v takes blocks of 4 rows x 2 vectors, 1.13-1.27x at 4096-16384,
+# where 8 x 1 read 0.96-1.05x at 8192 and 16384; AVX2 forced on Zen 4 1.07-1.28x there). None:
+# no limit; the baseline build was not measured, so SDPA there. auto measures instead of
+# following this (megatron/fused/choice.py), and a tie in its timing takes this.
+KERNEL_MAX_SEQ = {"avx512": None, "avx2": None, "baseline": 0}
 # With attention dropout our kernel is the rule on these ISAs: its alternative is the explicit
 # path (SDPA with dropout on a CPU is unfused math with Bernoulli sampling), 5-9x slower at
 # seq 256-4096 (`bench_fused.py --only attention_dropout`).

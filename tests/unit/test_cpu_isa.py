@@ -165,7 +165,7 @@ def test_auto_attention_rule_per_isa(monkeypatch):
     monkeypatch.setenv(choice.MODE_ENV, "rule")
     short, long_ = torch.randn(4096, 1, 2, 16), torch.randn(4100, 1, 2, 16)
     monkeypatch.setattr(attention, "causal_attention_fusable", lambda q, k, v, p=0.0: True)
-    expected = {"avx512": (True, True, True), "avx2": (True, False, True),
+    expected = {"avx512": (True, True, True), "avx2": (True, True, True),
                 "baseline": (False, False, False), "not built": (False, False, False)}
     for isa, (want_short, want_long, want_dropout) in expected.items():
         monkeypatch.setattr(attention, "cpu_kernels_isa", lambda isa=isa: isa)
