@@ -55,8 +55,8 @@ constexpr int kScoreVecs = kRegisters >= 32 ? 2 : 3;
 // Its p v on AVX2 takes blocks of 4 rows x 2 vectors (6 loads per 8 FMAs, where 8 x 1 takes
 // 9): on Zen 3 (one thread, head size 64, medians of 11 interleaved) the forward 1.22-1.27x
 // as fast at s1024-8192 (s4096: 36.3 ms against 45.3 ms; 6 x 2: 40.7 ms; 3 x 4 and 2 x 4
-// no faster than 8 x 1). The backward's 6 x 2 stays: 4 x 2, 3 x 4 or 2 x 4 in its products,
-// dq or dk / dv sums were 1-42 % slower there.
+// no faster than 8 x 1). The backward's 6 x 2 stays: at s2048-4096, 4 x 3 products ran
+// 0.88-0.89x as fast, dq in 4 x 2, 3 x 4 or 2 x 4 0.91-1.02x, dk / dv sums 0.58-0.98x.
 constexpr int kCombineRows = kRegisters >= 32 ? kRows : 4;
 
 // k^T and v^T are kept in panels, one per key block: the block of keys [j0, j0 + block)

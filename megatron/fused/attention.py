@@ -153,8 +153,9 @@ def attention_dropout_seed() -> int:
 # longest sequence at which our kernel beat SDPA's CPU kernel on the machines it was tuned
 # on, per instruction set (forward+backward, `benchmarks/bench_fused.py --only attention`,
 # two threads: AVX-512 1.3-1.7x at seq 256-4096; AVX2 on an AMD EPYC (Zen 3), float32,
-# since the AVX2 forward's p v takes blocks of 4 rows x 2 vectors, 1.13-1.27x at 4096-16384,
-# where 8 x 1 read 0.96-1.05x at 8192 and 16384; AVX2 forced on Zen 4 1.07-1.28x there). None:
+# since the AVX2 forward's p v takes blocks of 4 rows x 2 vectors, three runs: 1.15-1.25x at
+# 4096, 0.93-1.07x at 8192, 1.00-1.14x at 16384 (interleaved medians 1.09x / 1.16x), where
+# 8 x 1 read 0.96-1.05x at 8192 and 16384; AVX2 forced on Zen 4 1.07-1.28x there). None:
 # no limit; the baseline build was not measured, so SDPA there. auto measures instead of
 # following this (megatron/fused/choice.py), and a tie in its timing takes this.
 KERNEL_MAX_SEQ = {"avx512": None, "avx2": None, "baseline": 0}
