@@ -243,6 +243,55 @@ std::tuple<at::Tensor, at::Tensor> exp_sum_(at::Tensor& x, const c10::optional<a
   return {m, sums};
 }
 
+// x [rows, cols] (unchanged) -> (row max, row sums of exp(x - row max)), float [rows].
+std::tuple<at::Tensor, at::Tensor> max_exp_sum(const at::Tensor& x) {
+  check_tensor(x, "input", 2, kCPU);
+  check_float_type(x, "input");
+  at::Tensor m = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  at::Tensor sums = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::max_exp_sum_rows<T>(x.data_ptr<T>(), m.data_ptr<float>(), sums.data_ptr<float>(),
+                             x.size(0), x.size(1));
+  });
+  return {m, sums};
+}
+
+// In place: x <- exp(x - row_max) / sums - one_hot(target) (target < 0: no column here), with
+// the given row max and sums (float [rows], over every shard's columns) or each row's own;
+// returns (row max, row sums).
+std::tuple<at::Tensor, at::Tensor> softmax_minus_target_(
+    at::Tensor& x, const at::Tensor& target, const c10::optional<at::Tensor>& row_max,
+    const c10::optional<at::Tensor>& sums) {
+  check_tensor(x, "input", 2, kCPU);
+  check_float_type(x, "input");
+  TORCH_CHECK(row_max.has_value() == sums.has_value(), "pass both row_max and sums or neither");
+  at::Tensor m, s;
+  if (row_max.has_value()) {
+    check_row_stat(*row_max, x, "row_max", kCPU);
+    check_row_stat(*sums, x, "sums", kCPU);
+    m = *row_max;
+    s = *sums;
+  } else {
+    m = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+    s = new_output({x.size(0)}, x.options().dtype(at::kFloat));
+  }
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 &&
+                  target.size(0) == x.size(0) && target.is_contiguous(),
+              "target must be a contiguous int64 tensor [", x.size(0), "], got ",
+              target.sizes(), " of ", target.scalar_type());
+  const int64_t cols = x.size(1);
+  const int64_t* t = target.data_ptr<int64_t>();
+  for (int64_t r = 0; r < x.size(0); ++r)
+    TORCH_CHECK(t[r] < cols, "target ", t[r], " of row ", r, " is past the ", cols, " columns");
+  dispatch_float_types(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::softmax_minus_target_rows<T>(x.data_ptr<T>(), m.data_ptr<float>(), s.data_ptr<float>(),
+                                      t, x.size(0), cols, row_max.has_value());
+  });
+  return {m, s};
+}
+
 // q, k, v: float32 or bfloat16 (all one dtype) [sq, b, heads, hn] (any strides, hn
 // contiguous, hn % 16 == 0); bfloat16 only where the CPU and build have AVX512-BF16.
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -453,6 +502,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_gelu_backward", &mf::bias_gelu_backward, "bias-GeLU gradients -> (dx, db or None)");
   m.def("exp_sum_", &mf::exp_sum_,
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
+  m.def("max_exp_sum", &mf::max_exp_sum,
+        "x [rows, cols] -> (row max, row sums of exp(x - row max)) in float32 (cross entropy)");
+  m.def("softmax_minus_target_", &mf::softmax_minus_target_,
+        "x [rows, cols] <- softmax(x) - one_hot(target) in place (target < 0: none in this "
+        "shard), from the given row max and sums or each row's own -> (row max, row sums)",
+        py::arg("x"), py::arg("target"), py::arg("row_max") = py::none(),
+        py::arg("sums") = py::none());
   m.def("causal_attention_forward", &mf::attention_forward,
         "softmax(scale q k^T) v of q, k, v [sq, b, heads, head_dim] (float32, or bfloat16 "
         "where attention_bf16_dot()), causal or over all keys, "

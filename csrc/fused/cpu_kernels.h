@@ -67,6 +67,21 @@ void bias_gelu_backward(const T* g, const T* x, const T* b, T* dx, T* db, int64_
 template <typename T>
 void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols, bool given_max);
 
+// The cross entropy of 16-bit logits, whose float32 softmax is not kept: row_max [rows] and
+// sums [rows] of exp(x - row_max) in float32, x unchanged (a row that is -inf throughout:
+// max -inf, sum 0).
+template <typename T>
+void max_exp_sum_rows(const T* x, float* row_max, float* sums, int64_t rows, int64_t cols);
+
+// In place, x [rows, cols] <- exp(x - row_max) / sums - [j == target]: d loss / d logits up
+// to each row's loss gradient, computed in float32 and rounded once. given: row_max and sums
+// are read (the max and sum over every shard's columns, from max_exp_sum_rows), else each
+// row's own are written there (one pass). target [rows]: the column on this shard, < 0 where
+// none.
+template <typename T>
+void softmax_minus_target_rows(T* x, float* row_max, float* sums, const int64_t* target,
+                               int64_t rows, int64_t cols, bool given);
+
 // Attention dropout of one (batch, head): probability (i, j) is kept where
 // hash(key, i * keys + j) >= threshold (probability 1 - p) and then scaled by 1 / (1 - p).
 // The key comes from the seed and the task (b * heads + head), so the mask is a function

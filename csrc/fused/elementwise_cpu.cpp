@@ -1,6 +1,7 @@
 // CPU kernels for the bias-GeLU of the MLP and the softmax numerator of the cross
 // entropy (see cpu_kernels.h). Rows are spread over threads; each row is done in one
 // pass while it sits in cache.
+#include <limits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -69,11 +70,47 @@ void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols,
   });
 }
 
+template <typename T>
+void max_exp_sum_rows(const T* x, float* row_max, float* sums, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(cols), exps(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = load_row(x + r * cols, buf.data(), cols);
+      row_max[r] = scaled_max(xr, cols, 1.0f);
+      // a row of -inf throughout (this shard's part of the vocabulary padding): no sum
+      sums[r] = row_max[r] == -std::numeric_limits<float>::infinity()
+                    ? 0.0f
+                    : scaled_exp_sum(exps.data(), xr, cols, 1.0f, row_max[r]);
+    }
+  });
+}
+
+template <typename T>
+void softmax_minus_target_rows(T* x, float* row_max, float* sums, const int64_t* target,
+                               int64_t rows, int64_t cols, bool given) {
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf = scratch<T>(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = load_row(x + r * cols, buf.data(), cols);
+      float* yr = result_row(x + r * cols, buf.data());  // in place: xr itself
+      if (!given) row_max[r] = scaled_max(xr, cols, 1.0f);
+      const float sum = scaled_exp_sum(yr, xr, cols, 1.0f, row_max[r]);
+      if (!given) sums[r] = sum;
+      scale_inplace(yr, cols, 1.0f / sums[r]);
+      if (target[r] >= 0) yr[target[r]] -= 1.0f;
+      store_row(x + r * cols, yr, cols);
+    }
+  });
+}
+
 #define MF_INSTANTIATE_ELEMENTWISE(T)                                                       \
   template void bias_gelu_forward<T>(const T*, const T*, T*, int64_t, int64_t);             \
   template void bias_gelu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t,        \
                                       int64_t);                                             \
-  template void exp_sum_rows<T>(T*, float*, float*, int64_t, int64_t, bool);
+  template void exp_sum_rows<T>(T*, float*, float*, int64_t, int64_t, bool);             \
+  template void max_exp_sum_rows<T>(const T*, float*, float*, int64_t, int64_t);          \
+  template void softmax_minus_target_rows<T>(T*, float*, float*, const int64_t*, int64_t,  \
+                                             int64_t, bool);
 
 MF_INSTANTIATE_ELEMENTWISE(float)
 MF_INSTANTIATE_ELEMENTWISE(c10::BFloat16)

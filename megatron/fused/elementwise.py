@@ -1,11 +1,13 @@
 """Element-wise fusions: bias + GeLU, dropout, bias + dropout + add, and the cross
-entropy's exp_sum_.
+entropy's exp_sum_, max_exp_sum and softmax_minus_target_.
 
 bias_gelu (tanh-approximated GeLU of y + bias) has a CPU kernel: one pass forward,
 one pass backward that also sums the bias gradient; it computes tanh through
 exp (0.5 u (1 + tanh z) = u * sigmoid(2 z)), within a few ulp of torch's GeLU.
 Elsewhere it is plain PyTorch (on CUDA `F.gelu` is one fused kernel already).
-exp_sum_ (the cross entropy's softmax numerator, in place) has a CPU kernel too.
+exp_sum_ (the cross entropy's softmax numerator, in place) has a CPU kernel too, and so
+do max_exp_sum and softmax_minus_target_, the cross entropy of bfloat16 logits that turns
+them into their gradient without a float32 copy (mpu/cross_entropy.py).
 
 dropout (and bias_dropout_add) with fusion on a CPU draws its keep-mask with
 one `rand_like` comparison, about twice as fast as `F.dropout`'s Bernoulli
@@ -100,6 +102,33 @@ def exp_sum_(x, row_max=None, fusion=True):
             and choice.prefer_ours(exp_sum_decision(x))):
         return module.exp_sum_(x, None if row_max is None else row_max.float().contiguous())
     return _plain_exp_sum_(x, row_max)
+
+
+def softmax_grad_fusable(x) -> bool:
+    """The cross entropy of bfloat16 logits x [rows, n] can take its float32 softmax without
+    keeping it (`max_exp_sum`, `softmax_minus_target_`): a contiguous CPU tensor and the
+    kernels built."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        return False
+    module = fused_kernels.get_extension("cpu")
+    return module is not None and hasattr(module, "softmax_minus_target_")
+
+
+def max_exp_sum(x):
+    """(row max, row sums of exp(x - row max)), float32 [rows], of logits x [rows, n] (left as
+    they are; check `softmax_grad_fusable`). A row of -inf throughout has sum 0."""
+    return _ext(x).max_exp_sum(x)
+
+
+def softmax_minus_target_(x, target, row_max=None, sums=None):
+    """x [rows, n] <- softmax(x) - one_hot(target), in place, computed in float32 and rounded
+    once; returns (row max, row sums of exp(x - row max)), float32 [rows]. target [rows]: the
+    column in this shard, -1 where the target lies in another. row_max and sums: those over
+    the whole vocabulary (every tensor-parallel shard's columns, from `max_exp_sum`), else
+    each row's own (one pass over x)."""
+    stats = (None, None) if row_max is None else (row_max.float().contiguous(),
+                                                  sums.float().contiguous())
+    return _ext(x).softmax_minus_target_(x, target.long().contiguous(), *stats)
 
 
 def exp_sum_decision(x) -> choice.Decision:

@@ -7,7 +7,12 @@ the target, which lives on exactly one rank.
 The work happens in place on one logits-sized buffer: the forward turns it
 into exp(logit - max) (the softmax up to its row sums) and the backward turns
 that into the gradient. No other logits-sized tensor is ever made; the logits
-are by far the largest activation of a GPT.
+are by far the largest activation of a GPT. bfloat16 logits on CPUs with the
+kernels (`_forward_grad_`) keep the float32 softmax in registers only: the
+forward turns the bfloat16 logits themselves into softmax - one_hot(target),
+rounded once, and the backward scales by each row's loss gradient after the
+products (on the hidden states and the input gradient, [N, h]) instead of
+making a float32 copy of the logits and passing over it three more times.
 
 `linear_cross_entropy` is the head of the GPT: the output-layer matmul and the
 loss in one autograd function, so that the logits buffer, too, is the function's
@@ -80,6 +85,33 @@ def _backward_(buf: torch.Tensor, state: _State, grad_loss: torch.Tensor) -> tor
     return buf
 
 
+def _forward_grad_(logits: torch.Tensor, target: torch.Tensor, group, for_backward: bool
+                   ) -> torch.Tensor:
+    """Per-row float losses [N] of bfloat16 logits [N, V / TP] (`fused.softmax_grad_fusable`)
+    and targets [N], the softmax in float32 as `_forward_` takes it but never kept: for_backward
+    the logits become softmax - one_hot(target) in place, rounded to bfloat16 once, which is
+    d loss / d logits up to each row's loss gradient (the backward scales by it). On one
+    rank that is one pass per row; across tensor-parallel ranks a first pass finds each
+    shard's row max and sum of exponentials, which are merged before the second."""
+    first, last = vocab_range(logits.shape[-1], group_rank(group))
+    on_rank = (target >= first) & (target < last)
+    local_target = (target - first).masked_fill(~on_rank, 0)
+    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
+    shard_target = local_target.masked_fill(~on_rank, -1)
+    if group_size(group) == 1 and for_backward:  # one pass
+        row_max, sum_exp = fused.softmax_minus_target_(logits, shard_target)
+    else:
+        row_max, sum_exp = fused.max_exp_sum(logits)
+        if group_size(group) > 1:  # merge the shards' (max, sum) pairs
+            local_max = row_max
+            row_max = all_reduce(local_max.clone(), group, op=dist.ReduceOp.MAX)
+            sum_exp = all_reduce(sum_exp * torch.exp(local_max - row_max), group)
+        if for_backward:
+            fused.softmax_minus_target_(logits, shard_target, row_max, sum_exp)
+    target_logit = all_reduce((target_logit - row_max).masked_fill_(~on_rank, 0.0), group)
+    return sum_exp.log() - target_logit
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing=0.0):
@@ -140,11 +172,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             first = group_rank(group) * cols
             logits[:, max(vocab_limit - first, 0):].fill_(float("-inf"))
         buf = logits
-        if float_loss and logits.dtype != torch.float32:
-            buf = buffers.take((rows, cols), torch.float32, hidden.device)
-            buf.copy_(logits)
-            buffers.give(logits)
-        loss, state = _forward_(buf, target, group, label_smoothing)
+        if float_loss and label_smoothing == 0 and fused.softmax_grad_fusable(logits):
+            loss, state = _forward_grad_(logits, target, group, for_backward), None
+        else:
+            if float_loss and logits.dtype != torch.float32:
+                buf = buffers.take((rows, cols), torch.float32, hidden.device)
+                buf.copy_(logits)
+                buffers.give(logits)
+            loss, state = _forward_(buf, target, group, label_smoothing)
         if for_backward:
             ctx.save_for_backward(hidden, weight, buf)
             ctx.state, ctx.buffers = state, buffers
@@ -160,11 +195,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                "twice (its logits buffer was turned into the gradient)")
         hidden, weight, buf = ctx.saved_tensors
         buffers, ctx.buffers = ctx.buffers, None
-        grad = _backward_(buf, ctx.state, grad_loss)
-        if grad.dtype != hidden.dtype:
-            grad = buffers.take(buf.shape, hidden.dtype, buf.device).copy_(buf)
-            buffers.give(buf)
+        if ctx.state is None:  # buf: softmax - one_hot, to be scaled by each row's grad_loss
+            grad, row_scale = buf, grad_loss.float().unsqueeze(-1)
+            hidden = (hidden.float() * row_scale).to(hidden.dtype)
+        else:
+            grad, row_scale = _backward_(buf, ctx.state, grad_loss), None
+            if grad.dtype != hidden.dtype:
+                grad = buffers.take(buf.shape, hidden.dtype, buf.device).copy_(buf)
+                buffers.give(buf)
         grad_hidden = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        if grad_hidden is not None and row_scale is not None:
+            grad_hidden = (grad_hidden.float() * row_scale).to(grad_hidden.dtype)
         grad_weight = None
         if ctx.main_grad is not None:  # straight into the fp32 gradient buffer
             ctx.main_grad.addmm_(grad.t(), hidden)

@@ -22,6 +22,9 @@ from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import losses, one_thread, preprocess_wiki, tiny_gpt_argv
 
 LAYER_TOL = 1e-6      # relative error of one layer, float32
+# the bfloat16 head against one device: the loss in float32 (the shards' sums merged in
+# another order), the gradients rounded to bfloat16 (a few elements one ulp apart)
+BF16_HEAD_TOL = 1e-2
 BLOCK_TOL = 1e-5      # a whole transformer layer (several reductions in another order)
 LOSS_TOL = 1e-5       # training losses after 20 iterations
 ITERS = 20
@@ -172,7 +175,32 @@ def check_cross_entropy(group, rank, size):
         errors[f"cross entropy(label_smoothing={eps}) loss"] = rel_err(loss, ref)
         errors[f"cross entropy(label_smoothing={eps}) logits grad"] = rel_err(
             local.grad, shard(full.grad, -1, rank, size))
+    errors.update(check_bf16_head(group, rank, size))
     return errors
+
+
+def check_bf16_head(group, rank, size):
+    """The GPT head in bfloat16 (float32 softmax never kept: the shards' maxima and sums
+    merged, the gradient formed in the forward) against the same head on one device, with
+    the vocabulary padded so that the last shard holds padding only."""
+    from megatron.mpu.cross_entropy import linear_cross_entropy
+    vocab, limit = 64, 30
+    hidden = randn(12, 20, 16).bfloat16()
+    weight = randn(13, vocab, 16).bfloat16()
+    target = torch.randint(0, limit, (20,), generator=torch.Generator().manual_seed(14))
+    upstream = randn(15, 20)
+
+    def run(w, g):
+        h, w = hidden.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, target, g, vocab_limit=limit)
+        (loss * upstream).sum().backward()
+        return loss, h.grad, w.grad
+    loss, dh, dw = run(shard(weight, 0, rank, size), group)
+    dh = dh.float()
+    dist.all_reduce(dh, group=group)  # each shard's share (the model's copy_to region sums them)
+    ref_loss, ref_dh, ref_dw = run(weight, None)
+    return {"bf16 head loss": rel_err(loss, ref_loss), "bf16 head hidden grad": rel_err(dh, ref_dh),
+            "bf16 head weight grad": rel_err(dw, shard(ref_dw, 0, rank, size))}
 
 
 def _mapping_case(fn, x, g):
@@ -403,9 +431,13 @@ def test_layers_cross_entropy_and_mappings_equal_one_device(world, request):
         errors = result["errors"]
         for prefix in ("column(gather_output=True)", "column(gather_output=False)",
                        "row(input_is_parallel=True)", "row(input_is_parallel=False)", "embedding",
-                       "cross entropy(label_smoothing=0.1)", "reduce_scatter_to_sequence"):
+                       "cross entropy(label_smoothing=0.1)", "reduce_scatter_to_sequence",
+                       "bf16 head"):
             assert any(name.startswith(prefix) for name in errors), f"no check named {prefix}"
-        assert_small(errors, LAYER_TOL, f"{world} rank {rank}")
+        bf16 = {name: err for name, err in errors.items() if name.startswith("bf16")}
+        assert_small({name: err for name, err in errors.items() if name not in bf16}, LAYER_TOL,
+                     f"{world} rank {rank}")
+        assert_small(bf16, BF16_HEAD_TOL, f"{world} rank {rank}")
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
