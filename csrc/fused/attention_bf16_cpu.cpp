@@ -92,22 +92,64 @@ MF_INLINE int64_t panels_words(int64_t sq, int64_t hn, int64_t block) {
   return (sq + block - 1) / block * panel_words(hn, block);
 }
 
+// r[0..15] <- their transpose as a 16 x 16 matrix of 32-bit lanes (r[i] lane j <- r[j] lane i).
+MF_INLINE void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4q + k], 128-bit lane L: column 4L + k of rows 4q .. 4q + 3
+  for (int q = 0; q < 4; ++q) {
+    const __m512i *a = t + 4 * q;
+    u[4 * q] = _mm512_unpacklo_epi64(a[0], a[2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(a[0], a[2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(a[1], a[3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(a[1], a[3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);    // lanes 0, 2 of each
+    const __m512i w0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);    // lanes 1, 3
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    r[12 + k] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+
+// Rows i0 .. i0 + 15 of x (pitch `stride` bfloat16) as words w0 .. w0 + 15 (pairs of
+// columns; those past `words` and rows past n zero), transposed: r[w] lane i = word w0 + w
+// of row i0 + i.
+MF_INLINE void load_word_tile(__m512i r[16], const Bf16* x, int64_t stride, int64_t i0,
+                              int64_t n, int64_t w0, int64_t words) {
+  const __mmask16 cols = w0 + 16 <= words ? 0xFFFF : static_cast<__mmask16>((1u << (words - w0)) - 1);
+  for (int i = 0; i < 16; ++i)
+    r[i] = i0 + i < n ? _mm512_maskz_loadu_epi32(cols, x + (i0 + i) * stride + 2 * w0)
+                      : _mm512_setzero_si512();
+  transpose16(r);
+}
+
 // The key blocks' panels of x^T in words: panel b holds word (d / 2, j) = (x[j][d],
 // x[j][d + 1]) of keys j in [b block, (b + 1) block), at pitch row_pitch(block), zero past
-// the last key. Tiles of 16 rows, each row of x (a view of the fused QKV projection) read once.
+// the last key. Tiles of 16 rows x 16 words through registers, each row of x (a view of the
+// fused QKV projection) read once.
 MF_INLINE void word_panels(Word* xt, const Bf16* x, int64_t sq, int64_t stride, int64_t hn,
                            int64_t block) {
-  constexpr int64_t kTile = 16;
-  const int64_t ld = row_pitch(block);
+  const int64_t ld = row_pitch(block), words = hn / 2;
   for (int64_t b0 = 0; b0 < sq; b0 += block) {
     Word* panel = xt + b0 / block * panel_words(hn, block);
     const int64_t n = std::min(block, sq - b0);
-    for (int64_t j0 = 0; j0 < n; j0 += kTile)
-      for (int64_t d = 0; d < hn; d += 2)
-        for (int64_t j = j0; j < std::min(n, j0 + kTile); ++j)
-          panel[d / 2 * ld + j] = load_word(x + (b0 + j) * stride + d);
-    for (int64_t d = 0; d < hn; d += 2)
-      for (int64_t j = n; j < ld; ++j) panel[d / 2 * ld + j] = 0;
+    __m512i r[16];
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes)
+      for (int64_t w0 = 0; w0 < words; w0 += 16) {
+        load_word_tile(r, x + b0 * stride, stride, j0, n, w0, words);
+        for (int64_t w = 0; w < std::min<int64_t>(16, words - w0); ++w)
+          store_words(panel + (w0 + w) * ld + j0, r[w]);
+      }
+    for (int64_t d = 0; d < words; ++d)  // the tiles wrote zeros up to round_lanes(n)
+      for (int64_t j = round_lanes(n); j < ld; ++j) panel[d * ld + j] = 0;
   }
 }
 
@@ -363,26 +405,39 @@ MF_INLINE void pair_float_rows(Word* w2, const float* x, int64_t ld, int64_t row
     }
 }
 
-// xt[c * tp + i] = x[i * stride + c] for i < sq, c < hn, and 0 for sq <= i < tp.
+// xt[c * tp + i] = x[i * stride + c] for i < sq, c < hn, and 0 for sq <= i < tp
+// (tp = round_lanes(sq)): tiles of 16 rows x 16 words, each word's halves to two rows.
 MF_INLINE void transpose_rows(Bf16* xt, int64_t tp, const Bf16* x, int64_t stride, int64_t sq,
                               int64_t hn) {
-  constexpr int64_t kTile = 16;
-  for (int64_t i0 = 0; i0 < sq; i0 += kTile)
-    for (int64_t c = 0; c < hn; ++c)
-      for (int64_t i = i0; i < std::min(sq, i0 + kTile); ++i) xt[c * tp + i] = x[i * stride + c];
-  for (int64_t c = 0; c < hn; ++c)
-    for (int64_t i = sq; i < tp; ++i) xt[c * tp + i] = 0;
+  const int64_t words = hn / 2;
+  __m512i r[16];
+  for (int64_t i0 = 0; i0 < tp; i0 += kLanes)
+    for (int64_t w0 = 0; w0 < words; w0 += 16) {
+      load_word_tile(r, x, stride, i0, sq, w0, words);
+      for (int64_t w = 0; w < std::min<int64_t>(16, words - w0); ++w) {
+        const int64_t c = 2 * (w0 + w);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + c * tp + i0),
+                            _mm512_cvtepi32_epi16(r[w]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + (c + 1) * tp + i0),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[w], 16)));
+      }
+    }
 }
 
 // dst[j * ds + c] = bf16(scale * src[c * ld + j]) for j < rows, c < hn: a block's sums,
-// kept transposed, written as rows.
+// kept transposed, written as rows (tiles of 16 x 16 through registers; ld >= rows + 16,
+// a multiple of 16).
 MF_INLINE void round_transposed(Bf16* dst, int64_t ds, const float* src, int64_t ld,
                                 int64_t rows, int64_t hn, float scale) {
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t c = 0; c < hn; ++c) {
-      const float x = scale * src[c * ld + j];
-      const BF b(x);  // round to nearest even
-      std::memcpy(dst + j * ds + c, &b, sizeof(Bf16));
+  const __m512 f = _mm512_set1_ps(scale);
+  __m512i r[16];
+  for (int64_t j0 = 0; j0 < rows; j0 += kLanes)
+    for (int64_t c0 = 0; c0 < hn; c0 += kLanes) {
+      for (int k = 0; k < 16; ++k)
+        r[k] = _mm512_loadu_si512(src + (c0 + k) * ld + j0);
+      transpose16(r);
+      for (int64_t j = 0; j < std::min<int64_t>(16, rows - j0); ++j)
+        store_rounded(dst + (j0 + j) * ds + c0, _mm512_mul_ps(_mm512_castsi512_ps(r[j]), f));
     }
 }
 
