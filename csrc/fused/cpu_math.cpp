@@ -219,7 +219,7 @@ constexpr float kGeluKappa = 0.044715f;
 
 inline LaneVec gelu_sigmoid(const LaneVec& u) {
   const LaneVec z = kGeluBeta * (u + kGeluKappa * u * u * u);
-  return 1.0f / (1.0f + exp_lanes(-2.0f * z));
+  return reciprocal(1.0f + exp_lanes(-2.0f * z));
 }
 
 inline LaneVec bias_lanes(const float* b, int64_t i, int64_t m) {
