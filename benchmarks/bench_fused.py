@@ -18,7 +18,8 @@ CPU (float32, torch.set_num_threads(threads) for both sides):
   - bias_gelu forward+backward on [2048, 4096]: plain vs our kernel (target: >= 1.5x),
     and vs TorchScript (and torch.compile with --compile);
   - the GPT head (output matmul + cross entropy) forward+backward, [2048, 256] x
-    [256, 8064]: F.linear + F.cross_entropy vs linear_cross_entropy (target: >= 1.1x);
+    [256, 8064], float32 and bfloat16: F.linear + F.cross_entropy vs linear_cross_entropy
+    (target: >= 1.1x);
   - causal self-attention forward+backward (seq 256 / head_dim 32, seq 512, 1024, 2048 and
     4096 / head_dim 64; with --long also 8192 and 16384, 5 samples each), float32 and
     bfloat16: SDPA vs our kernel (target: >= 1.1x), and with attention dropout 0.1 the
@@ -221,24 +222,28 @@ def bench_bias_gelu(repeat: int, with_compile: bool) -> None:
 
 def bench_cross_entropy(repeat: int) -> None:
     """The GPT head: output matmul + cross entropy, fused in place (pooled logits buffer)
-    vs F.linear + F.cross_entropy, forward+backward."""
+    vs F.linear + F.cross_entropy (float32 loss, as Megatron takes bfloat16 logits),
+    forward+backward, in float32 and bfloat16."""
     from megatron.mpu.cross_entropy import LogitsBuffers, linear_cross_entropy
-    hidden, weight = torch.randn(2048, 256), torch.randn(8064, 256) * 0.02
     target = torch.randint(0, 8064, (2048,))
-    buffers = LogitsBuffers()
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(2048, 256).to(dtype)
+        weight = (torch.randn(8064, 256) * 0.02).to(dtype)
+        buffers = LogitsBuffers()
 
-    def step(fused_head):
-        def run():
-            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-            if fused_head:
-                loss = linear_cross_entropy(h, w, target, buffers=buffers)
-            else:
-                loss = F.cross_entropy(F.linear(h, w), target, reduction="none")
-            loss.mean().backward()
-        return run
+        def step(fused_head):
+            def run():
+                h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+                if fused_head:
+                    loss = linear_cross_entropy(h, w, target, buffers=buffers)
+                else:
+                    loss = F.cross_entropy(F.linear(h, w).float(), target, reduction="none")
+                loss.mean().backward()
+            return run
 
-    report("CPU head matmul + cross entropy fwd+bwd [2048,256]x[256,8064] f32",
-           compare([step(False), step(True)], repeat), 1.1, True)
+        report("CPU head matmul + cross entropy fwd+bwd [2048,256]x[256,8064] "
+               + ("f32" if dtype == torch.float32 else "bf16"),
+               compare([step(False), step(True)], repeat), 1.1, True)
 
 
 ATTENTION_SHAPES = ((256, 8, 8, 32), (512, 4, 8, 64), (1024, 2, 16, 64), (2048, 1, 16, 64),
