@@ -297,6 +297,17 @@ def _cpu_kernel_runs(config) -> bool:
     return fused.causal_attention_preferred(q, q, q, dropout_p=m.attention_dropout)
 
 
+def _bf16_head_in_place(config, device_type: str) -> bool:
+    """Whether the head's cross entropy of bf16 logits makes no fp32 copy of them (CPUs with
+    the kernels: mpu/cross_entropy.py `_forward_grad_`)."""
+    import torch
+
+    from megatron import fused
+    if device_type != "cpu" or not config.training.bf16:
+        return False
+    return fused.softmax_grad_fusable(torch.empty(1, 16, dtype=torch.bfloat16))
+
+
 def _saves_probabilities(config, device_type: str) -> bool:
     """Whether a layer's attention in training is the explicit softmax(q k^T) v, which
     saves its probabilities, rather than SDPA or our CPU kernel (output and log-sum-exp
@@ -471,7 +482,8 @@ def activation_bytes(config, layout: Layout, num_microbatches: int) -> Dict[str,
     per_micro += extra * _bytes_per(config)
     head_fp32 = 4 * local_seq_length(config) * b * m.padded_vocab_size / \
         config.parallel.tensor_model_parallel_size
-    if layout.pp_rank == pp - 1 and _bytes_per(config) == 2 and not m.fp16_lm_cross_entropy:
+    if (layout.pp_rank == pp - 1 and _bytes_per(config) == 2 and not m.fp16_lm_cross_entropy
+            and not _bf16_head_in_place(config, layout.device_type)):
         per_micro += head_fp32 / 2  # the cross entropy runs on fp32 logits
     in_flight = in_flight_micro_batches(config, layout.pp_rank, num_microbatches)
     return {"per_micro_batch": per_micro, "in_flight": in_flight, "total": per_micro * in_flight}
