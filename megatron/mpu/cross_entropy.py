@@ -47,15 +47,21 @@ class _State:
         self.vocab_size = vocab_size
 
 
+def _local_targets(logits: torch.Tensor, target: torch.Tensor, group):
+    """(on this rank [N], the target's column in this shard (0 where elsewhere) [N], its
+    float logit [N]) for logits [N, V / TP] and global target ids [N]."""
+    first, last = vocab_range(logits.shape[-1], group_rank(group))
+    on_rank = (target >= first) & (target < last)
+    local_target = (target - first).masked_fill(~on_rank, 0)
+    return on_rank, local_target, logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
+
+
 def _forward_(buf: torch.Tensor, target: torch.Tensor, group, label_smoothing: float
               ) -> Tuple[torch.Tensor, _State]:
     """Per-row float losses [N] of logits `buf` [N, V / TP] (overwritten with
     exp(logit - max)) and targets [N] (global vocabulary ids)."""
-    first, last = vocab_range(buf.shape[-1], group_rank(group))
     vocab_size = buf.shape[-1] * group_size(group)
-    on_rank = (target >= first) & (target < last)
-    local_target = (target - first).masked_fill(~on_rank, 0)
-    target_logit = buf.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
+    on_rank, local_target, target_logit = _local_targets(buf, target, group)
     logit_sum = buf.sum(dim=-1, dtype=torch.float32) if label_smoothing > 0 else None
     row_max = None
     if group_size(group) > 1:
@@ -93,10 +99,7 @@ def _forward_grad_(logits: torch.Tensor, target: torch.Tensor, group, for_backwa
     d loss / d logits up to each row's loss gradient (the backward scales by it). On one
     rank that is one pass per row; across tensor-parallel ranks a first pass finds each
     shard's row max and sum of exponentials, which are merged before the second."""
-    first, last = vocab_range(logits.shape[-1], group_rank(group))
-    on_rank = (target >= first) & (target < last)
-    local_target = (target - first).masked_fill(~on_rank, 0)
-    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
+    on_rank, local_target, target_logit = _local_targets(logits, target, group)
     shard_target = local_target.masked_fill(~on_rank, -1)
     if group_size(group) == 1 and for_backward:  # one pass
         row_max, sum_exp = fused.softmax_minus_target_(logits, shard_target)
