@@ -47,6 +47,14 @@ def fused_rows(results, attention: bool) -> list:
             if row["auto"] is not None and (row.get("kernel") == "attention") == attention]
 
 
+def variant(row) -> str:
+    """What an attention line adds to plain causal attention: a sliding window, sinks, or
+    nothing ("causal"). Each variant is its own line of the chart and says so in the table."""
+    if row.get("window"):
+        return f"window {row['window']}"
+    return "sinks" if row.get("sinks") else "causal"
+
+
 # -- charts ----------------------------------------------------------------------
 def save(fig, path: Path, title: str, text: str) -> None:
     """Title, the label at the foot, and the PNG (the label in its metadata too)."""
@@ -80,13 +88,15 @@ def chart_attention(rows, path: Path, text: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     lines = {}
     for row in rows:
-        lines.setdefault((row["isa"], row["dropout"], row.get("dtype", "float32")), []).append(row)
-    for (isa, dropout, dtype), points in sorted(lines.items()):
+        key = (row["isa"], row["dropout"], row.get("dtype", "float32"), variant(row))
+        lines.setdefault(key, []).append(row)
+    for (isa, dropout, dtype, kind), points in sorted(lines.items()):
         points.sort(key=lambda p: p["seq"])
         other = "SDPA" if not dropout else "explicit"
-        ax.plot([p["seq"] for p in points], [p["speedup"] for p in points], marker="o",
+        ax.plot([p["seq"] for p in points], [p["speedup"] for p in points],
+                marker="o" if kind == "causal" else "s",
                 linestyle="-" if not dropout else "--",
-                label=f"{isa}, {dtype}, dropout {dropout}: {other} / ours")
+                label=f"{isa}, {dtype}, {kind}, dropout {dropout}: {other} / ours")
     seqs = sorted({row["seq"] for row in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(seqs, [str(s) for s in seqs])
@@ -187,23 +197,26 @@ def step_section(results) -> list:
 
 
 def by_line(rows) -> list:
-    """Attention rows in the order of the chart's lines: ISA (as run), dropout, then length."""
+    """Attention rows in the order of the chart's lines: ISA (as run), dropout, variant (plain
+    causal first), then length."""
     order = {isa: i for i, isa in enumerate(dict.fromkeys(row["isa"] for row in rows))}
     return sorted(rows, key=lambda row: (order[row["isa"]], row["dropout"],
-                                         row.get("dtype", "float32"), row["seq"]))
+                                         row.get("dtype", "float32"), variant(row) != "causal",
+                                         variant(row), row["seq"]))
 
 
 def attention_section(results) -> list:
-    rows = [[row["seq"], f"b{row['batch']} h{row['heads']} d{row['head_dim']}",
+    rows = [[row["seq"], f"b{row['batch']} h{row['heads']} d{row['head_dim']}", variant(row),
              row.get("dtype", "float32"), row["dropout"], row["isa"],
              f"{row['ms'][0]:.2f}", f"{row['ms'][1]:.2f}", f"{row['speedup']:.2f}x",
              f"{row['auto']} ({row['verdict']})"] for row in by_line(fused_rows(results, True))]
     return ["## Attention kernel", "", "![Attention speed-up against sequence length]"
             "(attention_speedup.png)", "",
             "Causal self-attention forward + backward (bench_fused.py): SDPA (with dropout: the "
-            "explicit path auto takes without our kernel) against our CPU kernel, and the path "
+            "explicit path auto takes without our kernel; with a window, SDPA with its mask; with "
+            "sinks, SDPA with the sink as one more key) against our CPU kernel, and the path "
             "`auto` takes and whether it was the faster one in this run.", "",
-            *table(["seq", "shape", "dtype", "dropout", "ISA", "other ms", "ours ms",
+            *table(["seq", "shape", "variant", "dtype", "dropout", "ISA", "other ms", "ours ms",
                     "speed-up", "auto"], rows), ""]
 
 

@@ -90,6 +90,10 @@ def fake_results() -> list:
     rows = [{"name": f"CPU causal attention fwd+bwd s{s}", "ms": [2.0, 1.0], "speedup": 2.0,
              "auto": "fused", "verdict": "faster", "kernel": "attention", "seq": s, "batch": 1,
              "heads": 8, "head_dim": 64, "dropout": 0.0} for s in (1024, 256, 512)]
+    rows.append({"name": "CPU attention window 128 fwd+bwd s1024", "ms": [3.0, 1.0],
+                 "speedup": 3.0, "auto": "fused", "verdict": "faster", "kernel": "attention",
+                 "seq": 1024, "batch": 1, "heads": 8, "head_dim": 64, "dropout": 0.0,
+                 "window": 128, "sinks": False})
     rows.append({"name": "CPU layer norm fwd+bwd [2048,256] float32", "ms": [1.5, 1.0],
                  "speedup": 1.5, "auto": "plain", "verdict": "SLOWER"})
     long = dict(benchmark="long_context", budget_gib=0.25, layers=2, rows=[
@@ -112,9 +116,18 @@ def test_charts_cover_every_isa(tmp_path):
         label = check_png(tmp_path / name)
         assert label.startswith("CPU Test CPU | ISA avx512") and label.endswith("abc1234567")
     assert "+ avx2 (forced)" in check_png(tmp_path / "attention_speedup.png")
-    assert summary.count("| 1024 | b1 h8 d64 | float32 | 0.0 |") == 2  # one row per ISA
-    seqs = re.findall(r"^\| (\d+) \| b1 h8 d64 \| float32 \| 0.0 \| (\w+) \|", summary, re.M)
+    assert summary.count("| 1024 | b1 h8 d64 | causal | float32 | 0.0 |") == 2  # one per ISA
+    seqs = re.findall(r"^\| (\d+) \| b1 h8 d64 \| causal \| float32 \| 0.0 \| (\w+) \|",
+                      summary, re.M)
     assert seqs == [(s, isa) for isa in ("avx512", "avx2") for s in ("256", "512", "1024")]
+    # a variant is its own row (after the plain lines of its ISA) and its own line in the chart
+    assert summary.count("| 1024 | b1 h8 d64 | window 128 | float32 | 0.0 |") == 2
+    rows = [line for line in summary.splitlines() if "| b1 h8 d64 |" in line]
+    assert "window 128" in rows[3] and "window 128" in rows[7]
+    lines = {}
+    for row in report_charts.fused_rows(fake_results(), True):
+        lines.setdefault((row["isa"], report_charts.variant(row)), []).append(row["seq"])
+    assert lines[("avx512", "window 128")] == [1024] and len(lines[("avx2", "causal")]) == 3
     assert "| layer norm [2048,256] float32 | avx2 | 1.50 | 1.00 | 1.50x | plain (SLOWER) |" in summary
     results = fake_results()
     results[0]["load_after"] = 9.0
