@@ -198,11 +198,11 @@ def step_section(results) -> list:
 
 def by_line(rows) -> list:
     """Attention rows in the order of the chart's lines: ISA (as run), dropout, variant (plain
-    causal first), then length."""
+    causal first, then windows by size, then sinks), then length."""
     order = {isa: i for i, isa in enumerate(dict.fromkeys(row["isa"] for row in rows))}
     return sorted(rows, key=lambda row: (order[row["isa"]], row["dropout"],
-                                         row.get("dtype", "float32"), variant(row) != "causal",
-                                         variant(row), row["seq"]))
+                                         row.get("dtype", "float32"), bool(row.get("sinks")),
+                                         row.get("window") or 0, row["seq"]))
 
 
 def attention_section(results) -> list:
