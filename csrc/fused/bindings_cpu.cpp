@@ -222,6 +222,17 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad, co
   return {dx, db};
 }
 
+// In place: acc (float32) += x (bfloat16), both contiguous with the same number of elements.
+void add_to_float_(at::Tensor& acc, const at::Tensor& x) {
+  TORCH_CHECK(acc.device().is_cpu() && x.device().is_cpu() && acc.scalar_type() == at::kFloat &&
+                  x.scalar_type() == at::kBFloat16 && acc.is_contiguous() && x.is_contiguous() &&
+                  acc.numel() == x.numel(),
+              "add_to_float_ takes contiguous CPU tensors, float32 acc and bfloat16 x of one size "
+              "(got ", acc.scalar_type(), " ", acc.sizes(), " and ", x.scalar_type(), " ",
+              x.sizes(), "): use acc.add_(x)");
+  cpu::add_to_float(acc.data_ptr<float>(), x.data_ptr<c10::BFloat16>(), acc.numel());
+}
+
 // In place: x <- exp(x - row_max); returns (row_max, row sums), float [rows]. Without
 // row_max each row's own max is used (and returned).
 std::tuple<at::Tensor, at::Tensor> exp_sum_(at::Tensor& x, const c10::optional<at::Tensor>& row_max) {
@@ -500,6 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_gelu_forward", &mf::bias_gelu_forward,
         "tanh-approximated GeLU of x [rows, cols] + optional bias [cols]");
   m.def("bias_gelu_backward", &mf::bias_gelu_backward, "bias-GeLU gradients -> (dx, db or None)");
+  m.def("add_to_float_", &mf::add_to_float_,
+        "acc (float32) += x (bfloat16) in place, one pass (no float32 copy of x)");
   m.def("exp_sum_", &mf::exp_sum_,
         "x [rows, cols] <- exp(x - row max), in place -> (row max, row sums) (cross entropy)");
   m.def("max_exp_sum", &mf::max_exp_sum,

@@ -286,6 +286,12 @@ inline void store_bf16(c10::BFloat16* dst, const LaneVec& f) {
 
 }  // namespace
 
+void add_inplace(float* acc, const c10::BFloat16* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(acc + i, load(acc + i) + load_bf16(x + i));
+  for (; i < n; ++i) acc[i] += static_cast<float>(x[i]);
+}
+
 void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(dst + i, load_bf16(src + i));

@@ -64,6 +64,8 @@ void bias_gelu_grad_row(float* dx, float* db, const float* g, const float* x, co
                         int64_t n);
 // acc[j] += x[j].
 void add_inplace(float* acc, const float* x, int64_t n);
+// acc[j] += float(x[j]) (a bfloat16 gradient into its float32 accumulator).
+void add_inplace(float* acc, const c10::BFloat16* x, int64_t n);
 
 // Conversions between float rows and 16-bit storage (round to nearest even).
 void to_float(float* dst, const c10::BFloat16* src, int64_t n);

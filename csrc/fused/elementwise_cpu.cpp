@@ -55,6 +55,12 @@ void bias_gelu_backward(const T* g, const T* x, const T* b, T* dx, T* db, int64_
   }
 }
 
+void add_to_float(float* acc, const c10::BFloat16* x, int64_t n) {
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    add_inplace(acc + begin, x + begin, end - begin);
+  });
+}
+
 template <typename T>
 void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols,
                   bool given_max) {

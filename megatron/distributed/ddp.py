@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.fused.elementwise import add_to_float_
 from megatron.mpu.mappings import group_rank, group_size
 
 SHARD_ALIGNMENT = 128
@@ -145,7 +146,7 @@ class GradReducer:
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if param.grad is not None:  # None: the layer added its gradient to main_grad itself
-            param.main_grad.add_(param.grad)
+            add_to_float_(param.main_grad, param.grad)  # bf16 grads widened as they are added
             param.grad = None
         if not (self.overlap and self.sync_enabled):
             return

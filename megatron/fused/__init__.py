@@ -11,8 +11,9 @@ kernels' constraints:
                and softmax_kernel_for (which kernel applies)
   norms        layer_norm and rms_norm, the LayerNorm and RMSNorm modules, their autograd
                Functions, fused_layer_norm, the *_fusable and layer_norm_preferred checks
-  elementwise  bias_gelu (FusedBiasGeLU), dropout, bias_dropout_add, exp_sum_, and the
-               bfloat16 cross entropy's max_exp_sum and softmax_minus_target_
+  elementwise  bias_gelu (FusedBiasGeLU), dropout, bias_dropout_add, exp_sum_, the
+               bfloat16 cross entropy's max_exp_sum and softmax_minus_target_, and
+               add_to_float_ (a bfloat16 gradient into its float32 accumulator)
   attention    the CPU causal self-attention kernel (causal_attention, the ring-attention
                blocks, the dropout mask and seed), the path auto runs instead
                (plain_causal_attention) and auto's choice (causal_attention_preferred)
@@ -31,7 +32,7 @@ from megatron.fused.attention import (KERNEL_MAX_SEQ, KERNEL_WITH_DROPOUT, MAX_D
                                       attention_with_lse_backward, causal_attention,
                                       causal_attention_fusable, causal_attention_preferred,
                                       plain_causal_attention)
-from megatron.fused.elementwise import (FusedBiasGeLU, bias_dropout_add, bias_gelu,
+from megatron.fused.elementwise import (FusedBiasGeLU, add_to_float_, bias_dropout_add, bias_gelu,
                                         bias_gelu_fusable, dropout, exp_sum_,
                                         max_exp_sum, softmax_grad_fusable,
                                         softmax_minus_target_)
@@ -51,7 +52,7 @@ __all__ = [
     "FusedLayerNormAffine", "FusedRMSNormAffine", "LayerNorm", "RMSNorm", "fused_layer_norm",
     "layer_norm", "layer_norm_fusable", "layer_norm_preferred", "rms_norm", "rms_norm_fusable",
     # elementwise
-    "FusedBiasGeLU", "bias_dropout_add", "bias_gelu", "bias_gelu_fusable", "dropout", "exp_sum_",
+    "FusedBiasGeLU", "add_to_float_", "bias_dropout_add", "bias_gelu", "bias_gelu_fusable", "dropout", "exp_sum_",
     "max_exp_sum", "softmax_grad_fusable", "softmax_minus_target_",
     # attention
     "KERNEL_MAX_SEQ", "KERNEL_WITH_DROPOUT", "MAX_DROPOUT_SEQ", "FusedCausalAttention",

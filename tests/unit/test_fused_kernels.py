@@ -339,6 +339,27 @@ def test_exp_sum_kernel(dtype, given_max):
     assert (kernel_x[:, 900:] == 0).all()
 
 
+def test_add_to_float_same_bits_as_add():
+    """The reducer's bfloat16 gradient into its float32 main_grad: the kernel's bits are
+    add_'s (lengths with and without a vector tail, values that round); anything the kernel
+    does not take falls back to add_."""
+    torch.manual_seed(0)
+    kernel = paths.fused_kernels.get_extension("cpu")
+    assert hasattr(kernel, "add_to_float_")
+    for shape in [(8064, 256), (17,), (3, 1000003 // 3), (1,)]:
+        acc, x = 1e3 * torch.randn(shape), torch.randn(shape).bfloat16()
+        want = acc.clone().add_(x)
+        got = acc.clone()
+        assert fused.add_to_float_(got, x) is got and torch.equal(got, want)
+    acc, x = torch.randn(64, 32), torch.randn(32, 64).bfloat16()
+    for a, b in [(acc, x.t()), (acc.t(), x), (acc, x.t().float())]:
+        want = a.clone().add_(b)
+        got = a.clone()
+        assert torch.equal(fused.add_to_float_(got, b), want)
+    with pytest.raises(RuntimeError, match="use acc.add_"):
+        kernel.add_to_float_(acc, x.float().bfloat16().view(-1)[:100])
+
+
 # ------------------------------------------------------------ thread counts
 
 THREAD_CASES = {  # kernel, input shapes, output-gradient shape
