@@ -63,13 +63,13 @@ template <typename T>
 void bias_gelu_backward(const T* g, const T* x, const T* b, T* dx, T* db, int64_t rows,
                         int64_t cols);
 
-// The softmax numerator of the cross entropy, in place: x [rows, cols] <- exp(x - max),
-// sums [rows] = row sums of the result (float). With given_max the float row_max [rows]
-// is read (the max over all TP shards), else each row's own max is written there.
 // acc[j] += float(x[j]) for j < n, over threads: a bfloat16 gradient added into its float32
 // accumulator in one pass (torch's mixed-dtype add_ first makes a float32 copy of x).
 void add_to_float(float* acc, const c10::BFloat16* x, int64_t n);
 
+// The softmax numerator of the cross entropy, in place: x [rows, cols] <- exp(x - max),
+// sums [rows] = row sums of the result (float). With given_max the float row_max [rows]
+// is read (the max over all TP shards), else each row's own max is written there.
 template <typename T>
 void exp_sum_rows(T* x, float* row_max, float* sums, int64_t rows, int64_t cols, bool given_max);
 

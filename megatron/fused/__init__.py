@@ -32,8 +32,8 @@ from megatron.fused.attention import (KERNEL_MAX_SEQ, KERNEL_WITH_DROPOUT, MAX_D
                                       attention_with_lse_backward, causal_attention,
                                       causal_attention_fusable, causal_attention_preferred,
                                       plain_causal_attention)
-from megatron.fused.elementwise import (FusedBiasGeLU, add_to_float_, bias_dropout_add, bias_gelu,
-                                        bias_gelu_fusable, dropout, exp_sum_,
+from megatron.fused.elementwise import (FusedBiasGeLU, add_to_float_, bias_dropout_add,
+                                        bias_gelu, bias_gelu_fusable, dropout, exp_sum_,
                                         max_exp_sum, softmax_grad_fusable,
                                         softmax_minus_target_)
 from megatron.fused.norms import (FusedLayerNormAffine, FusedRMSNormAffine, LayerNorm, RMSNorm,
@@ -52,8 +52,8 @@ __all__ = [
     "FusedLayerNormAffine", "FusedRMSNormAffine", "LayerNorm", "RMSNorm", "fused_layer_norm",
     "layer_norm", "layer_norm_fusable", "layer_norm_preferred", "rms_norm", "rms_norm_fusable",
     # elementwise
-    "FusedBiasGeLU", "add_to_float_", "bias_dropout_add", "bias_gelu", "bias_gelu_fusable", "dropout", "exp_sum_",
-    "max_exp_sum", "softmax_grad_fusable", "softmax_minus_target_",
+    "FusedBiasGeLU", "add_to_float_", "bias_dropout_add", "bias_gelu", "bias_gelu_fusable",
+    "dropout", "exp_sum_", "max_exp_sum", "softmax_grad_fusable", "softmax_minus_target_",
     # attention
     "KERNEL_MAX_SEQ", "KERNEL_WITH_DROPOUT", "MAX_DROPOUT_SEQ", "FusedCausalAttention",
     "attention_dropout_keep", "attention_dropout_seed", "attention_with_lse",
