@@ -4,6 +4,7 @@ optimizer state of the rank (expert parameters divided by EP), what autograd sav
 forward (router, dispatched token copies, expert activations, shared expert), and the
 peak of a whole training step: what is held before it plus the most the step allocates
 on top (torch.profiler's allocator events), against the planner's total."""
+import gc
 from functools import partial
 
 import pytest
@@ -14,7 +15,7 @@ from megatron.mpu import model_parallel_seed, single_process_state
 from megatron.training.memory import Layout, estimate
 from megatron.training.parallelize import build_model
 from megatron.training.trainer import Trainer
-from tests.distributed.fsdp_memory import peak_live_bytes
+from tests.distributed.fsdp_memory import count_frees_on_every_thread, peak_live_bytes
 from tests.distributed.run_ranks import run_ranks
 from tests.gpt_setup import one_thread
 from tests.unit.test_estimate import VOCAB, _close, _storages, config_for, saved_activation_bytes
@@ -31,6 +32,8 @@ def measured(config, pstate):
     """Bytes of the rank's state after a training step, what one forward saves, and the
     peak of all the bytes the rank holds, from building the model through two steps."""
     from torch.profiler import ProfilerActivity, profile
+    count_frees_on_every_thread()
+    gc.collect()  # the previous run's model and trainer, if any, are gone before the window
     model_parallel_seed(1234, pstate.tp_rank)
     s, b = config.model.seq_length, config.training.micro_batch_size
     generator = torch.Generator().manual_seed(pstate.dp_rank)
@@ -72,22 +75,10 @@ def test_moe_memory_one_process():
         _compare(config, 1, measured(config, single_process_state()), "EP 1")
 
 
-PEAK_RUNS = 4
-"""Runs whose smallest peak a rank reports. A rank's peak varies from run to run: at TP 2 x
-ETP 1 with the distributed optimizer, 15.29 to 17.80 MB over 18 runs of the same seeds
-against 15.51 MB planned, a third of them above the 10% bound, all of it on the main thread,
-with no tensor in a reference cycle and the same tensors alive after each step. The
-smallest of two failed the bound in two full suites."""
-
-
 def _two_ranks(rank, world_size, flags, tp, ep, etp):
-    """The rank's measurement, with the smallest peak of PEAK_RUNS runs."""
     from megatron.mpu import initialize_model_parallel
     config = config_for(*MOE, *flags, world_size=2)
-    pstate = initialize_model_parallel(tp, 1, ep=ep, etp=etp)
-    first = measured(config, pstate)
-    peaks = [first["peak"]] + [measured(config, pstate)["peak"] for _ in range(PEAK_RUNS - 1)]
-    return {**first, "peak": min(peaks)}
+    return measured(config, initialize_model_parallel(tp, 1, ep=ep, etp=etp))
 
 
 def _compare_two_ranks(flags, tp=1, ep=2, etp=None):
