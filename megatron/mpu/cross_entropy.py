@@ -186,7 +186,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if for_backward:
             ctx.save_for_backward(hidden, weight, buf)
             ctx.state, ctx.buffers = state, buffers
-            ctx.main_grad = main_grad_of(weight)
+            ctx.main_grad = main_grad_of(weight, widening=True)
         else:
             buffers.give(buf)
         return loss
@@ -209,9 +209,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = grad.mm(weight) if ctx.needs_input_grad[0] else None
         if grad_hidden is not None and row_scale is not None:
             grad_hidden = (grad_hidden.float() * row_scale).to(grad_hidden.dtype)
-        grad_weight = None
-        if ctx.main_grad is not None:  # straight into the fp32 gradient buffer
-            ctx.main_grad.addmm_(grad.t(), hidden)
+        grad_weight, main_grad = None, ctx.main_grad
+        if main_grad is not None and main_grad.dtype == grad.dtype:  # into the reducer's buffer
+            main_grad.addmm_(grad.t(), hidden)
+        elif main_grad is not None:  # 16 bits widened as they are added, so a tied input
+            # embedding's gradient (the reducer's hook) meets this one in float32
+            fused.add_to_float_(main_grad, grad.t().mm(hidden))
         elif ctx.needs_input_grad[1]:
             grad_weight = grad.t().mm(hidden)
         buffers.give(grad)

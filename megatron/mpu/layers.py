@@ -208,13 +208,16 @@ def layer_norm_init_attributes(norm: torch.nn.Module) -> None:
         set_parallel_attributes(norm.bias, False, init_method=_zeros)
 
 
-def main_grad_of(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def main_grad_of(weight: torch.Tensor, widening: bool = False) -> Optional[torch.Tensor]:
     """The data-parallel reducer's gradient buffer of `weight` when a layer's backward can
     add the weight gradient there directly (same dtype; the GPT head, the grouped expert
-    GEMM): no weight-sized tensor is made, and the autograd gradient is None. A tied
-    weight's other use (the input embedding) still arrives through autograd and the
-    reducer's hook."""
+    GEMM): no weight-sized tensor is made, and the autograd gradient is None. `widening`:
+    also a 16-bit weight's float32 buffer, for a layer that adds its 16-bit product with
+    `add_to_float_` (the GPT head). A tied weight's other use (the input embedding) still
+    arrives through autograd and the reducer's hook, so the two are summed in float32."""
     main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None or not weight.requires_grad or main_grad.dtype != weight.dtype:
+    if main_grad is None or not weight.requires_grad:
+        return None
+    if main_grad.dtype != weight.dtype and not (widening and main_grad.dtype == torch.float32):
         return None
     return main_grad

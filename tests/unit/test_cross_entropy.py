@@ -114,7 +114,8 @@ def test_second_backward_is_a_clear_error():
 
 def test_weight_gradient_goes_straight_into_main_grad():
     """With the reducer's fp32 buffer attached, the head adds its weight gradient there
-    (on top of what is in it) and hands autograd nothing; a 16-bit weight keeps `.grad`."""
+    (on top of what is in it) and hands autograd nothing; a 16-bit weight's product is
+    widened as it is added, with the bits of the 16-bit gradient it replaces."""
     torch.manual_seed(2)
     hidden, target = torch.randn(6, 8), torch.randint(0, 32, (6,))
     weight = torch.nn.Parameter(torch.randn(32, 8))
@@ -123,10 +124,13 @@ def test_weight_gradient_goes_straight_into_main_grad():
     linear_cross_entropy(hidden, weight, target).sum().backward()
     assert weight.grad is None
     torch.testing.assert_close(weight.main_grad, expected + 0.5)
+    plain = torch.nn.Parameter(weight.detach().bfloat16())
+    linear_cross_entropy(hidden.bfloat16(), plain, target).sum().backward()
     half = torch.nn.Parameter(weight.detach().bfloat16())
-    half.main_grad = torch.zeros(32, 8)
+    half.main_grad = torch.full((32, 8), 0.5)
     linear_cross_entropy(hidden.bfloat16(), half, target).sum().backward()
-    assert half.grad is not None and not half.main_grad.any()
+    assert half.grad is None and plain.grad.dtype == torch.bfloat16
+    assert torch.equal(half.main_grad, torch.full((32, 8), 0.5).add_(plain.grad))
 
 
 def test_only_the_latest_shape_is_kept():
