@@ -57,9 +57,9 @@ def count_frees_on_every_thread() -> None:
     thread (when the work object outlives the caller's reference); the profiler records no
     event for that free, so its bytes would stay live for the rest of the stretch, a different
     amount in every run: test_moe_estimate's TP 2 peaks read 15.1 to 17.8 MB without this,
-    14.96 to 15.08 MB with it. With
-    c10's flag caffe2_report_cpu_memory_usage on, the allocator's running total, which every
-    event carries, counts those frees too. Blocks allocated before the call are not counted."""
+    14.96 to 15.08 MB with it. With c10's flag caffe2_report_cpu_memory_usage on, the
+    allocator's running total, which every event carries, counts those frees too. Blocks
+    allocated before the call are not counted."""
     library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
     ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
